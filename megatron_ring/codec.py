@@ -16,7 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVSpec", "KVCodec", "IdentityCodec", "make_codec"]
+__all__ = [
+    "KVSpec",
+    "KVCodec",
+    "IdentityCodec",
+    "CastCodec",
+    "FP8Codec",
+    "WireFiniteError",
+    "make_codec",
+    "COMM_DTYPE_ALIASES",
+]
 
 
 @dataclass(frozen=True)
@@ -78,11 +87,255 @@ class IdentityCodec(KVCodec):
         return buf[:nk].view(spec.k_shape), buf[nk:].view(spec.v_shape)
 
 
-def make_codec(comm_dtype: torch.dtype | None, compute_dtype: torch.dtype) -> KVCodec:
-    """The codec for a wire dtype. ``None`` (or the compute dtype itself) sends K/V unchanged."""
+class WireFiniteError(ValueError):
+    """K or V handed to a checking wire codec holds inf or NaN (see ``docs/numerics.md``)."""
+
+
+def _first_bad(mask_ok: torch.Tensor) -> tuple[int, ...]:
+    """Index of the first ``False`` in ``mask_ok`` (for error messages)."""
+    return tuple(int(i) for i in (~mask_ok).nonzero()[0].tolist())
+
+
+class CastCodec(KVCodec):
+    """Sends K and V cast to a 16/32-bit float ``wire_dtype``: ``[K.flatten(), V.flatten()]``.
+
+    Decoding casts back to the compute dtype. BF16 keeps the fp32 exponent range (relative error
+    <= 2^-8 per element, no overflow); FP16 keeps 11 significant bits but overflows above 65504,
+    so when the wire range is narrower than the compute range the encoder checks the magnitudes
+    and raises :class:`WireFiniteError` instead of silently sending inf. Non-finite inputs are
+    otherwise carried as they are (like :class:`IdentityCodec`).
+    """
+
+    def __init__(self, wire_dtype: torch.dtype) -> None:
+        if not wire_dtype.is_floating_point or wire_dtype.itemsize < 2:
+            raise ValueError(f"CastCodec needs a 16/32-bit float wire dtype, got {wire_dtype}")
+        self.wire_dtype = wire_dtype
+        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+            wire_dtype, str(wire_dtype)
+        )
+
+    def new_buffer(self, spec: KVSpec) -> torch.Tensor:
+        return torch.empty(spec.k_numel + spec.v_numel, dtype=self.wire_dtype, device=spec.device)
+
+    def wire_bytes(self, spec: KVSpec) -> int:
+        return (spec.k_numel + spec.v_numel) * self.wire_dtype.itemsize
+
+    def _check_range(self, x: torch.Tensor, what: str) -> None:
+        wmax = torch.finfo(self.wire_dtype).max
+        if not x.dtype.is_floating_point or torch.finfo(x.dtype).max <= wmax or x.numel() == 0:
+            return
+        amax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1)  # [b, h, s]; NaN/inf propagate
+        ok = amax <= wmax  # NaN compares False: a NaN input would be fine to carry, but say so
+        ok |= torch.isnan(amax)
+        if not bool(ok.all()):
+            raise WireFiniteError(
+                f"{self.name} wire: {what} has |x| > {wmax:g} (max representable) at "
+                f"[b, h, s]={_first_bad(ok)}; use comm_dtype=torch.bfloat16 or fp8 (scaled)"
+            )
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        self._check_range(k, "K")
+        self._check_range(v, "V")
+        nk = k.numel()
+        out[:nk].view(k.shape).copy_(k)
+        out[nk:].view(v.shape).copy_(v)
+
+    def decode(self, buf: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        nk = spec.k_numel
+        k = buf[:nk].view(spec.k_shape).to(spec.dtype)
+        v = buf[nk:].view(spec.v_shape).to(spec.dtype)
+        return k, v
+
+
+# Scale exponents are clamped to [-_EXP_LIMIT, _EXP_LIMIT]: 2^±120 and its reciprocal stay normal fp32.
+_EXP_LIMIT = 120
+
+
+class FP8Codec(KVCodec):
+    """Scaled FP8 wire: K/V quantized to ``fp8_dtype`` with one fp32 power-of-two scale per group.
+
+    A group is ``group_tokens`` consecutive tokens of one (batch, kv-head) of K (or V); ``None``
+    means one scale per (batch, kv-head) for the whole block. For each group
+    ``scale = 2^ceil_strict(log2(amax / fp8_max))`` (``frexp`` exponent, so ``amax / scale`` lies in
+    ``[fp8_max/2, fp8_max)``; ``amax == 0`` gives scale 1), clamped to ``[2^-120, 2^120]``.
+    ``payload = fp8(x / scale)`` and decode is ``payload * scale`` -- with a power-of-two scale both
+    multiplications are exact, so the only error is the FP8 rounding of ``x / scale``:
+    ``|x_hat - x| <= 2^-m |x| + scale * 2^-(subnormal_bits)`` (m = 4 for e4m3, 3 for e5m2).
+
+    Wire buffer: ONE 1-D ``uint8`` tensor (gloo collectives reject fp8; point-to-point does not care)::
+
+        [ K scales fp32 (b*h_k*gk) | V scales fp32 (b*h_v*gv) | K fp8 (b*h_k*s*d_k) | V fp8 (b*h_v*s*d_v) ]
+
+    Scales come first so their fp32 view is 4-byte aligned; ``g = ceil(s / group_tokens)``.
+
+    Non-finite input: with ``check_finite=True`` (default) :meth:`encode` raises
+    :class:`WireFiniteError` naming the tensor and the first bad (b, h, group). With ``False`` (no
+    host sync) the scale of an affected group is set to NaN, so that whole group decodes to NaN --
+    it never becomes a saturated finite value.
+    """
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        group_tokens: int | None = 64,
+        check_finite: bool = True,
+    ) -> None:
+        if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"FP8Codec supports float8_e4m3fn and float8_e5m2, got {fp8_dtype}")
+        if group_tokens is not None and group_tokens < 1:
+            raise ValueError(f"group_tokens must be >= 1 or None, got {group_tokens}")
+        self.fp8_dtype = fp8_dtype
+        self.group_tokens = group_tokens
+        self.check_finite = check_finite
+        self.fp8_max = float(torch.finfo(fp8_dtype).max)
+        self.name = "fp8_e4m3" if fp8_dtype == torch.float8_e4m3fn else "fp8_e5m2"
+
+    # ----- layout -------------------------------------------------------------------------
+    def groups(self, s: int) -> int:
+        """Scale groups per (batch, head) for a block of ``s`` tokens."""
+        if self.group_tokens is None or s == 0:
+            return 1
+        return -(-s // self.group_tokens)
+
+    def _layout(self, spec: KVSpec) -> tuple[int, int, int, int]:
+        """(K scales, V scales, K payload, V payload) element counts."""
+        bk, hk, sk, _ = spec.k_shape
+        bv, hv, sv, _ = spec.v_shape
+        return bk * hk * self.groups(sk), bv * hv * self.groups(sv), spec.k_numel, spec.v_numel
+
+    def wire_bytes(self, spec: KVSpec) -> int:
+        nsk, nsv, nk, nv = self._layout(spec)
+        return 4 * (nsk + nsv) + nk + nv
+
+    def new_buffer(self, spec: KVSpec) -> torch.Tensor:
+        return torch.empty(self.wire_bytes(spec), dtype=torch.uint8, device=spec.device)
+
+    def _views(
+        self, buf: torch.Tensor, k_shape: tuple[int, ...], v_shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scale views ``[b, h, g]`` fp32 and payload views ``[b, h, s, d]`` fp8 into ``buf``."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise ValueError(f"FP8 wire buffer must be 1-D uint8, got {buf.dtype} {tuple(buf.shape)}")
+        spec = KVSpec(tuple(k_shape), tuple(v_shape), torch.float32, buf.device)  # type: ignore[arg-type]
+        nsk, nsv, nk, nv = self._layout(spec)
+        if buf.numel() != 4 * (nsk + nsv) + nk + nv:
+            raise ValueError(f"FP8 wire buffer has {buf.numel()} bytes, expected {self.wire_bytes(spec)}")
+        scales = buf[: 4 * (nsk + nsv)].view(torch.float32)
+        payload = buf[4 * (nsk + nsv) :].view(self.fp8_dtype)
+        bk, hk, sk, _ = k_shape
+        bv, hv, sv, _ = v_shape
+        return (
+            scales[:nsk].view(bk, hk, self.groups(sk)),
+            scales[nsk:].view(bv, hv, self.groups(sv)),
+            payload[:nk].view(k_shape),
+            payload[nk:].view(v_shape),
+        )
+
+    # ----- scales -------------------------------------------------------------------------
+    def _row_scale(self, g: torch.Tensor, s: int) -> torch.Tensor:
+        """Per-group ``[b, h, g]`` -> broadcastable per-token ``[b, h, s|1, 1]``."""
+        if g.shape[-1] == 1:
+            return g.unsqueeze(-1)
+        if self.group_tokens == 1:
+            return g.unsqueeze(-1)
+        return g.repeat_interleave(self.group_tokens, dim=-1)[..., :s].unsqueeze(-1)
+
+    def _scales(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """fp32 power-of-two scales ``[b, h, g]`` for ``x`` ``[b, h, s, d]``."""
+        b, h, s, _ = x.shape
+        row = torch.linalg.vector_norm(x, ord=math.inf, dim=-1).float()  # [b, h, s] max |x|, NaN-propagating
+        gt = self.group_tokens
+        if gt is None or gt >= s:
+            amax = row.amax(dim=-1, keepdim=True) if s > 0 else row.new_zeros(b, h, 1)
+        elif gt == 1:
+            amax = row
+        else:
+            g = self.groups(s)
+            if g * gt != s:
+                row = torch.nn.functional.pad(row, (0, g * gt - s))
+            amax = row.view(b, h, g, gt).amax(dim=-1)
+        finite = torch.isfinite(amax)
+        if self.check_finite and not bool(finite.all()):
+            raise WireFiniteError(
+                f"{self.name} wire: {what} contains inf/NaN at [b, h, group]={_first_bad(finite)} "
+                f"(group = {gt or s} tokens); refusing to quantize (pass check_finite=False to get NaN)"
+            )
+        _, exp = torch.frexp(amax / self.fp8_max)
+        scale = torch.ldexp(torch.ones_like(amax), exp.clamp_(-_EXP_LIMIT, _EXP_LIMIT))
+        if not self.check_finite:
+            scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
+        return scale
+
+    # ----- codec --------------------------------------------------------------------------
+    def _quantize(self, x: torch.Tensor, scale_out: torch.Tensor, payload_out: torch.Tensor, what: str) -> None:
+        if x.numel() == 0:
+            scale_out.fill_(1.0)
+            return
+        scale = self._scales(x, what)
+        scale_out.copy_(scale)
+        inv = self._row_scale(scale.reciprocal(), x.shape[2])  # exact: powers of two
+        # x (any strides, any float dtype) * 2^-e is exact in fp32; the fp8 cast is the only rounding.
+        payload_out.copy_(torch.mul(x, inv))
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        ks, vs, kp, vp = self._views(out, tuple(k.shape), tuple(v.shape))
+        self._quantize(k, ks, kp, "K")
+        self._quantize(v, vs, vp, "V")
+
+    def _dequantize(self, scale: torch.Tensor, payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        row = self._row_scale(scale, payload.shape[2])
+        if dtype in (torch.float32, torch.bfloat16):
+            # fp32/bf16 hold every fp8 value times 2^[-120, 120] exactly: multiply in place in `dtype`.
+            return payload.to(dtype).mul_(row.to(dtype))
+        return payload.to(torch.float32).mul_(row).to(dtype)
+
+    def decode(self, buf: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        ks, vs, kp, vp = self._views(buf, spec.k_shape, spec.v_shape)
+        return self._dequantize(ks, kp, spec.dtype), self._dequantize(vs, vp, spec.dtype)
+
+
+#: Accepted string spellings of ``comm_dtype`` (case-insensitive).
+COMM_DTYPE_ALIASES: dict[str, torch.dtype | None] = {
+    "none": None,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+_ACCEPTED = (
+    "None, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, "
+    f"or one of the strings {sorted(COMM_DTYPE_ALIASES)}"
+)
+
+
+def make_codec(comm_dtype: torch.dtype | str | None, compute_dtype: torch.dtype) -> KVCodec:
+    """The codec for a wire dtype.
+
+    ``None``/``"none"`` (or the compute dtype itself) sends K/V unchanged (:class:`IdentityCodec`);
+    fp32/bf16/fp16 -> :class:`CastCodec`; ``float8_e4m3fn`` (``"fp8"``) / ``float8_e5m2`` ->
+    :class:`FP8Codec` with the default scale granularity. The wire format depends only on
+    ``comm_dtype``; ``compute_dtype`` is what receivers decode into.
+    """
+    if isinstance(comm_dtype, str):
+        key = comm_dtype.strip().lower().removeprefix("torch.")
+        if key not in COMM_DTYPE_ALIASES:
+            raise ValueError(f"comm_dtype={comm_dtype!r} is not supported; use {_ACCEPTED}")
+        comm_dtype = COMM_DTYPE_ALIASES[key]
     if comm_dtype is None or comm_dtype == compute_dtype:
         return IdentityCodec()
-    raise ValueError(
-        f"comm_dtype={comm_dtype} is not supported; use None (send K/V as they are), "
-        "torch.bfloat16 or torch.float8_e4m3fn"
-    )
+    if comm_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return CastCodec(comm_dtype)
+    if comm_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return FP8Codec(comm_dtype)
+    raise ValueError(f"comm_dtype={comm_dtype} is not supported; use {_ACCEPTED}")
