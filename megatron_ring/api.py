@@ -1,0 +1,100 @@
+"""Public entry point: :func:`ring_attention`."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .codec import make_codec
+from .comm import LoopbackRing, Ring
+from .engine import RingAttentionFunction, RingPlan
+from .kernels import BlockKernel, select_kernel
+from .layouts import Layout, get_layout
+from .validation import call_signature, check_inputs, check_same_across_ranks
+
+__all__ = ["ring_attention", "resolve_group"]
+
+_rings: dict[tuple[int, torch.device, float | None], Ring] = {}
+
+
+def resolve_group(group: Any) -> Any:
+    """``None`` means the default group; returns None when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised; "
+                             "call torch.distributed.init_process_group first")
+        return None
+    return dist.group.WORLD if group is None else group
+
+
+def _ring_for(group: Any, device: torch.device, timeout_s: float | None) -> Ring:
+    if group is None:
+        return LoopbackRing(1, 0, device)
+    key = (id(group), device, timeout_s)
+    if key not in _rings:
+        _rings[key] = Ring(group, device, timeout_s)
+    return _rings[key]
+
+
+def _default_timeout() -> float | None:
+    raw = os.environ.get("MEGATRON_RING_TIMEOUT_S")
+    return float(raw) if raw else None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
+                   causal: bool = False, layout: str | Layout = "zigzag",
+                   softmax_scale: float | None = None, qkv_format: str = "bshd",
+                   comm_dtype: torch.dtype | str | None = None, kernel: str | BlockKernel = "auto",
+                   check_consistency: bool = True, timeout_s: float | None = None,
+                   ring: Ring | None = None) -> torch.Tensor:
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        q: this rank's queries, ``[b, s_local, h, d]`` ("bshd") or ``[s_local, b, h, d]`` ("sbhd").
+        k, v: this rank's keys/values, ``[.., s_local, h_kv, d]`` with ``h % h_kv == 0`` (GQA/MQA;
+            K/V are never repeated on the wire).
+        group: the context-parallel process group (None: the default group; single-process when
+            torch.distributed is not initialised).
+        causal: apply the global causal mask of the full sequence.
+        layout: how the global sequence was split: "zigzag", "striped" or "contiguous".
+        softmax_scale: defaults to ``1/sqrt(d)``.
+        qkv_format: "bshd" or "sbhd".
+        comm_dtype: wire dtype for K/V (None sends them as they are).
+        kernel: local block kernel: "auto", "flash_cpu", "math", "sdpa_cuda", "flash_attn".
+        check_consistency: verify (once per new shape signature) that every rank passes the same
+            shapes/dtypes/options, raising on every rank otherwise.
+        timeout_s: seconds to wait for a ring peer before raising RingPeerError (default: the
+            ``MEGATRON_RING_TIMEOUT_S`` environment variable, else the process group's timeout).
+        ring: advanced: a prepared :class:`~megatron_ring.comm.Ring` (e.g. ``LoopbackRing`` for
+            compute-only timing); overrides ``group``.
+
+    Returns:
+        The attention output with q's shape and dtype, contiguous in ``qkv_format``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ring is None:
+        ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else _default_timeout())
+    if ring.world > 1 and ring.group is not None and check_consistency:
+        sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
+                             comm_dtype=comm_dtype, softmax_scale=softmax_scale)
+        check_same_across_ranks(sig, ring.group, q.device, {
+            "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
+            "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": comm_dtype})
+    check_inputs(q, k, v, qkv_format)
+    lay = get_layout(layout)
+    s_dim = 1 if qkv_format == "bshd" else 0
+    lay.check_local_len(q.shape[s_dim], ring.world)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    to_bhsd = (lambda t: t.transpose(1, 2)) if qkv_format == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
+    qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
+    plan = RingPlan(ring=ring, layout=lay, causal=bool(causal), scale=float(scale),
+                    kernel=select_kernel(qh, kernel), codec=make_codec(comm_dtype, q.dtype))
+    out = RingAttentionFunction.apply(qh, kh, vh, plan)
+    return out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)

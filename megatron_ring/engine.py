@@ -1,0 +1,167 @@
+"""The ring attention engine: one forward ring and one backward ring, driven by data.
+
+Everything that varies is a parameter of :class:`RingPlan`: the layout (which sub-blocks each step
+computes, with which mask), the wire codec (how K/V are packed), the block kernel, and the ring itself
+(a process group, or a loopback for compute-only timing). Tensors are BHSD views:
+``q [b, h, s, d]``, ``k, v [b, h_kv, s, d]`` where ``s`` is the local length.
+
+Forward, at step t rank r holds the K/V block of rank ``src = (r - t) mod P``. The exchange that brings
+step t+1's block is started before step t's compute (double buffering), so it overlaps compute. Partial
+results are merged in fp32 by log-sum-exp (:mod:`.merge`).
+
+Backward, K/V travel the same way and are prefetched likewise; next to them travels an fp32 dK/dV
+accumulator for the visiting block. Each rank adds its contribution and passes it on; after P steps plus
+one final hop the accumulator of every block is back on its owner. The accumulator hop of step t runs
+while step t+1 computes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .codec import KVCodec, KVSpec
+from .comm import Exchange, Ring
+from .kernels import BlockKernel
+from .layouts import Layout
+from .merge import merge_into
+
+__all__ = ["RingPlan", "ring_forward", "ring_backward", "RingAttentionFunction"]
+
+
+@dataclass
+class RingPlan:
+    """Everything the engine needs besides the tensors."""
+
+    ring: Ring
+    layout: Layout
+    causal: bool
+    scale: float
+    kernel: BlockKernel
+    codec: KVCodec
+
+    def tasks(self, step: int, s: int):
+        src = (self.ring.rank - step) % self.ring.world
+        return self.layout.block_tasks(self.causal, self.ring.world, self.ring.rank, src, s)
+
+
+class _KVStream:
+    """The visiting K/V blocks, step by step, with the next block's exchange already in flight."""
+
+    def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str) -> None:
+        self.plan, self.k, self.v, self.channel = plan, k, v, channel
+        self.spec = KVSpec(tuple(k.shape), tuple(v.shape), k.dtype, k.device)
+        self.bufs: list[torch.Tensor] = []
+        if plan.ring.world > 1:
+            self.bufs = [plan.codec.new_buffer(self.spec), plan.codec.new_buffer(self.spec)]
+            plan.codec.encode(k, v, self.bufs[0])
+        self.pending: Exchange | None = None
+
+    def start(self, step: int) -> None:
+        """Begin fetching the block for ``step + 1`` (if there is one)."""
+        if step + 1 < self.plan.ring.world:
+            self.pending = self.plan.ring.exchange(self.bufs[step % 2], self.bufs[(step + 1) % 2],
+                                                   self.channel, step)
+
+    def block(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V visiting at ``step`` (the local tensors at step 0, decoded wire data after)."""
+        if step == 0:
+            return self.k, self.v
+        return self.plan.codec.decode(self.bufs[step % 2], self.spec)
+
+    def finish(self) -> None:
+        """Wait for the exchange started in this step."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention forward. Returns ``(out [b,h,s,d] float32, lse [b,h,s] float32)``."""
+    b, h, s, _ = q.shape
+    kv = _KVStream(plan, k, v, "fwd_kv")
+    acc_out: torch.Tensor | None = None
+    acc_lse: torch.Tensor | None = None
+    for step in range(plan.ring.world):
+        kv.start(step)
+        kt, vt = kv.block(step)
+        for task in plan.tasks(step, s):
+            out, lse = plan.kernel.forward(q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv],
+                                           task.causal, plan.scale)
+            if acc_out is None and task.q == slice(0, s):  # first result covering every row: adopt it
+                acc_out, acc_lse = out.float(), lse.float()
+                continue
+            if acc_out is None:
+                acc_out = q.new_zeros((b, h, s, v.shape[-1]), dtype=torch.float32)
+                acc_lse = q.new_full((b, h, s), float("-inf"), dtype=torch.float32)
+            merge_into(acc_out[:, :, task.q], acc_lse[:, :, task.q], out, lse)
+        kv.finish()
+    assert acc_out is not None and acc_lse is not None, "every layout computes the diagonal block"
+    return acc_out, acc_lse
+
+
+def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor,
+                  plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ring attention backward. Returns fp32 ``(dq [b,h,s,d], dk, dv [b,h_kv,s,d])``.
+
+    ``out`` and ``lse`` are the forward's final (global) output and log-sum-exp for the local queries.
+    """
+    s = q.shape[2]
+    world = plan.ring.world
+    kv = _KVStream(plan, k, v, "bwd_kv")
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    nk = k.numel()
+    # dK/dV accumulators travel as one fp32 buffer: [dK.flatten(), dV.flatten()]
+    dkv = [q.new_zeros(nk + v.numel(), dtype=torch.float32)]
+    if world > 1:
+        dkv.append(torch.empty_like(dkv[0]))
+    dkv_pending: Exchange | None = None
+    for step in range(world):
+        kv.start(step)
+        kt, vt = kv.block(step)
+        partial = []
+        for task in plan.tasks(step, s):
+            rows = task.q
+            dq_b, dk_b, dv_b = plan.kernel.backward(
+                dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
+                out[:, :, rows], lse[:, :, rows].contiguous(), task.causal, plan.scale)
+            dq[:, :, rows] += dq_b
+            partial.append((task.kv, dk_b, dv_b))
+        acc = dkv[step % 2]
+        if dkv_pending is not None:  # the upstream ranks' sum for this block has arrived
+            dkv_pending.wait()
+        dk_acc, dv_acc = acc[:nk].view(k.shape), acc[nk:].view(v.shape)
+        for cols, dk_b, dv_b in partial:
+            dk_acc[:, :, cols] += dk_b
+            dv_acc[:, :, cols] += dv_b
+        if world > 1:  # pass it on; after the last step this hop returns each block to its owner
+            dkv_pending = plan.ring.exchange(acc, dkv[(step + 1) % 2], "bwd_dkv", step)
+        kv.finish()
+    if dkv_pending is not None:
+        dkv_pending.wait()
+    mine = dkv[world % len(dkv)]  # P=1: the local accumulator; else where the last hop landed
+    return dq, mine[:nk].view(k.shape), mine[nk:].view(v.shape)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper. Inputs/outputs are BHSD views; results keep the strides of the inputs."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> torch.Tensor:
+        acc, lse = ring_forward(q, k, v, plan)
+        out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(acc.shape)
+        out.copy_(acc)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout.stride() != out.stride():
+            dout = torch.empty_like(out).copy_(dout)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
+        return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk),
+                torch.empty_like(v).copy_(dv), None)

@@ -1,0 +1,100 @@
+"""Run a function on N local gloo processes (demo, benchmark and tests), never hanging.
+
+The parent opens a TCPStore on 127.0.0.1 with an OS-chosen free port and spawns the workers, which
+join it, initialise a gloo process group and call ``fn(rank, world_size, *args)``. Each return value
+comes back through a file (tensors in multiprocessing queues are unreliable with spawned workers). The
+parent waits at most ``timeout`` seconds, then kills every worker and raises; a worker's exception is
+re-raised in the parent with its traceback.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["run_on_ranks", "WorkerError"]
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, died or timed out."""
+
+
+def _worker(rank: int, world: int, port: int, outdir: str, threads: int, pg_timeout: float,
+            fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    path = os.path.join(outdir, f"rank{rank}.pkl")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                              timeout=datetime.timedelta(seconds=pg_timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        try:
+            result = ("ok", fn(rank, world, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".tmp", path)
+    if result[0] == "error":
+        os._exit(1)
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
+                 threads_per_rank: int = 1, pg_timeout: float | None = None,
+                 env: dict[str, str] | None = None) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return their results.
+
+    ``fn`` must be importable (a module-level function). Raises :class:`WorkerError` if any worker
+    raises, exits abnormally or the whole run exceeds ``timeout`` seconds.
+    """
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    master = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    pg_timeout = pg_timeout if pg_timeout is not None else max(30.0, timeout - 10)
+    with tempfile.TemporaryDirectory(prefix="megatron_ring_") as outdir:
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world_size, master.port, outdir, threads_per_rank, pg_timeout,
+                                   fn, args, dict(env or {})))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(outdir, f"rank{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    status, value = pickle.load(f)
+                (results if status == "ok" else errors).append(value if status == "ok" else f"[rank {r}] {value}")
+            else:
+                results.append(None)
+                if r not in alive:
+                    errors.append(f"[rank {r}] exited with code {procs[r].exitcode} and no result")
+        if alive:
+            errors.insert(0, f"timed out after {timeout:.0f}s; still running: ranks {alive}")
+        if errors:
+            raise WorkerError("\n".join(errors))
+        return results

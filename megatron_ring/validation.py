@@ -1,0 +1,122 @@
+"""Input validation for ring attention, and the cross-rank consistency check.
+
+:func:`check_same_across_ranks` all-gathers a small integer signature of the call (shapes, dtypes,
+options) over the ring group and raises the same ValueError on every rank if any rank differs, so a
+mismatch is reported instead of hanging in (or silently corrupting) the ring exchange. It runs once per
+new signature per group; afterwards the same signature costs a set lookup.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FORMATS", "check_inputs", "call_signature", "check_same_across_ranks"]
+
+FORMATS = ("bshd", "sbhd")
+
+_SIGNATURE_FIELDS = (
+    "q.ndim", "q.shape[0]", "q.shape[1]", "q.shape[2]", "q.shape[3]",
+    "k.shape[0]", "k.shape[1]", "k.shape[2]", "k.shape[3]",
+    "v.shape[0]", "v.shape[1]", "v.shape[2]", "v.shape[3]",
+    "q.dtype", "k.dtype", "v.dtype", "device type", "causal", "layout", "qkv_format", "comm_dtype",
+    "softmax_scale",
+)
+
+
+def _code(x: Any) -> int:
+    """A stable small integer for a name-like value (dtype, string, None)."""
+    return zlib.crc32(str(x).encode())
+
+
+def _shape4(t: torch.Tensor) -> list[int]:
+    return (list(t.shape) + [-1] * 4)[:4]
+
+
+def call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, layout: Any,
+                   qkv_format: Any, comm_dtype: Any, softmax_scale: float | None) -> tuple[int, ...]:
+    """The integers every rank of the group must agree on (see ``_SIGNATURE_FIELDS``)."""
+    scale_bits = struct.unpack("<q", struct.pack("<d", float(softmax_scale)))[0] if softmax_scale else 0
+    layout_name = getattr(layout, "name", layout)
+    return (q.ndim, *_shape4(q), *_shape4(k), *_shape4(v), _code(q.dtype), _code(k.dtype),
+            _code(v.dtype), _code(q.device.type), int(bool(causal)), _code(layout_name),
+            _code(qkv_format), _code(comm_dtype), scale_bits)
+
+
+_checked: dict[int, set[tuple[int, ...]]] = {}
+
+
+def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.device,
+                            describe: dict[str, Any]) -> None:
+    """Raise ValueError on every rank of ``group`` unless all ranks pass the same ``signature``.
+
+    ``describe`` holds human-readable values of this rank's call, used only for the message.
+    """
+    seen = _checked.setdefault(id(group), set())
+    sig = tuple(signature)
+    if sig in seen:
+        return
+    world = dist.get_world_size(group)
+    mine = torch.tensor(sig, dtype=torch.int64, device=device)
+    allsig = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(allsig, mine, group=group)
+    rows = torch.stack(allsig).cpu()
+    differing = [name for i, name in enumerate(_SIGNATURE_FIELDS) if not bool((rows[:, i] == rows[0, i]).all())]
+    if differing:
+        per_rank = "; ".join(
+            f"rank {r}: " + ", ".join(f"{f}={_decode(f, int(rows[r, _SIGNATURE_FIELDS.index(f)]), describe)}"
+                                      for f in differing)
+            for r in range(world))
+        raise ValueError(
+            "ring_attention was called with different arguments on the ranks of its process group "
+            f"(differing: {', '.join(differing)}; {per_rank}). Every rank must pass the same shapes, "
+            "dtypes and options: check the batch sharding and sequence padding (all ranks need the same "
+            "local sequence length), and the configuration each rank read.")
+    seen.add(sig)
+
+
+def _decode(field: str, value: int, describe: dict[str, Any]) -> str:
+    """Numbers print as numbers; hashed names print as the local name when they match it."""
+    if "shape" in field or field == "q.ndim":
+        return str(value)
+    local = describe.get(field)
+    if local is not None and _code(local) == value:
+        return str(local)
+    if field == "causal":
+        return str(bool(value))
+    return f"<{field} differs from this rank's {local}>" if local is not None else str(value)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: str) -> None:
+    """Shape/dtype/device checks that name the fix. Raises ValueError."""
+    if qkv_format not in FORMATS:
+        raise ValueError(f"unknown qkv_format {qkv_format!r}; use 'bshd' ([b, s, h, d]) or 'sbhd' ([s, b, h, d])")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D tensor in {qkv_format} layout, got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    bdim, sdim = (0, 1) if qkv_format == "bshd" else (1, 0)
+    if k.shape != v.shape[:3] + k.shape[3:] or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in batch, sequence and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[bdim] != k.shape[bdim] or q.shape[sdim] != k.shape[sdim]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same batch and local "
+                         f"sequence length ({qkv_format})")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
+    if v.shape[3] != q.shape[3]:
+        raise ValueError(f"v must have q's head dim {q.shape[3]}, got {v.shape[3]}")
+    h, h_kv = q.shape[2], k.shape[2]
+    if h_kv == 0 or h % h_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv}) for GQA/MQA; "
+                         "fix num_attention_heads / num_query_groups")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k, v need a contiguous last (head) dimension; call .contiguous() first")
