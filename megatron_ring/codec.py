@@ -156,8 +156,8 @@ class FP8Codec(KVCodec):
 
     A group is ``group_tokens`` consecutive tokens of one (batch, kv-head) of K (or V); ``None``
     means one scale per (batch, kv-head) for the whole block. For each group
-    ``scale = 2^ceil_strict(log2(amax / fp8_max))`` (``frexp`` exponent, so ``amax / scale`` lies in
-    ``[fp8_max/2, fp8_max)``; ``amax == 0`` gives scale 1), clamped to ``[2^-120, 2^120]``.
+    ``scale = 2^ceil(log2(amax / fp8_max))`` (so ``amax / scale`` lies in ``(fp8_max/2, fp8_max]``;
+    ``amax == 0`` gives scale 1), clamped to ``[2^-120, 2^120]``.
     ``payload = fp8(x / scale)`` and decode is ``payload * scale`` -- with a power-of-two scale both
     multiplications are exact, so the only error is the FP8 rounding of ``x / scale``:
     ``|x_hat - x| <= 2^-m |x| + scale * 2^-(subnormal_bits)`` (m = 4 for e4m3, 3 for e5m2).
@@ -261,8 +261,10 @@ class FP8Codec(KVCodec):
                 f"{self.name} wire: {what} contains inf/NaN at [b, h, group]={_first_bad(finite)} "
                 f"(group = {gt or s} tokens); refusing to quantize (pass check_finite=False to get NaN)"
             )
-        _, exp = torch.frexp(amax / self.fp8_max)
-        scale = torch.ldexp(torch.ones_like(amax), exp.clamp_(-_EXP_LIMIT, _EXP_LIMIT))
+        # scale = 2^ceil(log2(amax / fp8_max)), in float64 so fp32-subnormal amax does not underflow
+        mant, exp = torch.frexp(amax.double() / self.fp8_max)  # amax/fp8_max = mant * 2^exp, mant in [0.5, 1)
+        exp = (exp - (mant == 0.5).int()).clamp_(-_EXP_LIMIT, _EXP_LIMIT)  # exact powers of two: no bump
+        scale = torch.ldexp(torch.ones_like(amax), exp)  # amax == 0 -> 2^0 = 1
         if not self.check_finite:
             scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
         return scale
