@@ -11,14 +11,11 @@ plus, when decoding into fp16, fp16's own rounding (``2^-11 |x| + 2^-25``).
 """
 from __future__ import annotations
 
-import datetime
 import math
-import os
-import socket
-import tempfile
 
 import pytest
 import torch
+from dist_utils import run_distributed
 
 from megatron_ring.codec import (
     CastCodec,
@@ -405,71 +402,33 @@ def test_fp8_decode_rejects_wrong_buffer() -> None:
 # through gloo: isend/irecv (and all_gather of the uint8 buffer) between two processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _gloo_worker(rank: int, world: int) -> bool:
+    """Rank 0 sends its encoded block; rank 1 checks the bytes and the decode are identical."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        for comm in ("fp8", "e5m2", "bf16"):
-            for compute in (torch.float32, torch.bfloat16):
-                codec = make_codec(comm, compute)
-                # both ranks build rank 0's block and its encoding, so rank 1 can compare
-                k, v = make_kv((1, 2, 100, 80), (1, 2, 100, 80), compute, "bshd", seed=11)
-                spec = spec_of(k, v)
-                local = codec.new_buffer(spec)
-                codec.encode(k, v, local)
-                recv = codec.new_buffer(spec)
-                if rank == 0:
-                    dist.isend(local, dst=1).wait()
-                else:
-                    dist.irecv(recv, src=0).wait()
-                    assert torch.equal(recv.view(torch.uint8), local.view(torch.uint8))
-                    kr, vr = codec.decode(recv, spec)
-                    kl, vl = codec.decode(local, spec)
-                    assert torch.equal(kr, kl) and torch.equal(vr, vl)
-                if isinstance(codec, FP8Codec):  # collectives take the uint8 buffer as is
-                    gathered = [torch.empty_like(local) for _ in range(world)]
-                    dist.all_gather(gathered, local)
-                    assert all(torch.equal(g, local) for g in gathered)
-        with open(os.path.join(out_dir, f"ok{rank}"), "w") as f:
-            f.write("ok")
-    finally:
-        dist.destroy_process_group()
+    for comm in ("fp8", "e5m2", "bf16"):
+        for compute in (torch.float32, torch.bfloat16):
+            codec = make_codec(comm, compute)
+            # both ranks build rank 0's block and its encoding, so rank 1 can compare
+            k, v = make_kv((1, 2, 100, 80), (1, 2, 100, 80), compute, "bshd", seed=11)
+            spec = spec_of(k, v)
+            local = codec.new_buffer(spec)
+            codec.encode(k, v, local)
+            recv = codec.new_buffer(spec)
+            if rank == 0:
+                dist.isend(local, dst=1).wait()
+            else:
+                dist.irecv(recv, src=0).wait()
+                assert torch.equal(recv.view(torch.uint8), local.view(torch.uint8))
+                kr, vr = codec.decode(recv, spec)
+                kl, vl = codec.decode(local, spec)
+                assert torch.equal(kr, kl) and torch.equal(vr, vl)
+            if isinstance(codec, FP8Codec):  # collectives take the uint8 buffer as is
+                gathered = [torch.empty_like(local) for _ in range(world)]
+                dist.all_gather(gathered, local)
+                assert all(torch.equal(g, local) for g in gathered)
+    return True
 
 
-def _spawn(fn, world: int, args: tuple, timeout: float) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; fail on error or timeout."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-
-
-def test_fp8_buffer_through_gloo() -> None:
-    with tempfile.TemporaryDirectory() as d:
-        _spawn(_gloo_worker, 2, (_free_port(), d), timeout=120)
-        assert sorted(os.listdir(d)) == ["ok0", "ok1"]
+def test_wire_buffers_through_gloo() -> None:
+    assert run_distributed(_gloo_worker, 2, timeout=120) == [True, True]
