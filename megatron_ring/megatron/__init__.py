@@ -1,0 +1,31 @@
+"""Megatron-Core integration of megatron_ring (the only subpackage that imports megatron).
+
+Typical use (see examples/train_gpt.py)::
+
+    from megatron_ring.megatron import (megatron_cpu, initialize_context_parallel, RingConfig,
+        get_gpt_layer_ring_spec, use_layout_rope, get_batch_on_this_cp_rank, reduce_loss_over_cp)
+
+    state = initialize_context_parallel(RingConfig(context_parallel_size=4, layout="zigzag"),
+                                        tensor_model_parallel_size=1)
+    model = GPTModel(config, get_gpt_layer_ring_spec(), ...); use_layout_rope(model)
+    batch = get_batch_on_this_cp_rank(batch)
+"""
+from .arguments import add_context_parallel_args, config_from_args
+from .attention import RingDotProductAttention
+from .batch import cp_positions, get_batch_on_this_cp_rank
+from .config import ContextParallelConfigError, RingConfig
+from .cpu import cpu_support_enabled, disable_cpu_support, enable_cpu_support, megatron_cpu
+from .layer_spec import get_gpt_layer_ring_spec
+from .loss import CPLoss, allreduce_gradients, reduce_loss_over_cp
+from .provider import (RingState, destroy_context_parallel, get_ring_state, initialize_context_parallel,
+                       is_context_parallel_initialized)
+from .rope import LayoutRotaryEmbedding, use_layout_rope
+
+__all__ = [
+    "add_context_parallel_args", "config_from_args", "RingConfig", "ContextParallelConfigError",
+    "initialize_context_parallel", "get_ring_state", "is_context_parallel_initialized",
+    "destroy_context_parallel", "RingState", "RingDotProductAttention", "get_gpt_layer_ring_spec",
+    "LayoutRotaryEmbedding", "use_layout_rope", "get_batch_on_this_cp_rank", "cp_positions",
+    "reduce_loss_over_cp", "allreduce_gradients", "CPLoss", "megatron_cpu", "enable_cpu_support",
+    "disable_cpu_support", "cpu_support_enabled",
+]

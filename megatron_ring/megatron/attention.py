@@ -1,0 +1,134 @@
+"""Ring attention as Megatron-Core's core attention (drop-in for the local ``DotProductAttention``)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+import megatron_ring
+
+from .config import ContextParallelConfigError, RingConfig
+from .provider import get_ring_state, is_context_parallel_initialized
+
+__all__ = ["RingDotProductAttention"]
+
+_CAUSAL = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+
+
+class RingDotProductAttention(MegatronModule):
+    """Exact attention over the context-parallel group, with Megatron's core-attention interface.
+
+    Same constructor and forward as ``megatron.core.transformer.dot_product_attention.DotProductAttention``:
+    query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (GQA: ``np % ng == 0``, K/V never repeated),
+    output ``[sq, b, np * hn]``. ``sq`` is this rank's share of the sequence, split with the configured
+    layout (see :func:`~megatron_ring.megatron.batch.get_batch_on_this_cp_rank`).
+
+    The ring runs over the group registered by
+    :func:`~megatron_ring.megatron.provider.initialize_context_parallel` (its layout and wire dtype);
+    without a registered ring it uses Megatron's CP group (only valid at CP size 1, zigzag, no wire cast).
+    Supported masks: ``causal`` (global causal mask; the ``attention_mask`` tensor is then ignored) and
+    ``no_mask``. Attention dropout must be 0.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        self.config: TransformerConfig = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+
+        p_drop = config.attention_dropout if attention_dropout is None else attention_dropout
+        if p_drop:
+            raise ContextParallelConfigError(
+                "--attention-dropout", f"RingDotProductAttention does not support attention dropout yet "
+                                       f"(got {p_drop}); set attention_dropout=0 (--attention-dropout 0)")
+        if attention_type != "self":
+            raise NotImplementedError(f"RingDotProductAttention supports self-attention only, got "
+                                      f"attention_type={attention_type!r}")
+        if cp_comm_type not in (None, "p2p"):
+            raise ContextParallelConfigError("--cp-comm-type", f"ring attention runs 'p2p', got {cp_comm_type!r}")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported; use 'vanilla'")
+        if getattr(config, "window_size", None) is not None:
+            raise NotImplementedError("sliding-window attention (window_size) is not supported by ring attention")
+        self._mask_causal(attn_mask_type)  # fail early on unsupported masks
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        tp = pg_collection.tp.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, tp)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
+        # Megatron's query-key layer scaling divides the scale by layer_number and multiplies it back
+        # inside the softmax: mathematically the plain scale, which is what the ring uses.
+        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
+                              if softmax_scale is None else softmax_scale)
+
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _mask_causal(mask_type: AttnMaskType) -> bool:
+        try:
+            return _CAUSAL[mask_type]
+        except KeyError:
+            raise NotImplementedError(f"ring attention supports attn_mask_type causal or no_mask, got "
+                                      f"{mask_type}") from None
+
+    def _ring(self) -> tuple[Any, RingConfig]:
+        """(CP process group, ring config) for this forward."""
+        cp_size = self.config.context_parallel_size
+        if is_context_parallel_initialized():
+            state = get_ring_state()
+            if state.size != cp_size:
+                raise ContextParallelConfigError(
+                    "--context-parallel-size", f"the model config has context_parallel_size={cp_size} but the "
+                                               f"registered ring has {state.size} ranks")
+            return state.group, state.config
+        if cp_size != 1:
+            raise RuntimeError("RingDotProductAttention with context_parallel_size > 1 needs the ring "
+                               "registered first: call megatron_ring.megatron.initialize_context_parallel()")
+        return parallel_state.get_context_parallel_group(), RingConfig()
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> Tensor:
+        """``[sq, b, np, hn]`` x ``[sk, b, ng, hn]`` x2 -> ``[sq, b, np * hn]``."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences (THD) are not supported by RingDotProductAttention")
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by RingDotProductAttention")
+        causal = self._mask_causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
+        group, cfg = self._ring()
+        out = megatron_ring.ring_attention(
+            query, key, value, group=group, causal=causal, layout=cfg.layout,
+            softmax_scale=self.softmax_scale, qkv_format="sbhd", comm_dtype=cfg.torch_comm_dtype)
+        return out.view(out.size(0), out.size(1), self.hidden_size_per_partition)

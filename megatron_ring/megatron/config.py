@@ -1,0 +1,175 @@
+"""Context-parallel configuration: one validated object built from Megatron-style arguments.
+
+Every check raises :class:`ContextParallelConfigError` whose message names the command-line flag to
+change, so a bad launch fails (identically on every rank) before any group or model is built.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from megatron_ring.layouts import LAYOUTS, get_layout
+
+__all__ = [
+    "ContextParallelConfigError",
+    "RingConfig",
+    "COMM_DTYPES",
+    "CP_COMM_TYPES",
+]
+
+#: ``--cp-comm-dtype`` choices and the wire dtype each one means.
+COMM_DTYPES: dict[str, torch.dtype | None] = {
+    "none": None,
+    "bf16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+}
+#: ``--cp-comm-type`` values this plugin runs (Megatron-LM also knows a2a, allgather, a2a+p2p: TE only).
+CP_COMM_TYPES: tuple[str, ...] = ("p2p",)
+
+
+class ContextParallelConfigError(ValueError):
+    """An invalid context-parallel setting; ``flag`` is the command-line flag to fix."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """What the ring needs to know; build it with :meth:`from_args` or directly.
+
+    Attributes:
+        context_parallel_size: ranks one sequence is split over (``--context-parallel-size``).
+        layout: "zigzag", "striped" or "contiguous" (``--cp-layout``).
+        comm_dtype: K/V wire format "none", "bf16" or "fp8" (``--cp-comm-dtype``).
+        cp_comm_type: per-layer communication types; only "p2p" (the ring) (``--cp-comm-type``).
+        hierarchical_context_parallel_sizes: e.g. ``(intra, inter)`` with product equal to the CP size
+            (``--hierarchical-context-parallel-sizes``); builds intra-/inter-node sub-rings.
+    """
+
+    context_parallel_size: int = 1
+    layout: str = "zigzag"
+    comm_dtype: str = "none"
+    cp_comm_type: tuple[str, ...] = ("p2p",)
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        cct = self.cp_comm_type
+        object.__setattr__(self, "cp_comm_type", (cct,) if isinstance(cct, str) else tuple(cct or ("p2p",)))
+        hcp = self.hierarchical_context_parallel_sizes
+        object.__setattr__(self, "hierarchical_context_parallel_sizes", tuple(hcp) if hcp else None)
+        self._check_self()
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def torch_comm_dtype(self) -> torch.dtype | None:
+        """The wire dtype handed to :func:`megatron_ring.ring_attention` (None: send as computed)."""
+        return COMM_DTYPES[self.comm_dtype]
+
+    @property
+    def seq_multiple(self) -> int:
+        """The global sequence length must be a multiple of this."""
+        return get_layout(self.layout).local_multiple() * self.context_parallel_size
+
+    def _check_self(self) -> None:
+        cp = self.context_parallel_size
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+            raise ContextParallelConfigError("--context-parallel-size", f"must be a positive integer, got {cp!r}")
+        if self.layout not in LAYOUTS:
+            raise ContextParallelConfigError("--cp-layout", f"unknown layout {self.layout!r}; choose one of "
+                                                            f"{sorted(LAYOUTS)}")
+        if self.comm_dtype not in COMM_DTYPES:
+            raise ContextParallelConfigError("--cp-comm-dtype", f"unknown wire dtype {self.comm_dtype!r}; "
+                                                                f"choose one of {list(COMM_DTYPES)}")
+        bad = [t for t in self.cp_comm_type if t not in CP_COMM_TYPES]
+        if bad:
+            raise ContextParallelConfigError(
+                "--cp-comm-type", f"{bad} not supported by ring attention; use 'p2p' (a2a / allgather / "
+                                  "a2a+p2p are TransformerEngine's)")
+        hcp = self.hierarchical_context_parallel_sizes
+        if hcp is not None:
+            if any((not isinstance(x, int)) or x < 1 for x in hcp):
+                raise ContextParallelConfigError("--hierarchical-context-parallel-sizes",
+                                                 f"sizes must be positive integers, got {list(hcp)}")
+            if math.prod(hcp) != cp:
+                raise ContextParallelConfigError(
+                    "--hierarchical-context-parallel-sizes",
+                    f"product of {list(hcp)} is {math.prod(hcp)} but --context-parallel-size is {cp}")
+
+    def validate(self, *, world_size: int | None = None, tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1, seq_length: int | None = None,
+                 attention_dropout: float | None = None, num_layers: int | None = None) -> "RingConfig":
+        """Check the settings against the job; returns ``self`` so calls chain.
+
+        Raises:
+            ContextParallelConfigError: naming the flag to change.
+        """
+        cp = self.context_parallel_size
+        if world_size is not None:
+            model = tensor_model_parallel_size * pipeline_model_parallel_size * cp
+            if world_size % model:
+                raise ContextParallelConfigError(
+                    "--context-parallel-size",
+                    f"world size {world_size} is not divisible by tensor ({tensor_model_parallel_size}) x "
+                    f"pipeline ({pipeline_model_parallel_size}) x context ({cp}) parallel sizes = {model}; "
+                    "change --context-parallel-size / --tensor-model-parallel-size / "
+                    "--pipeline-model-parallel-size or the number of processes")
+        if seq_length is not None:
+            if seq_length <= 0 or seq_length % self.seq_multiple:
+                raise ContextParallelConfigError(
+                    "--seq-length",
+                    f"{seq_length} is not divisible by {self.seq_multiple}, which --cp-layout {self.layout} "
+                    f"needs with --context-parallel-size {cp}; pad it to a multiple of {self.seq_multiple}"
+                    + ("" if self.layout != "zigzag" else " or use --cp-layout striped"))
+        if attention_dropout is not None and attention_dropout > 0:
+            raise ContextParallelConfigError(
+                "--attention-dropout", f"ring attention does not support attention dropout yet (got "
+                                       f"{attention_dropout}); set --attention-dropout 0")
+        if num_layers is not None and len(self.cp_comm_type) not in (1, num_layers):
+            raise ContextParallelConfigError(
+                "--cp-comm-type", f"give one value or one per layer ({num_layers}), got {len(self.cp_comm_type)}")
+        return self
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: Any, *, validate: bool = True, world_size: int | None = None) -> "RingConfig":
+        """Build (and by default validate) from an ``argparse.Namespace`` that went through
+        :func:`~megatron_ring.megatron.arguments.add_context_parallel_args` (or Megatron-LM's parser).
+
+        ``world_size`` defaults to ``args.world_size``, else the initialised torch.distributed world.
+        """
+        cfg = cls(
+            context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
+            layout=getattr(args, "cp_layout", "zigzag") or "zigzag",
+            comm_dtype=getattr(args, "cp_comm_dtype", "none") or "none",
+            cp_comm_type=_as_tuple(getattr(args, "cp_comm_type", None)) or ("p2p",),
+            hierarchical_context_parallel_sizes=_as_tuple(getattr(args, "hierarchical_context_parallel_sizes",
+                                                                  None)),
+        )
+        if validate:
+            if world_size is None:
+                world_size = getattr(args, "world_size", None)
+            if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+                world_size = torch.distributed.get_world_size()
+            cfg.validate(
+                world_size=world_size,
+                tensor_model_parallel_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+                pipeline_model_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+                seq_length=getattr(args, "seq_length", None),
+                attention_dropout=getattr(args, "attention_dropout", None),
+                num_layers=getattr(args, "num_layers", None),
+            )
+        return cfg
+
+
+def _as_tuple(x: Any) -> tuple | None:
+    if x is None:
+        return None
+    if isinstance(x, (str, int)):
+        return (x,)
+    return tuple(x) if isinstance(x, Sequence) or hasattr(x, "__iter__") else (x,)
