@@ -53,11 +53,12 @@ def _worker(rank: int, world: int, port: int, outdir: str, threads: int, pg_time
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
                  threads_per_rank: int = 1, pg_timeout: float | None = None,
-                 env: dict[str, str] | None = None) -> list[Any]:
+                 env: dict[str, str] | None = None, return_exceptions: bool = False) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return their results.
 
     ``fn`` must be importable (a module-level function). Raises :class:`WorkerError` if any worker
-    raises, exits abnormally or the whole run exceeds ``timeout`` seconds.
+    raises, exits abnormally or the whole run exceeds ``timeout`` seconds; with ``return_exceptions``
+    the failed ranks' entries are WorkerError instances instead (for fault-injection tests).
     """
     import torch.distributed as dist
 
@@ -82,19 +83,23 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-        results, errors = [], []
+        results: list[Any] = []
+        errors: list[str] = []
         for r in range(world_size):
             path = os.path.join(outdir, f"rank{r}.pkl")
+            status, value = "error", None
             if os.path.exists(path):
                 with open(path, "rb") as f:
                     status, value = pickle.load(f)
-                (results if status == "ok" else errors).append(value if status == "ok" else f"[rank {r}] {value}")
-            else:
-                results.append(None)
-                if r not in alive:
-                    errors.append(f"[rank {r}] exited with code {procs[r].exitcode} and no result")
-        if alive:
-            errors.insert(0, f"timed out after {timeout:.0f}s; still running: ranks {alive}")
-        if errors:
+            if status == "ok":
+                results.append(value)
+                continue
+            if r in alive:
+                value = f"timed out after {timeout:.0f}s (killed)"
+            elif value is None:
+                value = f"exited with code {procs[r].exitcode} and no result"
+            errors.append(f"[rank {r}] {value}")
+            results.append(WorkerError(errors[-1]))
+        if errors and not return_exceptions:
             raise WorkerError("\n".join(errors))
         return results

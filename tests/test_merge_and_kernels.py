@@ -1,0 +1,72 @@
+"""The LSE merge and the local block kernels against float64 references."""
+import pytest
+import torch
+
+from megatron_ring.kernels import FlashCPUKernel, MathKernel, select_kernel
+from megatron_ring.merge import merge_into
+
+
+def test_merge_equals_softmax_over_union_without_overflow():
+    torch.manual_seed(0)
+    b, h, n, d, ka, kb = 2, 3, 5, 4, 7, 9
+    s = torch.randn(b, h, n, ka + kb, dtype=torch.float64) * 3000.0  # exp() would overflow
+    v = torch.randn(b, h, ka + kb, d, dtype=torch.float64)
+    full = torch.softmax(s, -1) @ v
+    part = lambda sl: (torch.softmax(s[..., sl], -1) @ v[..., sl, :], torch.logsumexp(s[..., sl], -1))  # noqa
+    (oa, la), (ob, lb) = part(slice(0, ka)), part(slice(ka, None))
+    acc, lse = oa.clone(), la.clone()
+    merge_into(acc, lse, ob, lb)
+    assert torch.isfinite(acc).all()
+    torch.testing.assert_close(acc, full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-12, atol=1e-9)
+
+
+def test_merge_handles_empty_rows():
+    acc = torch.zeros(1, 1, 3, 2)
+    lse = torch.full((1, 1, 3), float("-inf"))
+    blk = torch.ones(1, 1, 3, 2)
+    blk_lse = torch.tensor([[[0.5, float("-inf"), 1.0]]])
+    merge_into(acc, lse, blk, blk_lse)
+    assert torch.equal(acc[0, 0, 1], torch.zeros(2)) and lse[0, 0, 1] == float("-inf")
+    assert torch.equal(acc[0, 0, 0], torch.ones(2)) and lse[0, 0, 2] == 1.0
+
+
+def _reference(q, k, v, causal, scale):
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ kk.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("kernel", [MathKernel(), FlashCPUKernel()], ids=lambda k: k.name)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,h_kv", [(4, 4), (4, 2), (4, 1)])
+def test_kernel_forward_backward(kernel, causal, h, h_kv):
+    torch.manual_seed(1)
+    b, sq, sk, d, scale = 2, 24, 24 if causal else 40, 80, 0.11
+    q = torch.randn(b, h, sq, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, h_kv, sk, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, h_kv, sk, d, dtype=torch.float64, requires_grad=True)
+    ref_out, ref_lse = _reference(q, k, v, causal, scale)
+    dout = torch.randn_like(ref_out)
+    ref_out.backward(dout)
+    q32, k32, v32 = (t.detach().float() for t in (q, k, v))
+    out, lse = kernel.forward(q32, k32, v32, causal, scale)
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-5, rtol=1e-5)
+    grads = kernel.backward(dout.float(), q32, k32, v32, out, lse, causal, scale)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, atol=5e-5, rtol=1e-4)
+
+
+def test_select_kernel():
+    q = torch.randn(1, 1, 4, 8)
+    assert select_kernel(q).name == "flash_cpu"
+    assert select_kernel(q, "math").name == "math"
+    with pytest.raises(ValueError, match="unknown kernel"):
+        select_kernel(q, "cudnn")
+    with pytest.raises(ValueError, match="does not support"):
+        select_kernel(q, "sdpa_cuda")

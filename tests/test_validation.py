@@ -1,0 +1,83 @@
+"""Bad input fails with a ValueError naming the fix; mismatches across ranks fail on every rank."""
+import pytest
+import torch
+
+import megatron_ring.validation as validation
+from dist_utils import run_distributed
+from megatron_ring import ring_attention
+
+
+def t(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("q,k,v,kwargs,match", [
+    (t(1, 8, 4, 16), t(1, 8, 3, 16), t(1, 8, 3, 16), {}, "multiple of key/value heads"),
+    (t(1, 8, 4, 16), t(1, 8, 2, 16, dtype=torch.bfloat16), t(1, 8, 2, 16), {}, "share one dtype"),
+    (t(1, 8, 4, 16), t(1, 8, 2, 32), t(1, 8, 2, 32), {}, "same head dim"),
+    (t(1, 8, 4, 16), t(1, 6, 2, 16), t(1, 6, 2, 16), {}, "same batch and local sequence"),
+    (t(1, 8, 4, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), {"layout": "diagonal"}, "unknown layout"),
+    (t(1, 8, 4, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), {"qkv_format": "bhsd"}, "unknown qkv_format"),
+    (t(1, 7, 4, 16), t(1, 7, 2, 16), t(1, 7, 2, 16), {"layout": "zigzag"}, "multiple of 2"),
+    (t(8, 4, 16), t(8, 2, 16), t(8, 2, 16), {}, "4-D tensor"),
+    (t(1, 8, 4, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), {"softmax_scale": -1.0}, "positive finite"),
+    (t(1, 8, 4, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), {"kernel": "nope"}, "unknown kernel"),
+    (t(1, 8, 4, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), {"comm_dtype": torch.int8}, "comm_dtype"),
+])
+def test_bad_input_single_process(q, k, v, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ring_attention(q, k, v, **kwargs)
+
+
+def test_odd_length_is_fine_for_striped_and_contiguous():
+    q, k, v = t(1, 7, 2, 8), t(1, 7, 2, 8), t(1, 7, 2, 8)
+    for layout in ("striped", "contiguous"):
+        assert ring_attention(q, k, v, causal=True, layout=layout).shape == q.shape
+
+
+def _mismatch_worker(rank, world, what):
+    s = 8
+    dtype = torch.float32
+    causal = True
+    if what == "seq" and rank == world - 1:
+        s = 10
+    if what == "dtype" and rank == 0:
+        dtype = torch.bfloat16
+    if what == "causal" and rank == 1:
+        causal = False
+    if what == "bad_len_one_rank" and rank == 1:
+        s = 7  # invalid for zigzag on this rank only: still reported on every rank, no hang
+    q = torch.randn(1, s, 2, 8, dtype=dtype)
+    try:
+        ring_attention(q, q, q, causal=causal, layout="zigzag")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("what,needle", [("seq", "q.shape[1]"), ("dtype", "q.dtype"), ("causal", "causal"),
+                                         ("bad_len_one_rank", "q.shape[1]")])
+def test_mismatch_across_ranks_raises_everywhere(what, needle):
+    msgs = run_distributed(_mismatch_worker, 3, what, timeout=120)
+    assert all(m is not None and "different arguments" in m and needle in m for m in msgs), msgs
+
+
+def _cached_check_worker(rank, world):
+    calls = []
+    real = validation.dist.all_gather
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    validation.dist.all_gather = counting
+    q = torch.randn(1, 8, 2, 8)
+    for _ in range(3):
+        ring_attention(q, q, q, causal=True)
+    ring_attention(q[:, :4], q[:, :4], q[:, :4], causal=True)  # new signature: checked once more
+    ring_attention(q, q, q, causal=True, check_consistency=False)
+    return len(calls)
+
+
+def test_consistency_check_runs_once_per_signature():
+    assert run_distributed(_cached_check_worker, 2, timeout=120) == [2, 2]
