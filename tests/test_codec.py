@@ -350,9 +350,12 @@ def test_fp16_wire_overflow_raises(compute) -> None:
     k[0, 1, 2, 3] = 1e5
     with pytest.raises(WireFiniteError, match=r"fp16 wire: K .*\(0, 1, 2, 3\)"):
         roundtrip(make_codec("fp16", compute), k, torch.zeros_like(k))
+    k[0, 0, 0, 0] = math.nan  # a NaN elsewhere does not mask the overflow
+    with pytest.raises(WireFiniteError, match=r"\(0, 1, 2, 3\)"):
+        roundtrip(make_codec("fp16", compute), k, torch.zeros_like(k))
     k[0, 1, 2, 3] = math.inf  # genuine inf is carried (as the identity wire would)
     _, kd, _ = roundtrip(make_codec("fp16", compute), k, torch.zeros_like(k))
-    assert kd[0, 1, 2, 3] == math.inf
+    assert kd[0, 1, 2, 3] == math.inf and torch.isnan(kd[0, 0, 0, 0])
 
 
 # ----------------------------------------------------------------------------------------------
