@@ -5,12 +5,13 @@
 # Usage: scripts/setup_env.sh [extras]   (default extras: test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${MEGATRON_RING_VENV:-.venv}"
+VENV="$(realpath -m "${MEGATRON_RING_VENV:-.venv}")"
 EXTRAS="${1:-test}"
 PY="${PYTHON:-python3}"
 want="$(cat requirements/constraints.txt setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)-$EXTRAS"
 stamp="$VENV/.megatron_ring_stamp"
-if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+   && (cd / && "$VENV/bin/python" -c "import megatron_ring" 2>/dev/null); then
   exit 0
 fi
 echo "[setup] preparing $VENV (extras: $EXTRAS)" >&2
@@ -22,5 +23,5 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
   "${PIP[@]}" "$torch_pin"
 fi
 "${PIP[@]}" -c requirements/constraints.txt -e ".[$EXTRAS]"
-"$VENV/bin/python" -c "import torch; assert torch.version.cuda is None, 'a CUDA torch build slipped in'"
+(cd / && "$VENV/bin/python" -c "import torch, megatron_ring; assert torch.version.cuda is None, 'a CUDA torch build slipped in'")
 echo "$want" > "$stamp"

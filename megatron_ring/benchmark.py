@@ -1,0 +1,256 @@
+"""Benchmark CLI: ring attention vs one-process SDPA, side by side in one run.
+
+    python -m megatron_ring.benchmark --world-sizes 1 2 4 --seq 8192 --heads 8 --head-dim 64 \
+        --causal --layout zigzag [--comm-dtype none bf16 fp8] [--json out.json] [--plot out.png]
+
+For every world size P (and wire dtype) it spawns P gloo processes with one thread each and times, per
+iteration, the slowest rank (after a barrier): the forward, and forward+backward, of
+
+* ``ring``: ring attention over the P processes;
+* ``compute-only``: the identical schedule with every exchange replaced by a local copy (same processes),
+  so ``overlap overhead = ring / compute-only - 1`` is the cost of communication that was not hidden;
+
+and in one process with P threads, torch's ``scaled_dot_product_attention`` on the full sequence
+(``single``). ``efficiency = single / ring`` (1.0: perfect scaling). Memory is the peak resident memory
+per process above its baseline after start-up (MiB). Bytes are the K/V (and dK/dV) buffers each rank
+sends per call. Times are medians over ``--iters``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _timed(fn, iters: int, sync) -> list[float]:
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_ring import ring_attention
+    from megatron_ring.comm import LoopbackRing, Ring
+
+    base = _rss_mib()
+    dtype = getattr(torch, DTYPES[cfg["dtype"]])
+    s = cfg["seq"] // world
+    g = torch.Generator().manual_seed(rank)
+    mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
+    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
+    dout = torch.randn_like(q)
+    results: dict[str, Any] = {}
+    modes = [("ring", Ring(dist.group.WORLD, q.device))]
+    if world > 1:
+        modes.append(("compute-only", LoopbackRing(world, rank, q.device)))
+    for mode, ring in modes:
+        kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], ring=ring)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+        def fwd():
+            with torch.no_grad():
+                ring_attention(q, k, v, **kw)
+
+        def fwd_bwd():
+            ring_attention(*leaves, **kw).backward(dout)
+
+        sync = dist.barrier
+        fwd_bwd()  # warm-up (also runs the one-off consistency check)
+        before = dict(ring.bytes_sent)
+        tf = _timed(fwd, cfg["iters"], sync)
+        tfb = _timed(fwd_bwd, cfg["iters"], sync)
+        sent = {ch: n_bytes - before.get(ch, 0) for ch, n_bytes in ring.bytes_sent.items()}
+        n = cfg["iters"]
+        results[mode] = {
+            "fwd": tf, "fwd_bwd": tfb,
+            "bytes_fwd": (sent.get("fwd_kv", 0)) / (2 * n),  # fwd ran in both loops
+            "bytes_bwd": (sent.get("bwd_kv", 0) + sent.get("bwd_dkv", 0)) / n,
+        }
+    results["peak_mib"] = _peak_mib() - base
+    return results
+
+
+def _single_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    base = _rss_mib()
+    dtype = getattr(torch, DTYPES[cfg["dtype"]])
+    g = torch.Generator().manual_seed(0)
+    mk = lambda h: torch.randn(cfg["batch"], h, cfg["seq"], cfg["head_dim"], generator=g).to(dtype)  # noqa
+    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    gqa = cfg["heads"] != cfg["kv_heads"]
+
+    def fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=cfg["causal"], enable_gqa=gqa)
+
+    def fwd_bwd():
+        F.scaled_dot_product_attention(*leaves, is_causal=cfg["causal"], enable_gqa=gqa).backward(dout)
+
+    fwd_bwd()
+    return {"fwd": _timed(fwd, cfg["iters"], lambda: None), "fwd_bwd": _timed(fwd_bwd, cfg["iters"], lambda: None),
+            "peak_mib": _peak_mib() - base}
+
+
+def _slowest_rank_medians(per_rank: list[dict[str, Any]], mode: str, key: str) -> float:
+    """Median over iterations of the slowest rank's time."""
+    iters = zip(*(r[mode][key] for r in per_rank))
+    return statistics.median(max(t) for t in iters)
+
+
+def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """All benchmark rows for ``cfg`` (see ``main`` for the keys)."""
+    from megatron_ring.codec import KVSpec, make_codec
+    from megatron_ring.launch import run_on_ranks
+    import torch
+
+    rows = []
+    for world in cfg["world_sizes"]:
+        single = run_on_ranks(_single_worker, 1, cfg, threads_per_rank=world, timeout=cfg["timeout"])[0]
+        for comm in cfg["comm_dtypes"]:
+            c = dict(cfg, comm_dtype=None if comm == "none" else comm)
+            per_rank = run_on_ranks(_ring_worker, world, c, timeout=cfg["timeout"])
+            s = cfg["seq"] // world
+            dtype = getattr(torch, DTYPES[cfg["dtype"]])
+            kshape = (cfg["batch"], cfg["kv_heads"], s, cfg["head_dim"])
+            step_bytes = make_codec(c["comm_dtype"], dtype).wire_bytes(KVSpec(kshape, kshape, dtype, torch.device("cpu")))
+            row = {
+                "P": world, "seq": cfg["seq"], "heads": cfg["heads"], "kv_heads": cfg["kv_heads"],
+                "head_dim": cfg["head_dim"], "dtype": cfg["dtype"], "layout": cfg["layout"],
+                "causal": cfg["causal"], "comm_dtype": comm,
+                "ring_fwd_s": _slowest_rank_medians(per_rank, "ring", "fwd"),
+                "ring_fwd_bwd_s": _slowest_rank_medians(per_rank, "ring", "fwd_bwd"),
+                "single_fwd_s": statistics.median(single["fwd"]),
+                "single_fwd_bwd_s": statistics.median(single["fwd_bwd"]),
+                "ring_peak_mib_per_rank": max(r["peak_mib"] for r in per_rank),
+                "single_peak_mib": single["peak_mib"],
+                "kv_bytes_per_step": step_bytes if world > 1 else 0,
+                "bytes_fwd_per_rank": per_rank[0]["ring"]["bytes_fwd"],
+                "bytes_bwd_per_rank": per_rank[0]["ring"]["bytes_bwd"],
+            }
+            row["efficiency_fwd_bwd"] = row["single_fwd_bwd_s"] / row["ring_fwd_bwd_s"]
+            row["ring_over_single_fwd_bwd"] = row["ring_fwd_bwd_s"] / row["single_fwd_bwd_s"]
+            if world > 1:
+                row["compute_only_fwd_s"] = _slowest_rank_medians(per_rank, "compute-only", "fwd")
+                row["compute_only_fwd_bwd_s"] = _slowest_rank_medians(per_rank, "compute-only", "fwd_bwd")
+                row["overlap_overhead_fwd"] = row["ring_fwd_s"] / row["compute_only_fwd_s"] - 1
+                row["overlap_overhead_fwd_bwd"] = row["ring_fwd_bwd_s"] / row["compute_only_fwd_bwd_s"] - 1
+            rows.append(row)
+            print(_format_row(row), flush=True)
+    return rows
+
+
+_COLUMNS = [("P", "P", "{}"), ("comm_dtype", "wire", "{}"), ("ring_fwd_s", "ring fwd s", "{:.3f}"),
+            ("ring_fwd_bwd_s", "ring f+b s", "{:.3f}"), ("single_fwd_bwd_s", "1proc f+b s", "{:.3f}"),
+            ("efficiency_fwd_bwd", "efficiency", "{:.2f}"), ("compute_only_fwd_bwd_s", "comp-only f+b s", "{:.3f}"),
+            ("overlap_overhead_fwd_bwd", "overlap ovh", "{:+.1%}"), ("ring_peak_mib_per_rank", "ring MiB/rank", "{:.0f}"),
+            ("single_peak_mib", "1proc MiB", "{:.0f}"), ("kv_bytes_per_step", "KV B/step", "{:,}"),
+            ("bytes_fwd_per_rank", "fwd B/rank", "{:,.0f}"), ("bytes_bwd_per_rank", "bwd B/rank", "{:,.0f}")]
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    cells = []
+    for key, title, fmt in _COLUMNS:
+        val = row.get(key)
+        cells.append(f"{fmt.format(val) if val is not None else '-':>{max(len(title), 6)}}")
+    return " | ".join(cells)
+
+
+def _header() -> str:
+    return " | ".join(f"{title:>{max(len(title), 6)}}" for _, title, _ in _COLUMNS)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """PNG: fwd+bwd time and peak memory per rank against P (one line per wire dtype)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    for comm in sorted({r["comm_dtype"] for r in rows}):
+        sub = [r for r in rows if r["comm_dtype"] == comm]
+        ps = [r["P"] for r in sub]
+        ax_t.plot(ps, [r["ring_fwd_bwd_s"] for r in sub], "o-", label=f"ring (wire {comm})")
+        ax_m.plot(ps, [r["ring_peak_mib_per_rank"] for r in sub], "o-", label=f"ring (wire {comm})")
+    first = [r for r in rows if r["comm_dtype"] == rows[0]["comm_dtype"]]
+    ax_t.plot([r["P"] for r in first], [r["single_fwd_bwd_s"] for r in first], "s--", label="1 process, P threads")
+    ax_m.plot([r["P"] for r in first], [r["single_peak_mib"] for r in first], "s--", label="1 process")
+    r0 = rows[0]
+    title = f"S={r0['seq']} H={r0['heads']} D={r0['head_dim']} {r0['dtype']} {r0['layout']}{' causal' if r0['causal'] else ''}"
+    for ax, ylab in ((ax_t, "forward+backward time (s, median)"), (ax_m, "peak memory per rank (MiB)")):
+        ax.set_xlabel("P (ranks)")
+        ax.set_ylabel(ylab)
+        ax.set_xticks(sorted({r["P"] for r in rows}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(prog="python -m megatron_ring.benchmark", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--seq", type=int, default=8192, help="global sequence length S")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA); default = --heads")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default="zigzag")
+    ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--comm-dtype", nargs="+", default=["none"], choices=["none", "bf16", "fp16", "fp8"],
+                    help="wire dtype(s) for K/V")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per spawned run")
+    ap.add_argument("--json", help="write the rows to this JSON file")
+    ap.add_argument("--plot", help="write a PNG of time and memory per rank against P")
+    a = ap.parse_args(argv)
+    cfg = dict(world_sizes=a.world_sizes, seq=a.seq, batch=a.batch, heads=a.heads,
+               kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, dtype=a.dtype, layout=a.layout,
+               causal=a.causal, comm_dtypes=a.comm_dtype, iters=a.iters, timeout=a.timeout)
+    print(f"# S={a.seq} B={a.batch} H={a.heads} H_kv={cfg['kv_heads']} D={a.head_dim} {a.dtype} "
+          f"{a.layout} causal={a.causal}; ring: P processes x 1 thread; 1proc: 1 process x P threads; "
+          f"medians of {a.iters} iterations (slowest rank)", flush=True)
+    print(_header(), flush=True)
+    rows = run(cfg)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    if a.plot:
+        plot(rows, a.plot)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
