@@ -72,6 +72,8 @@ class RingDotProductAttention(MegatronModule):
         if getattr(config, "window_size", None) is not None:
             raise NotImplementedError("sliding-window attention (window_size) is not supported by ring attention")
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
+        if is_context_parallel_initialized():
+            self._ring()  # fail at model build if the ring and the model config disagree on the CP size
 
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])

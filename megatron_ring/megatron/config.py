@@ -33,8 +33,13 @@ CP_COMM_TYPES: tuple[str, ...] = ("p2p",)
 class ContextParallelConfigError(ValueError):
     """An invalid context-parallel setting; ``flag`` is the command-line flag to fix."""
 
-    def __init__(self, flag: str, message: str):
-        super().__init__(f"{flag}: {message}")
+    def __init__(self, flag: str, message: str | None = None):
+        if message is None:  # re-raised with one formatted argument (e.g. by Megatron's build_module)
+            text = flag
+            flag = text.split(":", 1)[0] if text.startswith("--") else ""
+        else:
+            text = f"{flag}: {message}"
+        super().__init__(text)
         self.flag = flag
 
 

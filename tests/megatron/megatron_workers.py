@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab=128, seq=64,
-             micro_batch=2, pos_emb="rope", seed=1234, data_seed=7, lr=2e-3)
+             micro_batch=2, pos_emb="rope", seed=1234, data_seed=7, lr=5e-3, data_cycle=2)
 
 
 def _transformer_config(m: dict, tp: int, cp: int):
@@ -43,8 +43,9 @@ def _build(m: dict, tp: int, cp: int, ring: bool, layout_rope: bool = True):
 
 
 def make_batch(m: dict, step: int, n_seqs: int) -> dict[str, torch.Tensor]:
-    """A deterministic global batch ``[n_seqs, seq]`` with an irregular loss mask."""
-    g = torch.Generator().manual_seed(m["data_seed"] * 1000 + step)
+    """A deterministic global batch ``[n_seqs, seq]`` with an irregular loss mask (``data_cycle`` distinct
+    batches repeat, so a few steps visibly lower the loss)."""
+    g = torch.Generator().manual_seed(m["data_seed"] * 1000 + step % m["data_cycle"])
     s = m["seq"]
     data = torch.randint(0, m["vocab"], (n_seqs, s + 1), generator=g)
     loss_mask = (torch.rand(n_seqs, s, generator=g) > 0.25).float()
@@ -153,12 +154,17 @@ def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[
                 res: dict[str, Any] = dict(losses=losses)
                 if rank == 0:
                     res["grads"] = grads0
-                if negative_control:  # RoPE left on Megatron's zigzag slicing: must NOT match for striped
+                if negative_control:  # RoPE left on Megatron's zigzag slicing: must NOT match unless zigzag
                     nc = _build(m, tp, cp, ring=True, layout_rope=False)
                     mb = get_batch_on_this_cp_rank({k: v[dp_rank * b:(dp_rank + 1) * b]
                                                     for k, v in make_batch(m, 0, dp * b).items()})
                     tok = nc(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
-                    res["negative_control_loss"] = float(reduce_loss_over_cp(tok, mb["loss_mask"]).reported)
+                    red = reduce_loss_over_cp(tok, mb["loss_mask"])
+                    red.loss.backward()
+                    allreduce_gradients(nc)
+                    nc_grads = _full_grads(nc, ps.get_tensor_model_parallel_group())
+                    if rank == 0:
+                        res["negative_control"] = dict(loss=float(red.reported), grads=nc_grads)
                 out["layouts"][layout] = res
                 destroy_context_parallel()
             out["groups"] = dict(
@@ -206,7 +212,7 @@ def bad_config_worker(rank: int, world: int, case: str) -> dict[str, Any]:
                 elif case == "seq_not_divisible_zigzag":
                     config_from_args(parse(["--context-parallel-size", "2", "--seq-length", "66"]))
                 elif case == "seq_not_divisible_striped":
-                    config_from_args(parse(["--context-parallel-size", "4", "--seq-length", "66",
+                    config_from_args(parse(["--context-parallel-size", "2", "--seq-length", "65",
                                             "--cp-layout", "striped"]))
                 elif case == "hierarchical_product":
                     config_from_args(parse(["--context-parallel-size", "2",
@@ -245,3 +251,33 @@ def uninitialized_worker(rank: int, world: int) -> str:
     except Exception:  # noqa: BLE001
         return traceback.format_exc()
     return "no error"
+
+
+def hierarchical_worker(rank: int, world: int, sizes: list[int]) -> dict[str, Any]:
+    """Register a CP = world ring with hierarchical sub-rings; return their global ranks, and the result of
+    one all-reduce over each sub-group (sum of global ranks) to prove the groups work."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    from megatron_ring.megatron import RingConfig, destroy_context_parallel, initialize_context_parallel, megatron_cpu
+
+    with megatron_cpu():
+        try:
+            st = initialize_context_parallel(RingConfig(context_parallel_size=world,
+                                                        hierarchical_context_parallel_sizes=tuple(sizes)))
+            again = initialize_context_parallel(RingConfig(context_parallel_size=world,
+                                                           hierarchical_context_parallel_sizes=tuple(sizes)))
+            sums = []
+            for g in st.hierarchical_groups:
+                t = torch.tensor([float(rank)])
+                dist.all_reduce(t, group=g)
+                sums.append(float(t))
+            return dict(ranks=[list(r) for r in st.hierarchical_ranks], sums=sums, idempotent=again is st)
+        finally:
+            destroy_context_parallel()
+            ps.destroy_model_parallel()
+
+
+def bad_config_all(rank: int, world: int, cases: list[str]) -> dict[str, Any]:
+    """:func:`bad_config_worker` for several cases in one launch."""
+    return {c: bad_config_worker(rank, world, c) for c in cases}
