@@ -79,12 +79,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ring is None:
         ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else _default_timeout())
+    try:  # normalises spellings ("fp8" == torch.float8_e4m3fn); a bad value is raised after the
+        codec, codec_error = make_codec(comm_dtype, q.dtype), None  # cross-rank check, never before it
+    except ValueError as exc:
+        codec, codec_error = None, exc
+    wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
     if ring.world > 1 and ring.group is not None and check_consistency:
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
-                             comm_dtype=comm_dtype, softmax_scale=softmax_scale)
+                             comm_dtype=wire_name, softmax_scale=softmax_scale)
         check_same_across_ranks(sig, ring.group, q.device, {
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
-            "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": comm_dtype})
+            "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name})
+    if codec_error is not None:
+        raise codec_error
     check_inputs(q, k, v, qkv_format)
     lay = get_layout(layout)
     s_dim = 1 if qkv_format == "bshd" else 0
@@ -95,6 +102,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     to_bhsd = (lambda t: t.transpose(1, 2)) if qkv_format == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
     qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
     plan = RingPlan(ring=ring, layout=lay, causal=bool(causal), scale=float(scale),
-                    kernel=select_kernel(qh, kernel), codec=make_codec(comm_dtype, q.dtype))
+                    kernel=select_kernel(qh, kernel), codec=codec)
     out = RingAttentionFunction.apply(qh, kh, vh, plan)
     return out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)

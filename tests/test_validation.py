@@ -81,3 +81,13 @@ def _cached_check_worker(rank, world):
 
 def test_consistency_check_runs_once_per_signature():
     assert run_distributed(_cached_check_worker, 2, timeout=120) == [2, 2]
+
+
+def _wire_spelling_worker(rank, world):
+    q = torch.randn(1, 8, 2, 8)
+    spelling = "fp8" if rank == 0 else torch.float8_e4m3fn
+    return ring_attention(q, q, q, causal=True, comm_dtype=spelling).shape == q.shape
+
+
+def test_wire_dtype_spellings_agree_across_ranks():
+    assert all(run_distributed(_wire_spelling_worker, 2, timeout=120))
