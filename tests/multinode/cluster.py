@@ -24,6 +24,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 DRIVER = os.path.join(HERE, "mn_driver.py")
 _ports = itertools.count(29500)  # namespaces are private network stacks: every port is free in them
 
+#: quieter C++ logs (the "hostname of the client socket cannot be retrieved" warnings: no reverse DNS here)
+QUIET_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+#: hard deadline of one torchrun job (seconds); override with MN_JOB_TIMEOUT_S
+JOB_TIMEOUT = float(os.environ.get("MN_JOB_TIMEOUT_S", "180"))
+
 #: a small GPT run: 2 layers, hidden 64, seq 128, a few steps
 SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups",
                "2", "--seq-length", "128", "--micro-batch-size", "1", "--threads", "1"]

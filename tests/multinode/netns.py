@@ -13,6 +13,7 @@ still inside the namespaces and deletes them; namespaces with our prefix whose c
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -21,9 +22,10 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-PREFIX = "mrmn"  # megatron_ring multi-node; full name: mrmn<pid><a|b>
+PREFIX = "mrmn"  # megatron_ring multi-node; full name: mrmn<pid>x<instance><a|b>
 SUBNET = "10.77.0"
-_NAME_RE = re.compile(rf"^{PREFIX}(\d+)([a-z])$")
+_NAME_RE = re.compile(rf"^{PREFIX}(\d+)(x\d+)?([a-z])$")
+_instances = itertools.count()
 
 
 class NetnsUnavailable(RuntimeError):
@@ -136,7 +138,8 @@ class TwoHosts:
     def __init__(self, tag: str = "") -> None:
         self.tag = tag
         pid = os.getpid()
-        self.hosts = [Host(ns=f"{PREFIX}{pid}{c}", ifname=f"mrveth{i}", addr=f"{SUBNET}.{i + 1}", index=i)
+        n = next(_instances)  # several TwoHosts may coexist in one process
+        self.hosts = [Host(ns=f"{PREFIX}{pid}x{n}{c}", ifname=f"mrveth{i}", addr=f"{SUBNET}.{i + 1}", index=i)
                       for i, c in enumerate("ab")]
 
     def __enter__(self) -> list[Host]:
@@ -154,7 +157,7 @@ class TwoHosts:
     def _create(self) -> None:
         a, b = self.hosts
         for h in self.hosts:
-            if h.ns in list_ours():  # same pid reused a name (e.g. an earlier context in this process)
+            if h.ns in list_ours():  # left over by an earlier process with our pid
                 _delete_ns(h.ns)
             _ip("netns", "add", h.ns)
         _ip("-n", a.ns, "link", "add", a.ifname, "type", "veth", "peer", "name", b.ifname, "netns", b.ns)
