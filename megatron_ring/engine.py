@@ -79,26 +79,30 @@ class _KVStream:
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward. Returns ``(out [b,h,s,d] float32, lse [b,h,s] float32)``."""
-    b, h, s, _ = q.shape
     kv = _KVStream(plan, k, v, "fwd_kv")
-    acc_out: torch.Tensor | None = None
-    acc_lse: torch.Tensor | None = None
+    acc: list[torch.Tensor] = []  # [out, lse] once the first block result exists
     for step in range(plan.ring.world):
         kv.start(step)
-        kt, vt = kv.block(step)
-        for task in plan.tasks(step, s):
-            out, lse = plan.kernel.forward(q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv],
-                                           task.causal, plan.scale)
-            if acc_out is None and task.q == slice(0, s):  # first result covering every row: adopt it
-                acc_out, acc_lse = out.float(), lse.float()
-                continue
-            if acc_out is None:
-                acc_out = q.new_zeros((b, h, s, v.shape[-1]), dtype=torch.float32)
-                acc_lse = q.new_full((b, h, s), float("-inf"), dtype=torch.float32)
-            merge_into(acc_out[:, :, task.q], acc_lse[:, :, task.q], out, lse)
+        _forward_step(q, *kv.block(step), plan, step, acc)
         kv.finish()
-    assert acc_out is not None and acc_lse is not None, "every layout computes the diagonal block"
-    return acc_out, acc_lse
+    assert acc, "every layout computes the diagonal block"
+    return acc[0], acc[1]
+
+
+def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: RingPlan, step: int,
+                  acc: list[torch.Tensor]) -> None:
+    """Fold one visiting block into ``acc``; a function so its temporaries die before the next step."""
+    b, h, s, _ = q.shape
+    for task in plan.tasks(step, s):
+        out, lse = plan.kernel.forward(q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv],
+                                       task.causal, plan.scale)
+        if not acc and task.q == slice(0, s):  # first result covering every row: adopt it
+            acc += [out.float(), lse.float()]
+            continue
+        if not acc:
+            acc += [q.new_zeros((b, h, s, vt.shape[-1]), dtype=torch.float32),
+                    q.new_full((b, h, s), float("-inf"), dtype=torch.float32)]
+        merge_into(acc[0][:, :, task.q], acc[1][:, :, task.q], out, lse)
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -111,7 +115,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     s = q.shape[2]
     world = plan.ring.world
     kv = _KVStream(plan, k, v, "bwd_kv")
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
     nk = k.numel()
     # dK/dV accumulators travel as one fp32 buffer: [dK.flatten(), dV.flatten()]
     dkv = [q.new_zeros(nk + v.numel(), dtype=torch.float32)]
@@ -120,29 +124,47 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dkv_pending: Exchange | None = None
     for step in range(world):
         kv.start(step)
-        kt, vt = kv.block(step)
-        partial = []
-        for task in plan.tasks(step, s):
-            rows = task.q
-            dq_b, dk_b, dv_b = plan.kernel.backward(
-                dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
-                out[:, :, rows], lse[:, :, rows].contiguous(), task.causal, plan.scale)
-            dq[:, :, rows] += dq_b
-            partial.append((task.kv, dk_b, dv_b))
         acc = dkv[step % 2]
-        if dkv_pending is not None:  # the upstream ranks' sum for this block has arrived
-            dkv_pending.wait()
-        dk_acc, dv_acc = acc[:nk].view(k.shape), acc[nk:].view(v.shape)
-        for cols, dk_b, dv_b in partial:
-            dk_acc[:, :, cols] += dk_b
-            dv_acc[:, :, cols] += dv_b
+        _backward_step(dout, q, *kv.block(step), out, lse, plan, step, dq,
+                       lambda: dkv_pending.wait() if dkv_pending is not None else None,
+                       _view_like(acc[:nk], k), _view_like(acc[nk:], v))
         if world > 1:  # pass it on; after the last step this hop returns each block to its owner
             dkv_pending = plan.ring.exchange(acc, dkv[(step + 1) % 2], "bwd_dkv", step)
         kv.finish()
     if dkv_pending is not None:
         dkv_pending.wait()
     mine = dkv[world % len(dkv)]  # P=1: the local accumulator; else where the last hop landed
-    return dq, mine[:nk].view(k.shape), mine[nk:].view(v.shape)
+    return dq, _view_like(mine[:nk], k), _view_like(mine[nk:], v)
+
+
+def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, plan: RingPlan, step: int, dq: torch.Tensor,
+                   wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
+    """One visiting block's gradients: dQ into ``dq``; dK/dV into the travelling accumulator, after
+    ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute)."""
+    partial = []
+    for task in plan.tasks(step, q.shape[2]):
+        rows = task.q
+        dq_b, dk_b, dv_b = plan.kernel.backward(
+            dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
+            out[:, :, rows], lse[:, :, rows].contiguous(), task.causal, plan.scale)
+        dq[:, :, rows] += dq_b
+        del dq_b
+        partial.append((task.kv, dk_b, dv_b))
+    wait_for_acc()
+    for cols, dk_b, dv_b in partial:
+        dk_acc[:, :, cols] += dk_b
+        dv_acc[:, :, cols] += dv_b
+
+
+def _view_like(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``flat`` viewed with ``like``'s shape AND memory order (e.g. BHSD view of BSHD memory).
+
+    Gradients laid out like their inputs need no re-layout copy downstream (autograd, Megatron).
+    """
+    order = sorted(range(like.ndim), key=lambda i: like.stride(i), reverse=True)
+    physical = flat.view([like.shape[i] for i in order])
+    return physical.permute([order.index(i) for i in range(like.ndim)])
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -151,8 +173,7 @@ class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> torch.Tensor:
         acc, lse = ring_forward(q, k, v, plan)
-        out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(acc.shape)
-        out.copy_(acc)
+        out = _as_result(acc, q)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return out
@@ -163,5 +184,14 @@ class RingAttentionFunction(torch.autograd.Function):
         if dout.stride() != out.stride():
             dout = torch.empty_like(out).copy_(dout)
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
-        return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk),
-                torch.empty_like(v).copy_(dv), None)
+        return _as_result(dq, q), _as_result(dk, k, any_strides=True), _as_result(dv, v, any_strides=True), None
+
+
+def _as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False) -> torch.Tensor:
+    """``acc`` itself when it already has ``like``'s dtype (and strides), else a copy shaped like ``like``.
+
+    Avoids one full-size copy per tensor for fp32 inputs (the accumulators are fp32).
+    """
+    if acc.dtype == like.dtype and (any_strides or acc.stride() == like.stride()):
+        return acc
+    return torch.empty_like(like).copy_(acc)
