@@ -1,0 +1,108 @@
+"""Faults on 2 hosts x 2 processes (CP = 4 ring over both hosts, examples/train_gpt.py).
+
+* a process SIGKILLed in the middle of a step (inside step 2's forward ring pass);
+* a whole host lost in the middle of a step (step 2's backward): its veth goes down first, so the peers
+  get no FIN/RST (like a machine losing power), then everything on it is SIGKILLed; both the rendezvous
+  host (node 0, which also serves torchrun's TCPStore) and the other one;
+* a peer that stalls for 60 % of the timeout but stays alive: no failure, losses unchanged.
+
+Every surviving process must exit non-zero within ``bound = MN_PG_TIMEOUT_S + SLACK`` seconds of the fault
+(the ring timeout ``MEGATRON_RING_TIMEOUT_S`` is lower; collectives outside the ring use the process-group
+timeout), the ranks that report an error must name a ring peer (global rank), and the lost process must
+be named by its ring neighbours (process kill) / by a survivor (host loss). Every torchrun exits non-zero.
+"""
+import os
+import re
+
+import pytest
+
+import cluster
+from conftest import REPORT
+
+pytestmark = pytest.mark.slow
+
+RING_TIMEOUT_S = float(os.environ.get("MN_FAULT_RING_TIMEOUT_S", "6"))
+PG_TIMEOUT_S = 1.5 * RING_TIMEOUT_S
+SLACK_S = float(os.environ.get("MN_EXIT_SLACK_S", "10"))  # shared 2-core machine, torchrun teardown
+BOUND_S = PG_TIMEOUT_S + SLACK_S
+STEPS = 3
+# CP = 4, 2 layers: 20 ring exchanges per training step (6 forward, 14 backward); step 2 = 21..40
+FORWARD_STEP2, BACKWARD_STEP2 = 23, 33
+
+
+def _run(hosts, out, fault, node_fault=None):
+    env = dict(cluster.QUIET_ENV, MEGATRON_RING_TIMEOUT_S=str(RING_TIMEOUT_S), MN_PG_TIMEOUT_S=str(PG_TIMEOUT_S),
+               MN_FAULT=fault)
+    return cluster.run_job(hosts, out, cluster.train_args(cp=4, steps=STEPS, out=out), nproc=2, env=env,
+                           node_fault=node_fault, timeout=cluster.JOB_TIMEOUT)
+
+
+def _check_survivors(job, survivors, t_fault, case, killed):
+    exits, messages = {}, {}
+    for r in survivors:
+        rec = job.ranks[r]
+        assert rec["status"] in ("error", "sigterm"), f"{case}: rank {r} did not fail cleanly: {rec}\n{job.log()}"
+        dt = rec["t_exit"] - t_fault
+        exits[f"rank {r}"] = round(dt, 2)
+        messages[r] = (rec.get("error_type", "") + ": " if rec["status"] == "error" else "") + rec["message"]
+        assert dt <= BOUND_S, f"{case}: rank {r} took {dt:.1f}s to exit (bound {BOUND_S}s)"
+        if rec["status"] == "error":
+            assert rec["error_type"] == "RingPeerError" and "ring peer global rank" in rec["message"], rec
+    for i, node in enumerate(job.nodes):
+        assert not node["timed_out"], f"{case}: torchrun on node {i} hung\n{job.log()}"
+        if any(job.ranks[r]["node_rank"] == i for r in survivors):
+            assert node["rc"] != 0, f"{case}: torchrun on node {i} exited 0\n{job.log()}"
+            exits[f"torchrun node {i}"] = round(node["t_exit"] - t_fault, 2)
+            assert node["t_exit"] - t_fault <= BOUND_S
+    REPORT["faults"].append(dict(case=case, killed=killed, exits=exits, messages=messages))
+    return messages
+
+
+def test_process_killed_mid_step(hosts, job_dir):
+    victim = 2
+    job = _run(hosts, job_dir, f"kill:rank={victim}:exchange={FORWARD_STEP2}")
+    v = job.ranks[victim]
+    assert v["status"] == "killed", job.log()
+    survivors = [r for r in job.ranks if r != victim]
+    msgs = _check_survivors(job, survivors, v["t_fault"], "process SIGKILL (rank 2, step 2 forward)",
+                            f"rank {victim} (node 1) at {v['fault_at']}")
+    # its ring neighbours (1 sends to it, 3 receives from it) name it unless torchrun stopped them first
+    named = [r for r in (1, 3) if job.ranks[r]["status"] == "error"]
+    assert named, "neither ring neighbour of the killed rank reported it"
+    for r in named:
+        assert f"global rank {victim}" in msgs[r], msgs[r]
+    # torchrun on the victim's node reports it as the root cause: rank 2, SIGKILL
+    assert re.search(rf"rank\s*:\s*{victim} \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*-9", job.nodes[1]["log"]), \
+        job.nodes[1]["log"][-3000:]
+
+
+@pytest.mark.parametrize("lost_node", [1, 0], ids=["worker_host", "rendezvous_host"])
+def test_host_lost_mid_step(hosts, job_dir, lost_node):
+    first = 2 * lost_node  # the rank that marks "mid-step" on the host to be lost
+    job = _run(hosts, job_dir, f"stop:rank={first}:exchange={BACKWARD_STEP2}", node_fault=lost_node)
+    assert job.t_fault is not None, f"the fault never triggered\n{job.log()}"
+    lost = {2 * lost_node, 2 * lost_node + 1}
+    survivors = [r for r in job.ranks if r not in lost]
+    msgs = _check_survivors(job, survivors, job.t_fault,
+                            f"host {lost_node} lost (link down + SIGKILL, step 2 backward)",
+                            f"node {lost_node} = ranks {sorted(lost)} (torchrun agent"
+                            + (" + TCPStore" if lost_node == 0 else "") + ")")
+    named = {int(m) for msg in msgs.values() for m in re.findall(r"ring peer global rank (\d+)", msg)}
+    assert named & lost, f"no survivor names a rank of the lost host {sorted(lost)}: {msgs}"
+    # no FIN/RST from a dead host: the survivors waited for the ring timeout, not for the job deadline
+    assert all(job.ranks[r]["t_exit"] - job.t_fault >= 0.5 * RING_TIMEOUT_S for r in survivors
+               if job.ranks[r]["status"] == "error")
+
+
+def test_slow_peer_is_not_a_failure(hosts, baseline, job_dir):
+    secs = 0.6 * RING_TIMEOUT_S
+    job = _run(hosts, job_dir, f"sleep:rank=2:exchange={BACKWARD_STEP2}:secs={secs}")
+    assert [n["rc"] for n in job.nodes] == [0, 0], job.log()
+    assert all(rec["status"] == "ok" for rec in job.ranks.values())
+    assert job.ranks[2]["slept_s"] == secs
+    assert job.summary["log"][1]["step_s"] >= secs  # the stall really happened, in step 2
+    single = baseline(1, 4, STEPS)
+    assert max(abs(a - b) for a, b in zip(job.losses, single)) <= 1e-6, (job.losses, single)
+    REPORT["faults"].append(dict(case=f"slow peer (rank 2 stalls {secs:.1f}s < timeout {RING_TIMEOUT_S}s)",
+                                 killed="nothing", exits={"all ranks": "exit 0, losses = single-host"},
+                                 messages={}))
