@@ -19,8 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(cp: int, args: argparse.Namespace, extra: list[str], out: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-port",
-           str(args.master_port + cp), os.path.join(HERE, "train_gpt.py"), "--context-parallel-size", str(cp),
+    rdzv = ["--standalone"] if not args.master_port else ["--master-port", str(args.master_port + cp)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), *rdzv,
+           os.path.join(HERE, "train_gpt.py"), "--context-parallel-size", str(cp),
            "--train-iters", str(args.steps), "--seq-length", str(args.seq_length), "--cp-layout", args.cp_layout,
            "--log-json", out, "--quiet", *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
@@ -36,7 +37,7 @@ def main() -> int:
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--cp", type=int, default=4, help="context-parallel size of the second run")
     p.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "striped", "contiguous"])
-    p.add_argument("--master-port", type=int, default=29640)
+    p.add_argument("--master-port", type=int, default=0, help="0: torchrun --standalone picks a free port")
     p.add_argument("--timeout", type=float, default=1800)
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
