@@ -58,7 +58,9 @@ def parse_fault(spec: str) -> dict:
     * ``stop:rank=R:exchange=E``  rank R writes ``$MN_OUT/fault_marker`` and SIGSTOPs itself there; the test
       harness then takes the whole node down (link down + SIGKILL of every process on it);
     * ``sleep:rank=R:exchange=E:secs=S``  rank R stalls S seconds before that exchange, then carries on;
-    * ``dtype:rank=R``  rank R feeds ring attention bf16 q/k/v (everyone else fp32).
+    * ``dtype:rank=R``  rank R feeds ring attention bf16 q/k/v (everyone else fp32);
+    * ``seq:rank=R``  rank R feeds ring attention only the first half of its local sequence (a rank whose
+      shard has another length, e.g. a padding bug; the configuration is the same everywhere).
     """
     if not spec:
         return {}
@@ -116,15 +118,17 @@ def _install_fault(fault: dict) -> None:
 
     comm.Ring.exchange = exchange
 
-    if kind == "dtype" and RANK == fault.get("rank"):
+    if kind in ("dtype", "seq") and RANK == fault.get("rank"):
         orig_attention = megatron_ring.ring_attention
 
         def ring_attention(q, k, v, **kw):
-            out = orig_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kw)
-            return out.to(q.dtype)
+            if kind == "dtype":
+                return orig_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kw).to(q.dtype)
+            half = q.shape[0] // 2  # Megatron passes sbhd: [s, b, h, d]
+            out = orig_attention(q[:half], k[:half], v[:half], **kw)
+            return torch.cat([out, out])
 
         megatron_ring.ring_attention = ring_attention  # attention.py looks it up at call time
-    del torch
 
 
 def _record_ring(train_gpt) -> None:
