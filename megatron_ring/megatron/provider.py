@@ -95,6 +95,8 @@ def initialize_context_parallel(config: RingConfig | None = None, *, context_par
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("initialize_context_parallel() needs torch.distributed: call "
                            "torch.distributed.init_process_group(backend=...) first (torchrun sets the env)")
+    _check_same_on_every_rank(config, seq_length=seq_length, tensor_model_parallel_size=tensor_model_parallel_size,
+                              pipeline_model_parallel_size=pipeline_model_parallel_size)
     if _STATE is not None:
         if _STATE.config == config:
             return _STATE
@@ -138,6 +140,31 @@ def initialize_context_parallel(config: RingConfig | None = None, *, context_par
         hierarchical_ranks=hranks,
     )
     return _STATE
+
+
+_FLAGS = {"context_parallel_size": "--context-parallel-size", "layout": "--cp-layout",
+          "comm_dtype": "--cp-comm-dtype", "cp_comm_type": "--cp-comm-type",
+          "hierarchical_context_parallel_sizes": "--hierarchical-context-parallel-sizes",
+          "seq_length": "--seq-length", "tensor_model_parallel_size": "--tensor-model-parallel-size",
+          "pipeline_model_parallel_size": "--pipeline-model-parallel-size"}
+
+
+def _check_same_on_every_rank(config: RingConfig, **sizes: Any) -> None:
+    """Raise the same ContextParallelConfigError on every rank if any rank was configured differently.
+
+    One ``all_gather_object`` at start-up, before anything a mismatch could make diverge (a hang later).
+    """
+    mine = {name: getattr(config, name) for name in _FLAGS if hasattr(config, name)}
+    mine.update(sizes)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for name, flag in _FLAGS.items():
+        values = [theirs.get(name) for theirs in everyone]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ContextParallelConfigError(
+                flag, f"ranks were launched with different values ({per_rank}); every rank must get the "
+                      "same arguments")
 
 
 def _check_orthogonal(ps: Any, me: int, cp_ranks: tuple[int, ...]) -> None:

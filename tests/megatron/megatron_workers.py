@@ -221,6 +221,12 @@ def bad_config_worker(rank: int, world: int, case: str) -> dict[str, Any]:
                     config_from_args(parse(["--context-parallel-size", "2", "--cp-comm-type", "a2a"]))
                 elif case == "attention_dropout":
                     config_from_args(parse(["--context-parallel-size", "2", "--attention-dropout", "0.1"]))
+                elif case == "layout_differs_across_ranks":
+                    layout = "striped" if rank == 1 else "zigzag"
+                    initialize_context_parallel(RingConfig(context_parallel_size=world, layout=layout))
+                elif case == "seq_differs_across_ranks":
+                    initialize_context_parallel(RingConfig(context_parallel_size=world),
+                                                seq_length=64 if rank == 0 else 128)
                 elif case == "mismatch_with_megatron":
                     ps.initialize_model_parallel(1, 1, context_parallel_size=2)
                     initialize_context_parallel(RingConfig(context_parallel_size=world))

@@ -16,6 +16,8 @@ CASES = {  # case -> (world size, flag the message must name)
     "attention_dropout": (2, "--attention-dropout"),
     "mismatch_with_megatron": (4, "--context-parallel-size"),
     "model_config_mismatch": (2, "--context-parallel-size"),
+    "layout_differs_across_ranks": (2, "--cp-layout"),
+    "seq_differs_across_ranks": (4, "--seq-length"),
 }
 
 
