@@ -19,9 +19,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 import cluster  # noqa: E402
 import netns  # noqa: E402
+from mn_report import REPORT  # noqa: E402
 
-#: fault rows and parity rows collected by the tests (printed by pytest_terminal_summary)
-REPORT: dict[str, list[dict]] = {"faults": [], "parity": []}
 _BASELINES: dict = {}
 
 

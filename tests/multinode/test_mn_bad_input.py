@@ -10,6 +10,7 @@ import os
 import pytest
 
 import cluster
+from mn_report import REPORT
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def _run(hosts, out, *, rank_args=None, fault="", timeout=cluster.JOB_TIMEOUT):
                            timeout=timeout)
 
 
-def _all_fail_alike(job, error_type, must_name):
+def _all_fail_alike(job, error_type, must_name, case=""):
     for i, node in enumerate(job.nodes):
         assert not node["timed_out"], f"node {i} hung\n{job.log()}"
         assert node["rc"] != 0, f"node {i} exited 0\n{job.log()}"
@@ -37,6 +38,11 @@ def _all_fail_alike(job, error_type, must_name):
             assert word in rec["message"], (r, word, rec["message"])
         msgs.append(rec["message"])
     assert job.summary is None  # no training step was completed (no silent wrong loss)
+    REPORT["faults"].append(dict(
+        case=f"bad input: {case}", killed="nothing",
+        exits={f"rank {r}": round(job.ranks[r]["t_exit"] - job.ranks[r]["t_init"], 2) for r in (0, 1)}
+        | {"(measured from": "init_process_group, incl. imports and model build)"},
+        messages={r: f"{job.ranks[r]['error_type']}: {job.ranks[r]['message']}" for r in (0, 1)}))
     return msgs
 
 
@@ -46,13 +52,13 @@ def _all_fail_alike(job, error_type, must_name):
 def test_different_local_sequence_length_on_one_host(hosts, job_dir):
     job = _run(hosts, job_dir, fault="seq:rank=1")
     msgs = _all_fail_alike(job, "ValueError", ["different arguments", "q.shape[0]", "rank 0: q.shape[0]=64",
-                                               "rank 1: q.shape[0]=32"])
+                                               "rank 1: q.shape[0]=32"], "rank 1 feeds half its local sequence")
     assert msgs[0] == msgs[1]  # shapes print as numbers: the very same text on both hosts
 
 
 def test_different_dtype_on_one_host(hosts, job_dir):
     job = _run(hosts, job_dir, fault="dtype:rank=1")
-    _all_fail_alike(job, "ValueError", ["different arguments", "q.dtype"])
+    _all_fail_alike(job, "ValueError", ["different arguments", "q.dtype"], "rank 1 computes in bf16")
     assert "q.dtype=torch.bfloat16" in job.ranks[1]["message"] and "q.dtype=torch.float32" in job.ranks[0]["message"]
 
 
@@ -70,5 +76,5 @@ CONFIG_CASES = {  # case -> (arguments of rank 1 only, flag the error must name)
 def test_different_configuration_on_one_host(hosts, job_dir, case):
     args, flag = CONFIG_CASES[case]
     job = _run(hosts, job_dir, rank_args={"1": args}, timeout=PG_TIMEOUT_S + 40)
-    msgs = _all_fail_alike(job, "ContextParallelConfigError", [flag, "rank 0:", "rank 1:"])
+    msgs = _all_fail_alike(job, "ContextParallelConfigError", [flag, "rank 0:", "rank 1:"], f"rank 1 launched with {' '.join(args)}")
     assert msgs[0] == msgs[1]

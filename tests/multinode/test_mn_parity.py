@@ -11,7 +11,7 @@ import math
 import pytest
 
 import cluster
-from conftest import REPORT
+from mn_report import REPORT
 from placement import inter_node_hops, min_inter_node_hops
 
 STEPS = 3
