@@ -65,12 +65,13 @@ def _node_env(host: Host, master: Host, out: str, env: dict[str, str]) -> dict[s
 
 
 def run_job(hosts: list[Host], out: str, train_args: list[str], *, nproc: int = 2, env: dict | None = None,
-            node_fault: int | None = None, timeout: float = 180.0) -> Job:
+            node_fault: int | None = None, link_down: bool = True, timeout: float = 180.0) -> Job:
     """Run the driver on every host in ``hosts`` (host 0 is the rendezvous master).
 
     ``node_fault``: index of the host to take down when a rank writes ``fault_marker`` (an ``MN_FAULT``
     of kind ``stop``): its veth is set down first (so peers see no FIN/RST, as with a crashed machine),
-    then every process in that namespace is SIGKILLed.
+    then every process in that namespace is SIGKILLed. ``link_down=False``: only the SIGKILL (the kernel
+    still closes the dead processes' connections, so peers see FIN/RST at once).
     """
     os.makedirs(out, exist_ok=True)
     for fn in os.listdir(out):
@@ -100,7 +101,8 @@ def run_job(hosts: list[Host], out: str, train_args: list[str], *, nproc: int = 
                     t_exit[i] = time.time()
             if node_fault is not None and t_fault is None and os.path.exists(marker):
                 victim = hosts[node_fault]
-                victim.set_link(False)  # the machine drops off the network ...
+                if link_down:
+                    victim.set_link(False)  # the machine drops off the network ...
                 t_fault = time.time()
                 victim.kill_all(signal.SIGKILL)  # ... and everything on it dies
             if now > deadline:
@@ -119,7 +121,7 @@ def run_job(hosts: list[Host], out: str, train_args: list[str], *, nproc: int = 
                 p.wait(timeout=30)
         for h in hosts:  # anything still in the namespaces (orphaned workers)
             h.kill_all(signal.SIGKILL)
-        if node_fault is not None and t_fault is not None:
+        if node_fault is not None and t_fault is not None and link_down:
             hosts[node_fault].set_link(True)
     nodes = []
     for i, (p, log) in enumerate(zip(procs, logs)):

@@ -4,7 +4,8 @@
 
 Runs ``examples/train_gpt.main(argv)`` unchanged, after
 
-* ``init_process_group("gloo", timeout=MN_PG_TIMEOUT_S)`` (train_gpt.py keeps torch's 30-minute default),
+* ``init_process_group("gloo", timeout=MN_PG_TIMEOUT_S)`` (train_gpt.py keeps torch's 30-minute default), and
+  the same timeout for Megatron's groups (``distributed_timeout_minutes``, 30 minutes by default),
 * wrapping ``initialize_context_parallel`` to record the ring this rank joined (ring order, neighbours,
   hierarchical sub-rings) and which host it runs on (its network-namespace inode),
 * an optional fault from ``MN_FAULT`` (see :func:`parse_fault`),
@@ -131,10 +132,12 @@ def _install_fault(fault: dict) -> None:
         megatron_ring.ring_attention = ring_attention  # attention.py looks it up at call time
 
 
-def _record_ring(train_gpt) -> None:
+def _record_ring(train_gpt, pg_timeout_s: float) -> None:
     orig = train_gpt.initialize_context_parallel
 
     def initialize_context_parallel(*args, **kwargs):
+        # Megatron's groups (TP, CP, DP, ...) get their own timeout (30 min by default), not the world's
+        kwargs.setdefault("distributed_timeout_minutes", pg_timeout_s / 60.0)
         state = orig(*args, **kwargs)
         save(ring=list(state.global_ranks), ring_index=state.rank, next_rank=state.next_rank,
              prev_rank=state.prev_rank, hierarchical=[list(r) for r in state.hierarchical_ranks],
@@ -160,7 +163,7 @@ def main() -> int:
         import train_gpt  # examples/train_gpt.py
 
         _install_fault(parse_fault(os.environ.get("MN_FAULT", "")))
-        _record_ring(train_gpt)
+        _record_ring(train_gpt, pg_timeout)
         rc = train_gpt.main(argv)
     except BaseException as exc:  # noqa: BLE001 - recorded, printed, then a hard non-zero exit
         msg = f"{type(exc).__name__}: {exc}"
