@@ -60,6 +60,15 @@ def _check_survivors(job, survivors, t_fault, case, killed):
     return messages
 
 
+def _check_blame(msgs, lost):
+    """If the library adds a failure-chain diagnosis ("... global rank N left no failure note ..."), it must
+    name a lost rank on every survivor that has one (see docs/multinode.md, 'Known gaps')."""
+    for r, msg in msgs.items():
+        m = re.search(r"global rank (\d+) left no failure note", msg)
+        if m:
+            assert int(m.group(1)) in lost, f"rank {r} blames rank {m.group(1)}, lost: {sorted(lost)}: {msg}"
+
+
 def test_process_killed_mid_step(hosts, job_dir):
     victim = 2
     job = _run(hosts, job_dir, f"kill:rank={victim}:exchange={FORWARD_STEP2}")
@@ -73,6 +82,7 @@ def test_process_killed_mid_step(hosts, job_dir):
     assert named, "neither ring neighbour of the killed rank reported it"
     for r in named:
         assert f"global rank {victim}" in msgs[r], msgs[r]
+    _check_blame(msgs, {victim})
     # torchrun on the victim's node reports it as the root cause: rank 2, SIGKILL
     assert re.search(rf"rank\s*:\s*{victim} \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*-9", job.nodes[1]["log"]), \
         job.nodes[1]["log"][-3000:]
@@ -91,6 +101,7 @@ def test_host_lost_mid_step(hosts, job_dir, lost_node):
                             + (" + TCPStore" if lost_node == 0 else "") + ")")
     named = {int(m) for msg in msgs.values() for m in re.findall(r"ring peer global rank (\d+)", msg)}
     assert named & lost, f"no survivor names a rank of the lost host {sorted(lost)}: {msgs}"
+    _check_blame(msgs, lost)
     # no FIN/RST from a dead host: the survivors waited for the ring timeout, not for the job deadline
     assert all(job.ranks[r]["t_exit"] - job.t_fault >= 0.5 * RING_TIMEOUT_S for r in survivors
                if job.ranks[r]["status"] == "error")
