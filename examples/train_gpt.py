@@ -13,6 +13,7 @@ ranks of the process peak RSS). ``--log-json`` writes the per-step log for examp
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import os
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--attention-dropout", type=float, default=0.0)
+    p.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="timeout of every process group (collectives, and ring waits unless "
+                        "--cp-timeout-seconds is set)")
     p.add_argument("--attention-impl", choices=["auto", "ring", "local"], default="auto",
                    help="auto: Megatron's local attention at CP=1, ring attention at CP>1")
     p.add_argument("--corpus", type=str, default=None, help="text file (default: Python stdlib sources)")
@@ -120,14 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if not dist.is_initialized():
-        dist.init_process_group("gloo")  # torchrun provides RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+        # torchrun provides RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     rank = dist.get_rank()
     ring_cfg = config_from_args(args)  # fails here, on every rank, naming the flag
     ring = args.attention_impl == "ring" or (args.attention_impl == "auto" and args.context_parallel_size > 1)
     corpus = load_corpus(args.corpus)
     with megatron_cpu():
         state = initialize_context_parallel(ring_cfg, tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                            seq_length=args.seq_length)
+                                            seq_length=args.seq_length,
+                                            distributed_timeout_minutes=max(1, round(args.distributed_timeout_minutes)))
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         model = build_model(args, ring)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .codec import make_codec
 from .comm import LoopbackRing, Ring
-from .engine import RingAttentionFunction, RingPlan
+from .engine import RingAttentionFunction, RingPlan, head_groups
 from .kernels import BlockKernel, select_kernel
 from .layouts import Layout, get_layout
 from .validation import call_signature, check_inputs, check_same_across_ranks
@@ -49,7 +49,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    softmax_scale: float | None = None, qkv_format: str = "bshd",
                    comm_dtype: torch.dtype | str | None = None, kernel: str | BlockKernel = "auto",
                    check_consistency: bool = True, timeout_s: float | None = None,
-                   ring: Ring | None = None) -> torch.Tensor:
+                   head_chunks: int = 1, ring: Ring | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -66,8 +66,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         kernel: local block kernel: "auto", "flash_cpu", "math", "sdpa_cuda", "flash_attn".
         check_consistency: verify (once per new shape signature) that every rank passes the same
             shapes/dtypes/options, raising on every rank otherwise.
-        timeout_s: seconds to wait for a ring peer before raising RingPeerError (default: the
-            ``MEGATRON_RING_TIMEOUT_S`` environment variable, else the process group's timeout).
+        timeout_s: seconds to wait for a ring peer before raising RingPeerError naming it (default:
+            the ``MEGATRON_RING_TIMEOUT_S`` environment variable, else the timeout of ``group``; note
+            that Megatron creates its CP groups with ``distributed_timeout_minutes``, not the default
+            group's timeout).
+        head_chunks: run the ring over this many groups of K/V heads one after another (capped at
+            h_kv): per-rank extra memory (wire buffers, dK/dV accumulators, temporaries) shrinks by
+            this factor, for proportionally more (smaller) ring steps. Same bytes, same compute.
         ring: advanced: a prepared :class:`~megatron_ring.comm.Ring` (e.g. ``LoopbackRing`` for
             compute-only timing); overrides ``group``.
 
@@ -86,7 +91,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
     if ring.world > 1 and ring.group is not None and check_consistency:
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
-                             comm_dtype=wire_name, softmax_scale=softmax_scale)
+                             comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks)
         check_same_across_ranks(sig, ring.group, q.device, {
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
             "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name})
@@ -103,5 +108,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
     plan = RingPlan(ring=ring, layout=lay, causal=bool(causal), scale=float(scale),
                     kernel=select_kernel(qh, kernel), codec=codec)
-    out = RingAttentionFunction.apply(qh, kh, vh, plan)
+    if not (isinstance(head_chunks, int) and head_chunks >= 1):
+        raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
+    out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))
     return out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)

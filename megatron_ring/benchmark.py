@@ -12,12 +12,16 @@ iteration, the slowest rank (after a barrier): the forward, and forward+backward
 
 and in one process with P threads, torch's ``scaled_dot_product_attention`` on the full sequence
 (``single``). ``efficiency = single / ring`` (1.0: perfect scaling). Memory is the peak resident memory
-per process above its baseline after start-up (MiB). Bytes are the K/V (and dK/dV) buffers each rank
-sends per call. Times are medians over ``--iters``.
+per process above its baseline after a tiny warm-up call (so the fixed cost of starting autograd, thread
+pools and the like is left out), with glibc told to return freed blocks at once; ``mem ratio`` is
+``ring per rank / (single / P)`` (1.0: memory splits perfectly). ``--head-chunks`` runs the ring over
+groups of K/V heads one after another (less memory, more steps). Bytes are the K/V (and dK/dV) buffers
+each rank sends per call. Times are medians over ``--iters``.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -40,6 +44,19 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _warm_up(attn, seq: int, dtype) -> None:
+    """One tiny forward+backward, so one-off start-up memory is not counted as the run's peak.
+
+    The backward takes an explicit gradient, as the measured calls do: the first such call costs
+    ~40 MiB of one-off autograd state (a ``.sum().backward()`` warm-up does not take that path).
+    """
+    import torch
+
+    q, k, v = (torch.randn(1, seq, 2, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = attn(q, k, v)
+    out.backward(torch.randn_like(out))
+
+
 def _timed(fn, iters: int, sync) -> list[float]:
     times = []
     for _ in range(iters):
@@ -57,9 +74,10 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from megatron_ring import ring_attention
     from megatron_ring.comm import LoopbackRing, Ring
 
-    base = _rss_mib()
     dtype = getattr(torch, DTYPES[cfg["dtype"]])
     s = cfg["seq"] // world
+    _warm_up(lambda *t: ring_attention(*t, causal=cfg["causal"], layout=cfg["layout"]), 2 * world, dtype)
+    base = _rss_mib()
     g = torch.Generator().manual_seed(rank)
     mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
     q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
@@ -69,7 +87,8 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if world > 1:
         modes.append(("compute-only", LoopbackRing(world, rank, q.device)))
     for mode, ring in modes:
-        kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], ring=ring)
+        kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], ring=ring,
+                  head_chunks=cfg["head_chunks"])
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
         def fwd():
@@ -99,14 +118,16 @@ def _single_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     import torch
     import torch.nn.functional as F
 
-    base = _rss_mib()
     dtype = getattr(torch, DTYPES[cfg["dtype"]])
+    gqa = cfg["heads"] != cfg["kv_heads"]
+    _warm_up(lambda *t: F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in t), is_causal=cfg["causal"]),
+             2, dtype)
+    base = _rss_mib()
     g = torch.Generator().manual_seed(0)
     mk = lambda h: torch.randn(cfg["batch"], h, cfg["seq"], cfg["head_dim"], generator=g).to(dtype)  # noqa
     q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
     dout = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    gqa = cfg["heads"] != cfg["kv_heads"]
 
     def fwd():
         with torch.no_grad():
@@ -134,18 +155,19 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
     rows = []
     for world in cfg["world_sizes"]:
-        single = run_on_ranks(_single_worker, 1, cfg, threads_per_rank=world, timeout=cfg["timeout"])[0]
-        for comm in cfg["comm_dtypes"]:
-            c = dict(cfg, comm_dtype=None if comm == "none" else comm)
-            per_rank = run_on_ranks(_ring_worker, world, c, timeout=cfg["timeout"])
+        single = run_on_ranks(_single_worker, 1, cfg, threads_per_rank=world, timeout=cfg["timeout"], env=_ENV)[0]
+        for comm, chunks in itertools.product(cfg["comm_dtypes"], cfg["head_chunks_list"]):
+            c = dict(cfg, comm_dtype=None if comm == "none" else comm, head_chunks=chunks)
+            per_rank = run_on_ranks(_ring_worker, world, c, timeout=cfg["timeout"], env=_ENV)
             s = cfg["seq"] // world
             dtype = getattr(torch, DTYPES[cfg["dtype"]])
             kshape = (cfg["batch"], cfg["kv_heads"], s, cfg["head_dim"])
             step_bytes = make_codec(c["comm_dtype"], dtype).wire_bytes(KVSpec(kshape, kshape, dtype, torch.device("cpu")))
+            step_bytes //= min(chunks, cfg["kv_heads"])  # per (smaller) step when heads are chunked
             row = {
                 "P": world, "seq": cfg["seq"], "heads": cfg["heads"], "kv_heads": cfg["kv_heads"],
                 "head_dim": cfg["head_dim"], "dtype": cfg["dtype"], "layout": cfg["layout"],
-                "causal": cfg["causal"], "comm_dtype": comm,
+                "causal": cfg["causal"], "comm_dtype": comm, "head_chunks": chunks,
                 "ring_fwd_s": _slowest_rank_medians(per_rank, "ring", "fwd"),
                 "ring_fwd_bwd_s": _slowest_rank_medians(per_rank, "ring", "fwd_bwd"),
                 "single_fwd_s": statistics.median(single["fwd"]),
@@ -157,6 +179,7 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 "bytes_bwd_per_rank": per_rank[0]["ring"]["bytes_bwd"],
             }
             row["efficiency_fwd_bwd"] = row["single_fwd_bwd_s"] / row["ring_fwd_bwd_s"]
+            row["mem_ratio"] = row["ring_peak_mib_per_rank"] / (row["single_peak_mib"] / world)
             row["ring_over_single_fwd_bwd"] = row["ring_fwd_bwd_s"] / row["single_fwd_bwd_s"]
             if world > 1:
                 row["compute_only_fwd_s"] = _slowest_rank_medians(per_rank, "compute-only", "fwd")
@@ -168,11 +191,15 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-_COLUMNS = [("P", "P", "{}"), ("comm_dtype", "wire", "{}"), ("ring_fwd_s", "ring fwd s", "{:.3f}"),
+_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks via mmap: freed memory leaves RSS at once
+
+_COLUMNS = [("P", "P", "{}"), ("comm_dtype", "wire", "{}"), ("head_chunks", "chunks", "{}"),
+            ("ring_fwd_s", "ring fwd s", "{:.3f}"),
             ("ring_fwd_bwd_s", "ring f+b s", "{:.3f}"), ("single_fwd_bwd_s", "1proc f+b s", "{:.3f}"),
             ("efficiency_fwd_bwd", "efficiency", "{:.2f}"), ("compute_only_fwd_bwd_s", "comp-only f+b s", "{:.3f}"),
             ("overlap_overhead_fwd_bwd", "overlap ovh", "{:+.1%}"), ("ring_peak_mib_per_rank", "ring MiB/rank", "{:.0f}"),
-            ("single_peak_mib", "1proc MiB", "{:.0f}"), ("kv_bytes_per_step", "KV B/step", "{:,}"),
+            ("single_peak_mib", "1proc MiB", "{:.0f}"), ("mem_ratio", "mem ratio", "{:.2f}"),
+            ("kv_bytes_per_step", "KV B/step", "{:,}"),
             ("bytes_fwd_per_rank", "fwd B/rank", "{:,.0f}"), ("bytes_bwd_per_rank", "bwd B/rank", "{:,.0f}")]
 
 
@@ -196,12 +223,13 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
-    for comm in sorted({r["comm_dtype"] for r in rows}):
-        sub = [r for r in rows if r["comm_dtype"] == comm]
+    for comm, chunks in sorted({(r["comm_dtype"], r["head_chunks"]) for r in rows}):
+        sub = [r for r in rows if (r["comm_dtype"], r["head_chunks"]) == (comm, chunks)]
         ps = [r["P"] for r in sub]
-        ax_t.plot(ps, [r["ring_fwd_bwd_s"] for r in sub], "o-", label=f"ring (wire {comm})")
-        ax_m.plot(ps, [r["ring_peak_mib_per_rank"] for r in sub], "o-", label=f"ring (wire {comm})")
-    first = [r for r in rows if r["comm_dtype"] == rows[0]["comm_dtype"]]
+        label = f"ring (wire {comm}" + (f", {chunks} head chunks)" if chunks > 1 else ")")
+        ax_t.plot(ps, [r["ring_fwd_bwd_s"] for r in sub], "o-", label=label)
+        ax_m.plot(ps, [r["ring_peak_mib_per_rank"] for r in sub], "o-", label=label)
+    first = [r for r in rows if (r["comm_dtype"], r["head_chunks"]) == (rows[0]["comm_dtype"], rows[0]["head_chunks"])]
     ax_t.plot([r["P"] for r in first], [r["single_fwd_bwd_s"] for r in first], "s--", label="1 process, P threads")
     ax_m.plot([r["P"] for r in first], [r["single_peak_mib"] for r in first], "s--", label="1 process")
     r0 = rows[0]
@@ -231,6 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--comm-dtype", nargs="+", default=["none"], choices=["none", "bf16", "fp16", "fp8"],
                     help="wire dtype(s) for K/V")
+    ap.add_argument("--head-chunks", type=int, nargs="+", default=[1],
+                    help="run the ring over this many groups of K/V heads in turn (one row per value)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per spawned run")
     ap.add_argument("--json", help="write the rows to this JSON file")
@@ -238,7 +268,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     a = ap.parse_args(argv)
     cfg = dict(world_sizes=a.world_sizes, seq=a.seq, batch=a.batch, heads=a.heads,
                kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, dtype=a.dtype, layout=a.layout,
-               causal=a.causal, comm_dtypes=a.comm_dtype, iters=a.iters, timeout=a.timeout)
+               causal=a.causal, comm_dtypes=a.comm_dtype, head_chunks_list=a.head_chunks, iters=a.iters,
+               timeout=a.timeout)
     print(f"# S={a.seq} B={a.batch} H={a.heads} H_kv={cfg['kv_heads']} D={a.head_dim} {a.dtype} "
           f"{a.layout} causal={a.causal}; ring: P processes x 1 thread; 1proc: 1 process x P threads; "
           f"medians of {a.iters} iterations (slowest rank)", flush=True)

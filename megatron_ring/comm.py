@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .failure_notes import who_is_lost
 from .streams import SideStream, side_stream_for
 
 __all__ = ["Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS"]
@@ -42,12 +43,13 @@ class Exchange:
                 raise RingPeerError(
                     f"ring attention: {role} ring peer global rank {peer} failed at {self._channel} step "
                     f"{self._step} (this is global rank {ring.my_global}): {exc}. The peer process or its "
-                    "node has probably died or stalled; check its log.") from exc
+                    "node has probably died or stalled; check its log."
+                    + ring.lost_rank_note(peer, timed_out="Timed out" in str(exc))) from exc
             if ok is False:
                 raise RingPeerError(
                     f"ring attention: {role} ring peer global rank {peer} timed out after "
                     f"{ring.timeout} at {self._channel} step {self._step} (this is global rank "
-                    f"{ring.my_global})")
+                    f"{ring.my_global})" + ring.lost_rank_note(peer, timed_out=True))
         self._works = []
         ring.stream.join()
 
@@ -66,6 +68,11 @@ class Ring:
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.stream: SideStream = side_stream_for(device)
         self.bytes_sent: Counter[str] = Counter()
+
+    def lost_rank_note(self, blamed: int, timed_out: bool) -> str:
+        """Text naming the rank that is really lost (see :mod:`.failure_notes`)."""
+        members = [dist.get_global_rank(self.group, i) for i in range(self.world)]
+        return who_is_lost(members, self.my_global, blamed, timed_out)
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:
         """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""

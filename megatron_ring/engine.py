@@ -26,7 +26,7 @@ from .kernels import BlockKernel
 from .layouts import Layout
 from .merge import merge_into
 
-__all__ = ["RingPlan", "ring_forward", "ring_backward", "RingAttentionFunction"]
+__all__ = ["RingPlan", "ring_forward", "ring_backward", "RingAttentionFunction", "head_groups"]
 
 
 @dataclass
@@ -167,15 +167,39 @@ def _view_like(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return physical.permute([order.index(i) for i in range(like.ndim)])
 
 
+def head_groups(h_kv: int, groups: int) -> list[slice]:
+    """Split K/V heads ``[0, h_kv)`` into ``groups`` near-equal slices (at most one slice per head)."""
+    n = max(1, min(int(groups), h_kv))
+    bounds = [round(i * h_kv / n) for i in range(n + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper. Inputs/outputs are BHSD views; results keep the strides of the inputs."""
+    """Autograd wrapper. Inputs/outputs are BHSD views; results keep the strides of the inputs.
+
+    ``heads`` lists K/V head slices that run through the ring one after another (query heads follow
+    their K/V group): with n slices every per-ring buffer (wire, dK/dV, accumulators, temporaries) is
+    n times smaller, for n times the ring steps; bytes sent and compute are unchanged.
+    """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> torch.Tensor:
-        acc, lse = ring_forward(q, k, v, plan)
-        out = _as_result(acc, q)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
+                heads: list[slice]) -> torch.Tensor:
+        g = q.shape[1] // k.shape[1]
+        if len(heads) == 1:
+            acc, lse = ring_forward(q, k, v, plan)
+            out = _as_result(acc, q)
+        else:
+            out = torch.empty_like(q)
+            lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+            for hs in heads:
+                qs = slice(hs.start * g, hs.stop * g)
+                acc, lse_part = ring_forward(q[:, qs], k[:, hs], v[:, hs], plan)
+                out[:, qs].copy_(acc)
+                lse[:, qs].copy_(lse_part)
+                del acc, lse_part
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
+        ctx.plan, ctx.heads = plan, heads
         return out
 
     @staticmethod
@@ -183,8 +207,19 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout.stride() != out.stride():
             dout = torch.empty_like(out).copy_(dout)
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
-        return _as_result(dq, q), _as_result(dk, k, any_strides=True), _as_result(dv, v, any_strides=True), None
+        if len(ctx.heads) == 1:
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
+            return (_as_result(dq, q), _as_result(dk, k, any_strides=True),
+                    _as_result(dv, v, any_strides=True), None, None)
+        g = q.shape[1] // k.shape[1]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for hs in ctx.heads:
+            qs = slice(hs.start * g, hs.stop * g)
+            parts = ring_backward(dout[:, qs], q[:, qs], k[:, hs], v[:, hs], out[:, qs], lse[:, qs], ctx.plan)
+            for whole, part, sl in zip((dq, dk, dv), parts, (qs, hs, hs)):
+                whole[:, sl].copy_(part)
+            del parts
+        return dq, dk, dv, None, None
 
 
 def _as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False) -> torch.Tensor:

@@ -71,8 +71,17 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                              args=(r, world_size, master.port, outdir, threads_per_rank, pg_timeout,
                                    fn, args, dict(env or {})))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})  # also read at process start (e.g. glibc's MALLOC_* variables)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            for k, old in saved.items():
+                if old is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = old
         deadline = time.monotonic() + timeout
         try:
             for p in procs:

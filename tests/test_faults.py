@@ -32,16 +32,16 @@ def _check(results, victim, timeout_s, bound_s):
         assert isinstance(res, tuple) and res[0] == "error", f"rank {rank}: {res}"
         assert "ring peer global rank" in res[1]
         assert res[2] < bound_s, f"rank {rank} took {res[2]:.1f}s to notice"
-    # the victim's neighbours name it
-    assert f"global rank {victim}" in results[(victim + 1) % len(results)][1]
+        # every survivor, neighbour of the victim or not, names it through the failure-note chain
+        assert f"global rank {victim} left no failure note" in res[1], f"rank {rank}: {res[1]}"
 
 
 def test_dead_peer_is_reported_quickly():
-    res = run_distributed(_fault_worker, 3, "die", 1, 20.0, timeout=120, return_exceptions=True)
+    res = run_distributed(_fault_worker, 4, "die", 1, 20.0, timeout=120, return_exceptions=True)
     assert isinstance(res[1], WorkerError)
     _check(res, 1, 20.0, bound_s=25.0)
 
 
 def test_stalled_peer_times_out_with_its_name():
-    res = run_distributed(_fault_worker, 3, "stall", 2, 3.0, timeout=120, return_exceptions=True)
+    res = run_distributed(_fault_worker, 4, "stall", 2, 3.0, timeout=120, return_exceptions=True)
     _check(res, 2, 3.0, bound_s=15.0)

@@ -47,16 +47,17 @@ def _mismatch_worker(rank, world, what):
         causal = False
     if what == "bad_len_one_rank" and rank == 1:
         s = 7  # invalid for zigzag on this rank only: still reported on every rank, no hang
+    chunks = 2 if what == "head_chunks" and rank == 2 else 1
     q = torch.randn(1, s, 2, 8, dtype=dtype)
     try:
-        ring_attention(q, q, q, causal=causal, layout="zigzag")
+        ring_attention(q, q, q, causal=causal, layout="zigzag", head_chunks=chunks)
     except ValueError as exc:
         return str(exc)
     return None
 
 
 @pytest.mark.parametrize("what,needle", [("seq", "q.shape[1]"), ("dtype", "q.dtype"), ("causal", "causal"),
-                                         ("bad_len_one_rank", "q.shape[1]")])
+                                         ("bad_len_one_rank", "q.shape[1]"), ("head_chunks", "head_chunks")])
 def test_mismatch_across_ranks_raises_everywhere(what, needle):
     msgs = run_distributed(_mismatch_worker, 3, what, timeout=120)
     assert all(m is not None and "different arguments" in m and needle in m for m in msgs), msgs

@@ -25,7 +25,8 @@ def add_context_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argum
     """Add the context-parallel flags the parser does not have yet; returns the parser.
 
     Flags: ``--context-parallel-size``, ``--cp-comm-type``, ``--cp-comm-dtype {none,bf16,fp8}``,
-    ``--cp-layout {zigzag,striped,contiguous}``, ``--hierarchical-context-parallel-sizes``.
+    ``--cp-layout {zigzag,striped,contiguous}``, ``--hierarchical-context-parallel-sizes``,
+    ``--cp-timeout-seconds``.
     """
     group = parser.add_argument_group("context parallelism (megatron_ring)")
     if not _has(parser, "--context-parallel-size"):
@@ -47,6 +48,11 @@ def add_context_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argum
         group.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
                            help="Sub-ring sizes, innermost first (e.g. '4 2': rings of 4 inside a node, "
                                 "2 across nodes); product must equal --context-parallel-size.")
+    if not _has(parser, "--cp-timeout-seconds"):
+        group.add_argument("--cp-timeout-seconds", type=float, default=None,
+                           help="Seconds a ring exchange waits for a peer before failing with a message "
+                                "naming the lost rank (default: env MEGATRON_RING_TIMEOUT_S, else the CP "
+                                "group's timeout).")
     return parser
 
 

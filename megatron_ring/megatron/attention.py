@@ -132,5 +132,6 @@ class RingDotProductAttention(MegatronModule):
         group, cfg = self._ring()
         out = megatron_ring.ring_attention(
             query, key, value, group=group, causal=causal, layout=cfg.layout,
-            softmax_scale=self.softmax_scale, qkv_format="sbhd", comm_dtype=cfg.torch_comm_dtype)
+            softmax_scale=self.softmax_scale, qkv_format="sbhd", comm_dtype=cfg.torch_comm_dtype,
+            timeout_s=cfg.timeout_s)
         return out.view(out.size(0), out.size(1), self.hidden_size_per_partition)

@@ -54,6 +54,9 @@ class RingConfig:
         cp_comm_type: per-layer communication types; only "p2p" (the ring) (``--cp-comm-type``).
         hierarchical_context_parallel_sizes: e.g. ``(intra, inter)`` with product equal to the CP size
             (``--hierarchical-context-parallel-sizes``); builds intra-/inter-node sub-rings.
+        timeout_s: seconds a ring exchange may wait for a peer before ``RingPeerError``
+            (``--cp-timeout-seconds``; None: ``MEGATRON_RING_TIMEOUT_S``, else the CP group's timeout,
+            which Megatron sets from ``--distributed-timeout-minutes``, 30 min by default).
     """
 
     context_parallel_size: int = 1
@@ -61,6 +64,7 @@ class RingConfig:
     comm_dtype: str = "none"
     cp_comm_type: tuple[str, ...] = ("p2p",)
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
+    timeout_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +92,9 @@ class RingConfig:
         if self.layout not in LAYOUTS:
             raise ContextParallelConfigError("--cp-layout", f"unknown layout {self.layout!r}; choose one of "
                                                             f"{sorted(LAYOUTS)}")
+        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ContextParallelConfigError("--cp-timeout-seconds", f"must be a positive number of seconds, "
+                                                                     f"got {self.timeout_s!r}")
         if self.comm_dtype not in COMM_DTYPES:
             raise ContextParallelConfigError("--cp-comm-dtype", f"unknown wire dtype {self.comm_dtype!r}; "
                                                                 f"choose one of {list(COMM_DTYPES)}")
@@ -155,6 +162,7 @@ class RingConfig:
             cp_comm_type=_as_tuple(getattr(args, "cp_comm_type", None)) or ("p2p",),
             hierarchical_context_parallel_sizes=_as_tuple(getattr(args, "hierarchical_context_parallel_sizes",
                                                                   None)),
+            timeout_s=getattr(args, "cp_timeout_seconds", None),
         )
         if validate:
             if world_size is None:
