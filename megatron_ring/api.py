@@ -111,4 +111,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
         raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
     out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))
-    return out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
+    out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
+    return out if out.is_contiguous() else out.contiguous()  # e.g. q was a non-dense view
