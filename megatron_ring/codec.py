@@ -69,24 +69,6 @@ class KVCodec(abc.ABC):
         return buf.numel() * buf.element_size()
 
 
-class IdentityCodec(KVCodec):
-    """Sends K and V exactly as they are: ``[K.flatten(), V.flatten()]`` in the compute dtype."""
-
-    name = "none"
-
-    def new_buffer(self, spec: KVSpec) -> torch.Tensor:
-        return torch.empty(spec.k_numel + spec.v_numel, dtype=spec.dtype, device=spec.device)
-
-    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        nk = k.numel()
-        out[:nk].view(k.shape).copy_(k)
-        out[nk:].view(v.shape).copy_(v)
-
-    def decode(self, buf: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        nk = spec.k_numel
-        return buf[:nk].view(spec.k_shape), buf[nk:].view(spec.v_shape)
-
-
 class WireFiniteError(ValueError):
     """K or V handed to a checking wire codec holds inf or NaN (see ``docs/numerics.md``)."""
 
@@ -96,7 +78,43 @@ def _first_bad(mask_ok: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in (~mask_ok).nonzero()[0].tolist())
 
 
-class CastCodec(KVCodec):
+class _FlatCodec(KVCodec):
+    """``[K.flatten(), V.flatten()]`` in one buffer of a float dtype (:meth:`_wire`)."""
+
+    def _wire(self, spec: KVSpec) -> torch.dtype:
+        raise NotImplementedError
+
+    def _check(self, x: torch.Tensor, what: str) -> None:
+        """Hook: refuse values the wire cannot carry."""
+
+    def new_buffer(self, spec: KVSpec) -> torch.Tensor:
+        return torch.empty(spec.k_numel + spec.v_numel, dtype=self._wire(spec), device=spec.device)
+
+    def wire_bytes(self, spec: KVSpec) -> int:
+        return (spec.k_numel + spec.v_numel) * self._wire(spec).itemsize
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        self._check(k, "K")
+        self._check(v, "V")
+        nk = k.numel()
+        out[:nk].view(k.shape).copy_(k)
+        out[nk:].view(v.shape).copy_(v)
+
+    def decode(self, buf: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        nk = spec.k_numel  # .to() of the same dtype returns the view itself: no copy for IdentityCodec
+        return buf[:nk].view(spec.k_shape).to(spec.dtype), buf[nk:].view(spec.v_shape).to(spec.dtype)
+
+
+class IdentityCodec(_FlatCodec):
+    """Sends K and V exactly as they are: ``[K.flatten(), V.flatten()]`` in the compute dtype."""
+
+    name = "none"
+
+    def _wire(self, spec: KVSpec) -> torch.dtype:
+        return spec.dtype
+
+
+class CastCodec(_FlatCodec):
     """Sends K and V cast to a 16/32-bit float ``wire_dtype``: ``[K.flatten(), V.flatten()]``.
 
     Decoding casts back to the compute dtype (round to nearest even). BF16 keeps the fp32 exponent
@@ -114,13 +132,10 @@ class CastCodec(KVCodec):
             wire_dtype, str(wire_dtype)
         )
 
-    def new_buffer(self, spec: KVSpec) -> torch.Tensor:
-        return torch.empty(spec.k_numel + spec.v_numel, dtype=self.wire_dtype, device=spec.device)
+    def _wire(self, spec: KVSpec) -> torch.dtype:
+        return self.wire_dtype
 
-    def wire_bytes(self, spec: KVSpec) -> int:
-        return (spec.k_numel + spec.v_numel) * self.wire_dtype.itemsize
-
-    def _check_range(self, x: torch.Tensor, what: str) -> None:
+    def _check(self, x: torch.Tensor, what: str) -> None:
         """Raise if ``x`` would overflow an FP16 wire (only checked when the wire is FP16)."""
         if self.wire_dtype != torch.float16 or x.dtype == torch.float16 or x.numel() == 0:
             return
@@ -131,19 +146,6 @@ class CastCodec(KVCodec):
                 f"fp16 wire: {what} has finite |x| > {wmax:g} (fp16 max) at "
                 f"[b, h, s, d]={_first_bad(ok)}; use comm_dtype=torch.bfloat16 or fp8 (scaled)"
             )
-
-    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        self._check_range(k, "K")
-        self._check_range(v, "V")
-        nk = k.numel()
-        out[:nk].view(k.shape).copy_(k)
-        out[nk:].view(v.shape).copy_(v)
-
-    def decode(self, buf: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        nk = spec.k_numel
-        k = buf[:nk].view(spec.k_shape).to(spec.dtype)
-        v = buf[nk:].view(spec.v_shape).to(spec.dtype)
-        return k, v
 
 
 # Scale exponents are clamped to [-_EXP_LIMIT, _EXP_LIMIT]: 2^±120 and its reciprocal stay normal fp32.
@@ -234,9 +236,7 @@ class FP8Codec(KVCodec):
     # ----- scales -------------------------------------------------------------------------
     def _row_scale(self, g: torch.Tensor, s: int) -> torch.Tensor:
         """Per-group ``[b, h, g]`` -> broadcastable per-token ``[b, h, s|1, 1]``."""
-        if g.shape[-1] == 1:
-            return g.unsqueeze(-1)
-        if self.group_tokens == 1:
+        if g.shape[-1] == 1 or self.group_tokens == 1:  # one scale per block, or per token already
             return g.unsqueeze(-1)
         return g.repeat_interleave(self.group_tokens, dim=-1)[..., :s].unsqueeze(-1)
 

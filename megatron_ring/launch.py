@@ -25,9 +25,8 @@ class WorkerError(RuntimeError):
 
 
 def _worker(rank: int, world: int, port: int, outdir: str, threads: int, pg_timeout: float,
-            fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> None:
-    os.environ.update(env)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # `env` of run_on_ranks arrives with the spawn
     path = os.path.join(outdir, f"rank{rank}.pkl")
     try:
         import torch
@@ -69,7 +68,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     with tempfile.TemporaryDirectory(prefix="megatron_ring_") as outdir:
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(r, world_size, master.port, outdir, threads_per_rank, pg_timeout,
-                                   fn, args, dict(env or {})))
+                                   fn, args))
                  for r in range(world_size)]
         saved = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})  # also read at process start (e.g. glibc's MALLOC_* variables)

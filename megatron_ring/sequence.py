@@ -35,8 +35,8 @@ class _GatherSequence(torch.autograd.Function):
         dist.all_gather(parts, x_local.contiguous(), group=group)
         seq_len = x_local.shape[dim] * world
         order = torch.cat([lay.positions(seq_len, world, r) for r in range(world)])
-        full = torch.empty_like(torch.cat(parts, dim))
-        full.index_copy_(dim, order.to(x_local.device), torch.cat(parts, dim))
+        stacked = torch.cat(parts, dim)  # rank order; `order` says where each row belongs globally
+        full = torch.empty_like(stacked).index_copy_(dim, order.to(x_local.device), stacked)
         ctx.dim, ctx.group, ctx.lay, ctx.world, ctx.rank, ctx.sum_grads = dim, group, lay, world, rank, sum_grads
         return full
 

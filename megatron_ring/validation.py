@@ -107,7 +107,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: 
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     bdim, sdim = (0, 1) if qkv_format == "bshd" else (1, 0)
-    if k.shape != v.shape[:3] + k.shape[3:] or k.shape[:3] != v.shape[:3]:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k and v must agree in batch, sequence and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[bdim] != k.shape[bdim] or q.shape[sdim] != k.shape[sdim]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same batch and local "
