@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from megatron_ring.codec import COMM_DTYPE_ALIASES
 from megatron_ring.layouts import LAYOUTS, get_layout
 
 __all__ = [
@@ -20,12 +21,8 @@ __all__ = [
     "CP_COMM_TYPES",
 ]
 
-#: ``--cp-comm-dtype`` choices and the wire dtype each one means.
-COMM_DTYPES: dict[str, torch.dtype | None] = {
-    "none": None,
-    "bf16": torch.bfloat16,
-    "fp8": torch.float8_e4m3fn,
-}
+#: ``--cp-comm-dtype`` choices; the codec's alias table says which wire dtype each one means.
+COMM_DTYPES: tuple[str, ...] = ("none", "bf16", "fp8")
 #: ``--cp-comm-type`` values this plugin runs (Megatron-LM also knows a2a, allgather, a2a+p2p: TE only).
 CP_COMM_TYPES: tuple[str, ...] = ("p2p",)
 
@@ -78,7 +75,7 @@ class RingConfig:
     @property
     def torch_comm_dtype(self) -> torch.dtype | None:
         """The wire dtype handed to :func:`megatron_ring.ring_attention` (None: send as computed)."""
-        return COMM_DTYPES[self.comm_dtype]
+        return COMM_DTYPE_ALIASES[self.comm_dtype]
 
     @property
     def seq_multiple(self) -> int:

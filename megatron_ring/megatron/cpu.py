@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron_ring.layouts import get_layout
+
 __all__ = ["enable_cpu_support", "disable_cpu_support", "megatron_cpu", "cpu_support_enabled"]
 
 _lock = threading.Lock()
@@ -68,11 +70,8 @@ def _cpu_get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_gro
     """Megatron's zigzag slice of a positional embedding, with the index built on ``pos_emb.device``."""
     if cp_group is None:
         raise ValueError("cp_group must be provided to get positional embedding per CP rank")
-    cp_size, cp_rank = cp_group.size(), cp_group.rank()
-    idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
-    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
-    pos_emb = pos_emb.index_select(seq_dim, idx)
-    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+    pos = get_layout("zigzag").positions(pos_emb.shape[seq_dim], cp_group.size(), cp_group.rank())
+    return pos_emb.index_select(seq_dim, pos.to(pos_emb.device))
 
 
 def _make_cpu_tracker_class():

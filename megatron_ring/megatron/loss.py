@@ -39,9 +39,9 @@ def reduce_loss_over_cp(losses: torch.Tensor, loss_mask: torch.Tensor, group: An
     One all-reduce of ``[sum(loss * mask), sum(mask)]`` over the CP group (default: the registered ring).
     """
     group = _cp_group(group)
-    mask = loss_mask.to(losses.dtype if losses.is_floating_point() else torch.float32)
-    local = (losses.float() * mask.float()).sum()
-    stats = torch.stack([local.detach(), mask.float().sum()])
+    mask = loss_mask.float()
+    local = (losses.float() * mask).sum()
+    stats = torch.stack([local.detach(), mask.sum()])
     if dist.get_world_size(group) > 1:
         dist.all_reduce(stats, group=group)
     count = stats[1].clamp(min=1.0)
