@@ -9,26 +9,16 @@ CP = 4 ring attention. Extra arguments after ``--`` go to both runs.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from train_gpt_job import run_train_gpt
 
 
-def run(cp: int, args: argparse.Namespace, extra: list[str], out: str) -> dict:
-    rdzv = ["--standalone"] if not args.master_port else ["--master-port", str(args.master_port + cp)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), *rdzv,
-           os.path.join(HERE, "train_gpt.py"), "--context-parallel-size", str(cp),
-           "--train-iters", str(args.steps), "--seq-length", str(args.seq_length), "--cp-layout", args.cp_layout,
-           "--log-json", out, "--quiet", *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    print(f"$ {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True, env=env, timeout=args.timeout)
-    with open(out) as f:
-        return json.load(f)
+def run(cp: int, args: argparse.Namespace, extra: list[str]) -> dict:
+    return run_train_gpt(cp, ["--context-parallel-size", str(cp), "--train-iters", str(args.steps),
+                              "--seq-length", str(args.seq_length), "--cp-layout", args.cp_layout, "--quiet",
+                              *extra],
+                         timeout=args.timeout, master_port=args.master_port and args.master_port + cp)
 
 
 def main() -> int:
@@ -41,9 +31,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1800)
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    with tempfile.TemporaryDirectory() as tmp:
-        a = run(1, args, extra, os.path.join(tmp, "cp1.json"))
-        b = run(args.cp, args, extra, os.path.join(tmp, f"cp{args.cp}.json"))
+    a = run(1, args, extra)
+    b = run(args.cp, args, extra)
     print(f"\nseq {args.seq_length}, layout {args.cp_layout}: CP=1 ({a['attention']} attention) vs "
           f"CP={args.cp} ({b['attention']} attention)")
     print(f"{'step':>5} | {'loss CP=1':>10} | {f'loss CP={args.cp}':>10} | {'|diff|':>9}")

@@ -10,28 +10,16 @@ CP = 4 runs ``--cp-seq-factor`` (default 4) times the length.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from train_gpt_job import run_train_gpt
 
 
-def one(cp: int, seq: int, args: argparse.Namespace, tmp: str) -> dict | None:
-    out = os.path.join(tmp, f"cp{cp}_{seq}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-port",
-           str(args.master_port), os.path.join(HERE, "train_gpt.py"), "--context-parallel-size", str(cp),
-           "--seq-length", str(seq), "--train-iters", "2", "--attention-impl", "ring", "--quiet",
-           "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers), "--log-json", out]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
-    if r.returncode != 0:
-        print(f"  cp={cp} seq={seq} failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
-        return None
-    with open(out) as f:
-        return json.load(f)
+def one(cp: int, seq: int, args: argparse.Namespace) -> dict | None:
+    return run_train_gpt(cp, ["--context-parallel-size", str(cp), "--seq-length", str(seq), "--train-iters", "2",
+                              "--attention-impl", "ring", "--quiet", "--hidden-size", str(args.hidden_size),
+                              "--num-layers", str(args.num_layers)],
+                         timeout=args.timeout, master_port=args.master_port, quiet=True)
 
 
 def main() -> int:
@@ -41,17 +29,16 @@ def main() -> int:
     p.add_argument("--cp-seq-factor", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--master-port", type=int, default=29680)
+    p.add_argument("--master-port", type=int, default=0, help="0: torchrun --standalone picks a free port")
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args()
     print(f"{'CP':>3} | {'seq':>7} | {'seq/rank':>8} | {'peak RSS/rank MiB':>17} | {'above baseline MiB':>18} | {'tok/s':>7}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for seq in args.seq_lengths:
-            for cp, s in ((1, seq), (args.cp, seq * args.cp_seq_factor)):
-                r = one(cp, s, args, tmp)
-                if r:
-                    print(f"{cp:>3} | {s:>7} | {s // cp:>8} | {r['peak_rss_mib']:>17.0f} | "
-                          f"{r['peak_rss_mib'] - r['startup_rss_mib']:>18.0f} | {r['tokens_per_s']:>7.0f}", flush=True)
+    for seq in args.seq_lengths:
+        for cp, s in ((1, seq), (args.cp, seq * args.cp_seq_factor)):
+            r = one(cp, s, args)
+            if r:
+                print(f"{cp:>3} | {s:>7} | {s // cp:>8} | {r['peak_rss_mib']:>17.0f} | "
+                      f"{r['peak_rss_mib'] - r['startup_rss_mib']:>18.0f} | {r['tokens_per_s']:>7.0f}", flush=True)
     return 0
 
 

@@ -7,20 +7,17 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 
 from megatron_ring import gather_sequence, ring_attention, shard_sequence
 from megatron_ring.launch import run_on_ranks
 
 
 def full_attention_fp64(q, k, v, causal):
-    """Full-sequence attention in float64 on one process (``[b, S, h, d]``)."""
-    qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k, v))
-    g = qh.shape[1] // kh.shape[1]
-    kh, vh = kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1)
-    s = qh @ kh.transpose(-1, -2) / q.shape[-1] ** 0.5
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return (torch.softmax(s, -1) @ vh).transpose(1, 2)
+    """Full-sequence attention on one process: torch's SDPA in float64 (``[b, S, h, d]``)."""
+    out = F.scaled_dot_product_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), is_causal=causal,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def check_worker(rank, world, seq):
