@@ -2,14 +2,20 @@
 
 :class:`Ring` wraps a torch.distributed process group; :class:`LoopbackRing` keeps the same interface
 but copies locally (the benchmark's "compute only" mode, and the single-process case). Every exchange
-is asynchronous: :meth:`Ring.exchange` returns at once and :meth:`Exchange.wait` joins it. Failures and
-time-outs become :class:`RingPeerError` naming the peer (global rank) and the step.
+is asynchronous: :meth:`Ring.exchange` returns at once and :meth:`Exchange.wait` joins it. Every
+failure -- when the operations are launched or when they are waited for -- and every time-out becomes
+:class:`RingPeerError` naming the peer(s) (global ranks) and the step, after this rank has left its
+failure note (:mod:`.failure_notes`).
+
+Backends differ in what one launch returns: gloo gives one Work per operation, so the ring launches
+the send and the receive separately and a failure names the one peer involved; NCCL coalesces the
+batch into ONE Work, so a failure of it names both neighbours.
 """
 from __future__ import annotations
 
 import datetime
 from collections import Counter
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,40 +23,54 @@ import torch.distributed as dist
 from .failure_notes import who_is_lost
 from .streams import SideStream, side_stream_for
 
-__all__ = ["Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS"]
+__all__ = ["Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS", "looks_like_timeout"]
 
 # Distinct tags keep the K/V ring and the dK/dV ring apart on backends that match by tag (gloo).
 CHANNEL_TAGS = {"fwd_kv": 11, "bwd_kv": 12, "bwd_dkv": 13}
+
+Role = tuple[str, int]  # ("sending to" | "receiving from", peer global rank)
 
 
 class RingPeerError(RuntimeError):
     """A ring neighbour failed, vanished or did not answer in time."""
 
 
-class Exchange:
-    """An exchange in flight; :meth:`wait` blocks until both the send and the receive are done."""
+def looks_like_timeout(text: str) -> bool:
+    """Whether a backend's error text reports a time-out (gloo: "Timed out waiting ..."; NCCL: "... timed
+    out in blocking wait", "Watchdog caught collective operation timeout ... before timing out")."""
+    low = text.lower()
+    return "timed out" in low or "timing out" in low or "operation timeout" in low
 
-    def __init__(self, ring: "Ring", works: list[Any], channel: str, step: int) -> None:
-        self._ring, self._works, self._channel, self._step = ring, works, channel, step
+
+def _supports_coalescing(group: Any, device: torch.device) -> bool:
+    """True where ``batch_isend_irecv`` returns one Work for the whole batch (NCCL)."""
+    try:
+        return bool(group._get_backend(device).supports_coalescing)
+    except Exception:  # noqa: BLE001 - unknown backend object: treat as one Work per operation
+        return False
+
+
+class Exchange:
+    """An exchange in flight; :meth:`wait` blocks until both the send and the receive are done.
+
+    ``pending`` pairs the roles (peer and direction) each launched batch covers with its Works.
+    """
+
+    def __init__(self, ring: "Ring", pending: list[tuple[tuple[Role, ...], list[Any]]], channel: str,
+                 step: int) -> None:
+        self._ring, self._pending, self._channel, self._step = ring, pending, channel, step
 
     def wait(self) -> None:
         ring = self._ring
-        roles = (("sending to", ring.next_global), ("receiving from", ring.prev_global))
-        for (role, peer), work in zip(roles, self._works):
-            try:
-                ok = work.wait(ring.timeout) if ring.timeout is not None else work.wait()
-            except Exception as exc:  # noqa: BLE001 - re-raised with the peer named
-                raise RingPeerError(
-                    f"ring attention: {role} ring peer global rank {peer} failed at {self._channel} step "
-                    f"{self._step} (this is global rank {ring.my_global}): {exc}. The peer process or its "
-                    "node has probably died or stalled; check its log."
-                    + ring.lost_rank_note(peer, timed_out="Timed out" in str(exc))) from exc
-            if ok is False:
-                raise RingPeerError(
-                    f"ring attention: {role} ring peer global rank {peer} timed out after "
-                    f"{ring.timeout} at {self._channel} step {self._step} (this is global rank "
-                    f"{ring.my_global})" + ring.lost_rank_note(peer, timed_out=True))
-        self._works = []
+        for roles, works in self._pending:
+            for work in works:
+                try:
+                    ok = work.wait(ring.timeout) if ring.timeout is not None else work.wait()
+                except Exception as exc:  # noqa: BLE001 - re-raised with the peer named
+                    raise ring.peer_error(roles, self._channel, self._step, exc=exc) from exc
+                if ok is False:
+                    raise ring.peer_error(roles, self._channel, self._step, timed_out=True)
+        self._pending = []
         ring.stream.join()
 
 
@@ -65,28 +85,58 @@ class Ring:
         self.next_global = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self.prev_global = dist.get_global_rank(group, (self.rank - 1) % self.world)
         self.my_global = dist.get_global_rank(group, self.rank)
+        self.members = [dist.get_global_rank(group, i) for i in range(self.world)]
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.stream: SideStream = side_stream_for(device)
+        self.coalesced = _supports_coalescing(group, device)
         self.bytes_sent: Counter[str] = Counter()
 
-    def lost_rank_note(self, blamed: int, timed_out: bool) -> str:
+    def lost_rank_note(self, blamed: int | Sequence[int], timed_out: bool) -> str:
         """Text naming the rank that is really lost (see :mod:`.failure_notes`)."""
-        members = [dist.get_global_rank(self.group, i) for i in range(self.world)]
-        return who_is_lost(members, self.my_global, blamed, timed_out)
+        return who_is_lost(self.members, self.my_global, blamed, timed_out)
+
+    def peer_error(self, roles: Sequence[Role], channel: str, step: int, exc: BaseException | None = None,
+                   timed_out: bool = False, at_launch: bool = False) -> RingPeerError:
+        """The error for a failed exchange with ``roles``; writes this rank's failure note first."""
+        timed_out = timed_out or (exc is not None and looks_like_timeout(str(exc)))
+        if len(roles) == 1:
+            who = f"{roles[0][0]} ring peer global rank {roles[0][1]}"
+        else:
+            who = "exchanging with " + " and ".join(f"ring peer global rank {p} ({r})" for r, p in roles)
+        what = (f"timed out after {self.timeout}" if timed_out and exc is None
+                else "failed to start" if at_launch else "failed")
+        detail = f": {exc}" if exc is not None else ""
+        return RingPeerError(
+            f"ring attention: {who} {what} at {channel} step {step} (this is global rank {self.my_global})"
+            f"{detail}. The peer process or its node has probably died or stalled; check its log."
+            + self.lost_rank_note([p for _, p in roles], timed_out=timed_out))
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:
         """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
         tag = CHANNEL_TAGS[channel]
-        ops = [dist.P2POp(dist.isend, send, self.next_global, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev_global, self.group, tag)]
+        send_role, recv_role = ("sending to", self.next_global), ("receiving from", self.prev_global)
+        send_op = dist.P2POp(dist.isend, send, self.next_global, self.group, tag)
+        recv_op = dist.P2POp(dist.irecv, recv, self.prev_global, self.group, tag)
+        # Without coalescing (gloo) batch_isend_irecv issues the operations one by one anyway; one call
+        # per operation tells which peer a launch failure concerns. NCCL gets one batch (one Work).
+        batches = ([((send_role, recv_role), [send_op, recv_op])] if self.coalesced
+                   else [((send_role,), [send_op]), ((recv_role,), [recv_op])])
+        pending: list[tuple[tuple[Role, ...], list[Any]]] = []
         with self.stream.launch(send, recv):
-            works = dist.batch_isend_irecv(ops)
+            for roles, ops in batches:
+                try:
+                    pending.append((roles, list(dist.batch_isend_irecv(ops))))
+                except Exception as exc:  # noqa: BLE001 - e.g. gloo: the peer's connection already closed
+                    raise self.peer_error(roles, channel, step, exc=exc, at_launch=True) from exc
         self.bytes_sent[channel] += send.numel() * send.element_size()
-        return Exchange(self, works, channel, step)
+        return Exchange(self, pending, channel, step)
 
 
 class _DoneWork:
     def wait(self, *_: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
 
@@ -97,11 +147,13 @@ class LoopbackRing(Ring):
         self.group = None
         self.world, self.rank = world, rank
         self.next_global = self.prev_global = self.my_global = rank
+        self.members = list(range(world))
         self.timeout = None
         self.stream = SideStream(torch.device("cpu"))  # no side stream: copies run inline
+        self.coalesced = False
         self.bytes_sent = Counter()
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:
         recv.copy_(send)
         self.bytes_sent[channel] += send.numel() * send.element_size()
-        return Exchange(self, [_DoneWork(), _DoneWork()], channel, step)
+        return Exchange(self, [], channel, step)
