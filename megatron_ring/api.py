@@ -13,6 +13,7 @@ from .comm import LoopbackRing, Ring
 from .engine import RingAttentionFunction, RingPlan, head_groups
 from .kernels import BlockKernel, select_kernel
 from .layouts import Layout, get_layout
+from .ring_status import refuse_on_every_rank
 from .validation import call_signature, check_inputs, check_same_across_ranks
 
 __all__ = ["ring_attention", "resolve_group"]
@@ -97,7 +98,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name})
     if codec_error is not None:
         raise codec_error
-    check_inputs(q, k, v, qkv_format)
+    refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, check_inputs, q, k, v, qkv_format)
     lay = get_layout(layout)
     s_dim = 1 if qkv_format == "bshd" else 0
     lay.check_local_len(q.shape[s_dim], ring.world)
@@ -107,7 +108,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     to_bhsd = (lambda t: t.transpose(1, 2)) if qkv_format == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
     qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
     plan = RingPlan(ring=ring, layout=lay, causal=bool(causal), scale=float(scale),
-                    kernel=select_kernel(qh, kernel), codec=codec)
+                    kernel=refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, select_kernel, qh, kernel),
+                    codec=codec)
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
         raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
     out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))

@@ -50,6 +50,8 @@ class KVCodec(abc.ABC):
     """Packs K and V into one flat buffer and back. Subclasses set ``name``."""
 
     name: str = "abstract"
+    #: whether :meth:`encode` checks values (and so synchronises with the device once per call)
+    checks_values: bool = False
 
     @abc.abstractmethod
     def new_buffer(self, spec: KVSpec) -> torch.Tensor:
@@ -128,6 +130,7 @@ class CastCodec(_FlatCodec):
         if not wire_dtype.is_floating_point or wire_dtype.itemsize < 2:
             raise ValueError(f"CastCodec needs a 16/32-bit float wire dtype, got {wire_dtype}")
         self.wire_dtype = wire_dtype
+        self.checks_values = wire_dtype == torch.float16
         self.name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
             wire_dtype, str(wire_dtype)
         )
@@ -187,7 +190,7 @@ class FP8Codec(KVCodec):
             raise ValueError(f"group_tokens must be >= 1 or None, got {group_tokens}")
         self.fp8_dtype = fp8_dtype
         self.group_tokens = group_tokens
-        self.check_finite = check_finite
+        self.check_finite = self.checks_values = check_finite
         self.fp8_max = float(torch.finfo(fp8_dtype).max)
         self.name = "fp8_e4m3" if fp8_dtype == torch.float8_e4m3fn else "fp8_e5m2"
         self._luts: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

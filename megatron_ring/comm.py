@@ -10,6 +10,12 @@ failure note (:mod:`.failure_notes`).
 Backends differ in what one launch returns: gloo gives one Work per operation, so the ring launches
 the send and the receive separately and a failure names the one peer involved; NCCL coalesces the
 batch into ONE Work, so a failure of it names both neighbours.
+
+The deadline (``timeout_s``): where a wait blocks the host anyway (gloo on CPU), each wait carries the
+timeout. Where it does not (CUDA, NCCL: ``work.wait()`` only orders streams, ``work.wait(timeout)``
+would block the CPU thread every step), waits carry no timeout and :mod:`.deadline`'s watchdog thread
+checks ``is_completed()`` against the deadline, aborts the ring's communicators on expiry and records the
+error, which the ring's next launch or wait raises.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .deadline import watchdog
 from .failure_notes import who_is_lost
 from .streams import SideStream, side_stream_for
 
@@ -62,11 +69,14 @@ class Exchange:
 
     def wait(self) -> None:
         ring = self._ring
+        ring.raise_if_failed()
+        host_timeout = ring.timeout if not ring.watchdog_deadline else None
         for roles, works in self._pending:
             for work in works:
                 try:
-                    ok = work.wait(ring.timeout) if ring.timeout is not None else work.wait()
+                    ok = work.wait(host_timeout) if host_timeout is not None else work.wait()
                 except Exception as exc:  # noqa: BLE001 - re-raised with the peer named
+                    ring.raise_if_failed()  # the watchdog's diagnosis (it aborted the communicator)
                     raise ring.peer_error(roles, self._channel, self._step, exc=exc) from exc
                 if ok is False:
                     raise ring.peer_error(roles, self._channel, self._step, timed_out=True)
@@ -89,14 +99,25 @@ class Ring:
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.stream: SideStream = side_stream_for(device)
         self.coalesced = _supports_coalescing(group, device)
+        # Waits that do not block the host get their deadline from the watchdog (see module doc).
+        self.watchdog_deadline = self.coalesced or device.type == "cuda"
+        self.failure: RingPeerError | None = None  # set by the watchdog; raised by the next launch/wait
         self.bytes_sent: Counter[str] = Counter()
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise RingPeerError(str(self.failure)) from self.failure
+
+    def abort_communicators(self) -> None:
+        """Abort the ring group's communicators (releases device streams stuck on a dead peer)."""
+        self.group.abort()
 
     def lost_rank_note(self, blamed: int | Sequence[int], timed_out: bool) -> str:
         """Text naming the rank that is really lost (see :mod:`.failure_notes`)."""
         return who_is_lost(self.members, self.my_global, blamed, timed_out)
 
     def peer_error(self, roles: Sequence[Role], channel: str, step: int, exc: BaseException | None = None,
-                   timed_out: bool = False, at_launch: bool = False) -> RingPeerError:
+                   timed_out: bool = False, at_launch: bool = False, detail: str = "") -> RingPeerError:
         """The error for a failed exchange with ``roles``; writes this rank's failure note first."""
         timed_out = timed_out or (exc is not None and looks_like_timeout(str(exc)))
         if len(roles) == 1:
@@ -105,7 +126,7 @@ class Ring:
             who = "exchanging with " + " and ".join(f"ring peer global rank {p} ({r})" for r, p in roles)
         what = (f"timed out after {self.timeout}" if timed_out and exc is None
                 else "failed to start" if at_launch else "failed")
-        detail = f": {exc}" if exc is not None else ""
+        detail = f": {exc}" if exc is not None else f": {detail}" if detail else ""
         return RingPeerError(
             f"ring attention: {who} {what} at {channel} step {step} (this is global rank {self.my_global})"
             f"{detail}. The peer process or its node has probably died or stalled; check its log."
@@ -122,12 +143,17 @@ class Ring:
         batches = ([((send_role, recv_role), [send_op, recv_op])] if self.coalesced
                    else [((send_role,), [send_op]), ((recv_role,), [recv_op])])
         pending: list[tuple[tuple[Role, ...], list[Any]]] = []
+        self.raise_if_failed()
         with self.stream.launch(send, recv):
+            started = self.stream.marker() if self.watchdog_deadline else None
             for roles, ops in batches:
                 try:
                     pending.append((roles, list(dist.batch_isend_irecv(ops))))
                 except Exception as exc:  # noqa: BLE001 - e.g. gloo: the peer's connection already closed
                     raise self.peer_error(roles, channel, step, exc=exc, at_launch=True) from exc
+        if self.watchdog_deadline and self.timeout is not None:
+            for roles, works in pending:
+                watchdog.watch(self, roles, works, channel, step, started)
         self.bytes_sent[channel] += send.numel() * send.element_size()
         return Exchange(self, pending, channel, step)
 
@@ -150,7 +176,8 @@ class LoopbackRing(Ring):
         self.members = list(range(world))
         self.timeout = None
         self.stream = SideStream(torch.device("cpu"))  # no side stream: copies run inline
-        self.coalesced = False
+        self.coalesced = self.watchdog_deadline = False
+        self.failure = None
         self.bytes_sent = Counter()
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:

@@ -25,6 +25,7 @@ from .comm import Exchange, Ring
 from .kernels import BlockKernel
 from .layouts import Layout
 from .merge import merge_into
+from .ring_status import RingStatus, check_pending, status_buffers
 
 __all__ = ["RingPlan", "ring_forward", "ring_backward", "RingAttentionFunction", "head_groups"]
 
@@ -51,10 +52,11 @@ class _KVStream:
     def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str) -> None:
         self.plan, self.k, self.v, self.channel = plan, k, v, channel
         self.spec = KVSpec(tuple(k.shape), tuple(v.shape), k.dtype, k.device)
-        self.bufs: list[torch.Tensor] = []
+        self.bufs: list[torch.Tensor] = []  # wire payload + one status element (see ring_status)
+        self.status = RingStatus(plan.ring, plan.codec, k.device)
         if plan.ring.world > 1:
-            self.bufs = [plan.codec.new_buffer(self.spec), plan.codec.new_buffer(self.spec)]
-            plan.codec.encode(k, v, self.bufs[0])
+            self.bufs = status_buffers(plan.codec, self.spec)
+            self.status.encode(k, v, self.bufs[0])  # an error is raised after the ring, on every rank
         self.pending: Exchange | None = None
 
     def start(self, step: int) -> None:
@@ -67,7 +69,9 @@ class _KVStream:
         """K, V visiting at ``step`` (the local tensors at step 0, decoded wire data after)."""
         if step == 0:
             return self.k, self.v
-        return self.plan.codec.decode(self.bufs[step % 2], self.spec)
+        buf = self.bufs[step % 2]
+        self.status.received((self.plan.ring.rank - step) % self.plan.ring.world, buf)
+        return self.plan.codec.decode(buf[:-1], self.spec)
 
     def finish(self) -> None:
         """Wait for the exchange started in this step."""
@@ -85,6 +89,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kv.start(step)
         _forward_step(q, *kv.block(step), plan, step, acc)
         kv.finish()
+    if plan.ring.world > 1:
+        kv.status.settle(plan)  # every rank raises if any rank's K/V (or input) was refused
     assert acc, "every layout computes the diagonal block"
     return acc[0], acc[1]
 
@@ -112,6 +118,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
     ``out`` and ``lse`` are the forward's final (global) output and log-sum-exp for the local queries.
     """
+    check_pending(plan)
     s = q.shape[2]
     world = plan.ring.world
     kv = _KVStream(plan, k, v, "bwd_kv")

@@ -35,6 +35,15 @@ class SideStream:
         for buf in buffers:
             buf.record_stream(self.stream)
 
+    def marker(self):
+        """Inside :meth:`launch`: a callable telling whether the device has reached this point of the side
+        stream (a recorded CUDA event; None on devices without streams: reached at once)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event.query
+
     def join(self) -> None:
         """Make the compute stream wait for everything launched so far."""
         if self.stream is not None:

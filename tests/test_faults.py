@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from ring_fakes import DoneWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
 from megatron_ring import RingPeerError, ring_attention
-from megatron_ring.comm import Ring
 from megatron_ring.failure_notes import who_is_lost
 from megatron_ring.launch import WorkerError
 
@@ -97,32 +97,15 @@ def test_stalled_peer_times_out_with_its_name():
 
 # ----- launch-time failures in one process (a world of one; the ring's peers are set by hand) -----
 
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.distributed_c10d._get_default_store()
-    finally:
-        dist.destroy_process_group()
-
-
-def _ring_as(rank, world, coalesced):
-    ring = Ring(dist.group.WORLD, torch.device("cpu"), timeout_s=5.0)
-    ring.world, ring.rank, ring.my_global = world, rank, rank
-    ring.next_global, ring.prev_global = (rank + 1) % world, (rank - 1) % world
-    ring.members, ring.coalesced = list(range(world)), coalesced
-    return ring
-
-
 @pytest.mark.parametrize("failing_op", ["isend", "irecv"])
 def test_launch_failure_names_its_peer_and_writes_a_note(one_rank_group, monkeypatch, failing_op):
     def launch(ops):
         if any(op.op.__name__ == failing_op for op in ops):
             raise RuntimeError("[fake] Connection closed by peer")
-        return [_Done() for _ in ops]
+        return [DoneWork() for _ in ops]
 
     monkeypatch.setattr(dist, "batch_isend_irecv", launch)
-    ring = _ring_as(2, 4, coalesced=False)
+    ring = ring_as(2, 4, coalesced=False)
     buf = torch.zeros(4)
     with pytest.raises(RingPeerError) as info:
         ring.exchange(buf, torch.empty(4), "bwd_dkv", 3)
@@ -144,10 +127,3 @@ def test_failure_chain_follows_notes_naming_two_peers(one_rank_group):
     text = who_is_lost([0, 1, 2, 3], 2, [1, 3], timed_out=False, grace_s=0.2)
     assert "global rank 1 left no failure note" in text, text
 
-
-class _Done:
-    def wait(self, *_):
-        return True
-
-    def is_completed(self):
-        return True

@@ -58,4 +58,4 @@ def test_loopback_ring_counts_bytes_like_the_real_one():
     ring = LoopbackRing(4, 1, torch.device("cpu"))
     q = torch.randn(1, 8, 2, 16)
     ring_attention(q, q, q, causal=True, ring=ring)
-    assert ring.bytes_sent["fwd_kv"] == 3 * 2 * q.numel() * 4
+    assert ring.bytes_sent["fwd_kv"] == 3 * (2 * q.numel() + 1) * 4  # K, V and the status element

@@ -1,0 +1,116 @@
+"""NCCL's fault behaviour, checked on CPU through the transport seam (tests/ring_fakes.py).
+
+On NCCL ``batch_isend_irecv`` returns ONE coalesced Work for the send and the receive, and
+``work.wait()`` does not block the host. So: a failure must name both neighbours; the ring must never
+call ``work.wait(timeout)`` (a blocking host wait per step); the deadline is kept by the watchdog thread,
+whose error reads like NCCL's own time-out and is raised by the ring's next launch or wait.
+"""
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ring_fakes import NcclLikeWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
+from megatron_ring import RingPeerError
+from megatron_ring.comm import looks_like_timeout
+from megatron_ring.deadline import watchdog
+
+BOTH = "exchanging with ring peer global rank 3 (sending to) and ring peer global rank 1 (receiving from)"
+
+
+def _one_work_backend(monkeypatch, work):
+    batches = []
+
+    def launch(ops):
+        batches.append([(op.op.__name__, op.peer) for op in ops])
+        return [work]
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", launch)
+    return batches
+
+
+def test_nccl_single_work_failure_names_both_neighbours(one_rank_group, monkeypatch):
+    work = NcclLikeWork()
+    batches = _one_work_backend(monkeypatch, work)
+    ring = ring_as(2, 4, coalesced=True, timeout_s=None)
+    ex = ring.exchange(torch.zeros(4), torch.empty(4), "fwd_kv", 1)
+    assert batches == [[("isend", 3), ("irecv", 1)]]  # one batch: NCCL coalesces it into one Work
+    work.fail(RuntimeError("[fake] NCCL error: remote process exited or there was a network error"))
+    with pytest.raises(RingPeerError) as info:
+        ex.wait()
+    msg = str(info.value)
+    assert f"{BOTH} failed at fwd_kv step 1 (this is global rank 2)" in msg, msg
+    assert "sending to ring peer global rank 3 failed" not in msg  # the one Work is not blamed on the send
+    assert one_rank_group.get("megatron_ring/failure/0-1-2-3/2") == b"3,1"
+    assert "global ranks 3, 1 left no failure note; one of them (or its node) is lost" in msg, msg
+
+
+def test_nccl_launch_failure_names_both_neighbours(one_rank_group, monkeypatch):
+    def launch(ops):
+        raise RuntimeError("[fake] NCCL error in: ncclGroupEnd")
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", launch)
+    ring = ring_as(2, 4, coalesced=True, timeout_s=None)
+    with pytest.raises(RingPeerError, match=re.escape(f"{BOTH} failed to start at bwd_kv step 0")):
+        ring.exchange(torch.zeros(4), torch.empty(4), "bwd_kv", 0)
+
+
+def test_nccl_deadline_never_blocks_the_host(one_rank_group, monkeypatch):
+    """The normal path: wait() without a timeout (stream ordering only); the watchdog lets go of the
+    exchange once it completes, and nothing fails."""
+    work = NcclLikeWork()
+    _one_work_backend(monkeypatch, work)
+    ring = ring_as(2, 4, coalesced=True, timeout_s=0.5)
+    t0 = time.monotonic()
+    for step in range(3):
+        ring.exchange(torch.zeros(4), torch.empty(4), "fwd_kv", step).wait()
+    assert time.monotonic() - t0 < 0.4  # returned before the work completed (and before the deadline)
+    assert work.wait_calls == [(), (), ()]  # never work.wait(timeout): that blocks NCCL's host thread
+    work.finish()
+    deadline = time.monotonic() + 5
+    while watchdog.pending() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert watchdog.pending() == 0 and ring.failure is None and ring.aborted == 0
+
+
+def test_nccl_deadline_expiry_aborts_and_raises_nccl_like_text(one_rank_group, monkeypatch):
+    work = NcclLikeWork()  # never completes: the peer is gone
+    _one_work_backend(monkeypatch, work)
+    ring = ring_as(2, 4, coalesced=True, timeout_s=0.3)
+    ring.exchange(torch.zeros(4), torch.empty(4), "bwd_dkv", 2).wait()  # returns: no host block
+    deadline = time.monotonic() + 10  # 0.3 s deadline + the note walk (2 s after a time-out)
+    while ring.failure is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ring.aborted == 1  # the communicators were aborted, releasing a stream stuck on the peer
+    with pytest.raises(RingPeerError) as info:  # raised by the ring's next launch
+        ring.exchange(torch.zeros(4), torch.empty(4), "bwd_dkv", 3)
+    msg = str(info.value)
+    assert f"{BOTH} timed out" in msg and "at bwd_dkv step 2" in msg, msg
+    assert "Watchdog caught ring exchange timeout (Timeout(ms)=300)" in msg, msg
+    assert "milliseconds before timing out" in msg and looks_like_timeout(msg)
+    assert one_rank_group.get("megatron_ring/failure/0-1-2-3/2") == b"3,1"
+
+
+def test_gloo_keeps_the_timeout_on_its_blocking_wait(one_rank_group, monkeypatch):
+    """gloo's wait blocks the host anyway: the deadline rides on it, no watchdog involved."""
+    works = [NcclLikeWork(), NcclLikeWork()]
+    queue = list(works)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [queue.pop(0)])
+    ring = ring_as(2, 4, coalesced=False, timeout_s=0.5)
+    ring.exchange(torch.zeros(4), torch.empty(4), "fwd_kv", 0).wait()
+    assert watchdog.pending() == 0
+    assert [[c[0].total_seconds() for c in w.wait_calls] for w in works] == [[0.5], [0.5]]
+
+
+@pytest.mark.parametrize("text", [
+    "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=COALESCED, "
+    "NumelIn=8, NumelOut=8, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.",
+    "[PG ID 2 PG GUID 5 Rank 1] Work WorkNCCL(SeqNum=9, OpType=COALESCED) timed out in blocking wait.",
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv "
+    "operation to complete",
+])
+def test_backend_timeout_texts_are_recognised(text):
+    assert looks_like_timeout(text)
+    assert not looks_like_timeout("Connection closed by peer [127.0.0.1]:29500")
