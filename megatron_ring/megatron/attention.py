@@ -17,10 +17,14 @@ from megatron.core.utils import divide
 
 import megatron_ring
 
-from .config import ContextParallelConfigError, RingConfig
+from .config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
 from .provider import get_ring_state, is_context_parallel_initialized
 
 __all__ = ["RingDotProductAttention"]
+
+
+def _ranks(group: Any) -> tuple[int, ...]:
+    return tuple(torch.distributed.get_process_group_ranks(group))
 
 _CAUSAL = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
@@ -72,8 +76,12 @@ class RingDotProductAttention(MegatronModule):
         if getattr(config, "window_size", None) is not None:
             raise NotImplementedError("sliding-window attention (window_size) is not supported by ring attention")
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
+        # a model built with a process-group collection names its CP group: honour it (checked in _ring)
+        self._pg_cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if is_context_parallel_initialized():
-            self._ring()  # fail at model build if the ring and the model config disagree on the CP size
+            _, cfg = self._ring()  # fail at model build if the ring and the model config disagree
+            refuse_mtp_without_zigzag(getattr(config, "mtp_num_layers", None), cfg.layout,
+                                      config.context_parallel_size)
 
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
@@ -107,10 +115,18 @@ class RingDotProductAttention(MegatronModule):
                 raise ContextParallelConfigError(
                     "--context-parallel-size", f"the model config has context_parallel_size={cp_size} but the "
                                                f"registered ring has {state.size} ranks")
+            if self._pg_cp is not None and _ranks(self._pg_cp) != tuple(state.global_ranks):
+                raise ContextParallelConfigError(
+                    "--context-parallel-size", f"the model's pg_collection.cp has global ranks "
+                                               f"{list(_ranks(self._pg_cp))} but the registered ring is "
+                                               f"{list(state.global_ranks)}; build the model with the ring's group "
+                                               "(megatron_ring.megatron.get_ring_state().group) or register that one")
             return state.group, state.config
         if cp_size != 1:
             raise RuntimeError("RingDotProductAttention with context_parallel_size > 1 needs the ring "
                                "registered first: call megatron_ring.megatron.initialize_context_parallel()")
+        if self._pg_cp is not None:
+            return self._pg_cp, RingConfig()
         return parallel_state.get_context_parallel_group(), RingConfig()
 
     def forward(

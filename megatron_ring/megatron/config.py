@@ -17,6 +17,8 @@ from megatron_ring.layouts import LAYOUTS, get_layout
 __all__ = [
     "ContextParallelConfigError",
     "RingConfig",
+    "refuse_reset_attention_mask",
+    "refuse_mtp_without_zigzag",
     "COMM_DTYPES",
     "CP_COMM_TYPES",
 ]
@@ -112,7 +114,8 @@ class RingConfig:
 
     def validate(self, *, world_size: int | None = None, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, seq_length: int | None = None,
-                 attention_dropout: float | None = None, num_layers: int | None = None) -> "RingConfig":
+                 attention_dropout: float | None = None, num_layers: int | None = None,
+                 mtp_num_layers: int | None = None) -> "RingConfig":
         """Check the settings against the job; returns ``self`` so calls chain.
 
         Raises:
@@ -142,6 +145,7 @@ class RingConfig:
         if num_layers is not None and len(self.cp_comm_type) not in (1, num_layers):
             raise ContextParallelConfigError(
                 "--cp-comm-type", f"give one value or one per layer ({num_layers}), got {len(self.cp_comm_type)}")
+        refuse_mtp_without_zigzag(mtp_num_layers, self.layout, cp)
         return self
 
     # ------------------------------------------------------------------------------------------
@@ -173,8 +177,30 @@ class RingConfig:
                 seq_length=getattr(args, "seq_length", None),
                 attention_dropout=getattr(args, "attention_dropout", None),
                 num_layers=getattr(args, "num_layers", None),
+                mtp_num_layers=getattr(args, "mtp_num_layers", None),
             )
+            refuse_reset_attention_mask(getattr(args, "reset_attention_mask", False), cfg.context_parallel_size)
         return cfg
+
+
+def refuse_mtp_without_zigzag(mtp_num_layers: int | None, layout: str, context_parallel_size: int) -> None:
+    """Multi-token prediction rolls the labels/tokens of each CP shard assuming Megatron's zigzag split;
+    any other layout would train on wrong targets without an error."""
+    if mtp_num_layers and context_parallel_size > 1 and layout != "zigzag":
+        raise ContextParallelConfigError(
+            "--cp-layout", f"multi-token prediction (--mtp-num-layers {mtp_num_layers}) rolls each CP shard "
+                           f"assuming Megatron's zigzag split; --cp-layout {layout} would be silently wrong. Use "
+                           "--cp-layout zigzag (or drop --mtp-num-layers)")
+
+
+def refuse_reset_attention_mask(reset_attention_mask: bool, context_parallel_size: int) -> None:
+    """``--reset-attention-mask`` needs document masks, which ring attention does not apply yet: refuse it
+    instead of attending across document boundaries. (Drop this check when document masks land.)"""
+    if reset_attention_mask and context_parallel_size > 1:
+        raise ContextParallelConfigError(
+            "--reset-attention-mask", "ring attention does not apply per-document masks yet, so tokens would "
+                                      "attend across document boundaries; remove --reset-attention-mask (or run "
+                                      "with --context-parallel-size 1)")
 
 
 def _as_tuple(x: Any) -> tuple | None:
