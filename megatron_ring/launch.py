@@ -20,6 +20,9 @@ from typing import Any, Callable
 __all__ = ["run_on_ranks", "WorkerError"]
 
 
+_READY_KEY = "megatron_ring/launch/ready"
+
+
 class WorkerError(RuntimeError):
     """A worker raised, died or timed out."""
 
@@ -37,6 +40,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, threads: int, pg_time
                               timeout=datetime.timedelta(seconds=pg_timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
+        store.add(_READY_KEY, 1)  # started: the parent's `timeout` may count from here (startup_timeout)
         try:
             result = ("ok", fn(rank, world, *args))
         finally:
@@ -52,12 +56,15 @@ def _worker(rank: int, world: int, port: int, outdir: str, threads: int, pg_time
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
                  threads_per_rank: int = 1, pg_timeout: float | None = None,
-                 env: dict[str, str] | None = None, return_exceptions: bool = False) -> list[Any]:
+                 env: dict[str, str] | None = None, return_exceptions: bool = False,
+                 startup_timeout: float | None = None) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return their results.
 
     ``fn`` must be importable (a module-level function). Raises :class:`WorkerError` if any worker
     raises, exits abnormally or the whole run exceeds ``timeout`` seconds; with ``return_exceptions``
     the failed ranks' entries are WorkerError instances instead (for fault-injection tests).
+    With ``startup_timeout``, the workers get that long to start and join the group, and ``timeout`` counts
+    from then: a time bound on ``fn`` that process start-up on a loaded machine does not eat into.
     """
     import torch.distributed as dist
 
@@ -82,6 +89,12 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 else:
                     os.environ[k] = old
         deadline = time.monotonic() + timeout
+        if startup_timeout is not None:
+            started_by = time.monotonic() + startup_timeout
+            while (master.add(_READY_KEY, 0) < world_size and time.monotonic() < started_by
+                   and all(p.is_alive() for p in procs)):
+                time.sleep(0.05)
+            deadline = time.monotonic() + timeout
         try:
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))

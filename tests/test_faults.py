@@ -23,22 +23,41 @@ NOTE_WAIT_S = 2.0
 NOTE_JOIN_S = NOTE_WAIT_S + 1.0
 
 
+# Process start-up is not under test: the launcher gives the workers this long to join the group (a
+# loaded shared machine can take minutes), and the hang guard `_guard_s` counts from then.
+STARTUP_S = 240.0
+DONE_KEY = "test_faults/survivors_done"
+
+
+def _guard_s(timeout_s):
+    """Hang guard for one fault run, from the configured timeouts: the healthy call, then the worst
+    survivor (two time-outs and two note walks, see _check's bounds), with as much again to spare."""
+    return 2 * (2 * (timeout_s + NOTE_JOIN_S)) + 30.0
+
+
 def _fault_worker(rank, world, fault, victim, timeout_s):
     q = torch.randn(1, 64, 2, 16, requires_grad=True)
     ring_attention(q, q, q, causal=True, timeout_s=timeout_s).sum().backward()  # healthy call first
+    store = dist.distributed_c10d._get_default_store()
     if rank == victim:
         if fault.startswith("die"):
             os._exit(3)
-        time.sleep(timeout_s * 4)  # stall, then leave without taking part
+        # stall (take no part) until every survivor has raised, then leave
+        stall_until = time.monotonic() + _guard_s(timeout_s)
+        while store.add(DONE_KEY, 0) < world - 1 and time.monotonic() < stall_until:
+            time.sleep(0.1)
         return "stalled"
     if fault == "die_launch" and rank == (victim + 1) % world:
         _fail_receive_launches()
     start = time.monotonic()
     try:
         ring_attention(q, q, q, causal=True, timeout_s=timeout_s)
+        res = ("finished", "", time.monotonic() - start)
     except RingPeerError as exc:
-        return ("error", str(exc), time.monotonic() - start)
-    return ("finished", "", time.monotonic() - start)
+        res = ("error", str(exc), time.monotonic() - start)
+    if fault == "stall":
+        store.add(DONE_KEY, 1)
+    return res
 
 
 def _fail_receive_launches():
@@ -56,6 +75,8 @@ def _fail_receive_launches():
 
 def _check(results, victim, bound_s):
     times = {}
+    print(f"\nvictim {victim}: seconds to raise per rank: "
+          f"{ {r: round(x[2], 2) for r, x in enumerate(results) if isinstance(x, tuple)} } (bound {bound_s:.1f}s)")
     for rank, res in enumerate(results):
         if rank == victim:
             continue
@@ -73,14 +94,16 @@ def test_dead_peer_is_reported_quickly():
     # of the victim: it waits until a neighbour of the victim has walked the notes and exited (closing its
     # connections), then walks the notes itself: 2 * NOTE_JOIN_S, plus process exit and scheduling slack.
     # The ring timeout (20 s) is far above this, so a time-out never stands in for the detection.
-    res = run_distributed(_fault_worker, 4, "die", 1, 20.0, timeout=120, return_exceptions=True)
+    res = run_distributed(_fault_worker, 4, "die", 1, 20.0, timeout=_guard_s(20.0), startup_timeout=STARTUP_S,
+                          return_exceptions=True)
     assert isinstance(res[1], WorkerError)
     _check(res, 1, bound_s=20.0)
 
 
 def test_dead_peer_seen_at_launch_is_reported_with_a_note():
     """Deterministic launch-time failure: rank 2's receive launch raises (its sender, rank 1, is dead)."""
-    res = run_distributed(_fault_worker, 4, "die_launch", 1, 20.0, timeout=120, return_exceptions=True)
+    res = run_distributed(_fault_worker, 4, "die_launch", 1, 20.0, timeout=_guard_s(20.0),
+                          startup_timeout=STARTUP_S, return_exceptions=True)
     assert isinstance(res[1], WorkerError)
     _check(res, 1, bound_s=20.0)
     assert "receiving from ring peer global rank 1 failed to start at fwd_kv step 0" in res[2][1], res[2][1]
@@ -89,7 +112,8 @@ def test_dead_peer_seen_at_launch_is_reported_with_a_note():
 
 def test_stalled_peer_times_out_with_its_name():
     timeout_s = 3.0
-    res = run_distributed(_fault_worker, 4, "stall", 2, timeout_s, timeout=120, return_exceptions=True)
+    res = run_distributed(_fault_worker, 4, "stall", 2, timeout_s, timeout=_guard_s(timeout_s),
+                          startup_timeout=STARTUP_S, return_exceptions=True)
     # The victim's neighbours time out after timeout_s and walk the notes; the others fail when a
     # neighbour exits, or time out themselves (one more timeout_s): 2 * (timeout_s + NOTE_JOIN_S) + slack.
     _check(res, 2, bound_s=2 * (timeout_s + NOTE_JOIN_S) + 5.0)
