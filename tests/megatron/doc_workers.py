@@ -135,8 +135,8 @@ def packed_attention_worker(rank: int, world: int, layout: str) -> dict:
                                         attention_dropout=0.0, window_size=window)
                 attn = RingDotProductAttention(cfg, 1, AttnMaskType.causal, "self")
                 T = 16 * world
-                lens = [1, 7, 3, T // 2, 2]
-                padded_lens = [x + (x % 2) + 1 for x in lens]  # per-document filler, as Megatron pads
+                lens = [1, 7, 3, T // 2 - 3, 2]
+                padded_lens = [x + (x % 2) for x in lens]  # per-document filler, as Megatron pads
                 cu = torch.tensor([0] + lens).cumsum(0).int()
                 cup = torch.tensor([0] + padded_lens).cumsum(0).int()
                 assert int(cup[-1]) <= T

@@ -47,6 +47,7 @@ def test_reset_attention_mask_negative_control():
                                            [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
 
 
+@pytest.mark.slow
 def test_reset_attention_mask_cp4_curve_matches_cp1(run):
     steps = 10
     ref = _reference(steps)
@@ -57,7 +58,7 @@ def test_reset_attention_mask_cp4_curve_matches_cp1(run):
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
 
 
-@pytest.mark.parametrize("world,layout", [(2, "striped"), (4, "zigzag")])
+@pytest.mark.parametrize("world,layout", [(2, "striped"), pytest.param(4, "zigzag", marks=pytest.mark.slow)])
 def test_packed_seq_params_and_window(run, world, layout):
     errs = run(D.packed_attention_worker, world, layout)
     for e in errs:
