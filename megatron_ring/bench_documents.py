@@ -1,0 +1,133 @@
+"""Benchmark rows for packed documents and sliding windows (``python -m megatron_ring.benchmark --docs N``
+or ``--window``; see :func:`main`).
+
+* ``--docs N``: N documents of random lengths (seeded; lengths 1 .. 2*S/N), packed into one THD stream
+  (padded at the END only, to the layout's multiple), causal, vs the SAME documents each padded to a
+  multiple of 2P (what TransformerEngine / PyTorch require) in a longer stream. Rows: forward+backward
+  time (median, slowest rank), peak memory per rank above the baseline, bytes each rank sends per
+  forward+backward, kernel calls per rank per forward, and kernel calls with one call per
+  (document, block) piece (what a per-document loop would make).
+* ``--window``: causal attention over S tokens with windows S/16, S/4, S/2 vs full causal: time, bytes,
+  ring steps, for the zigzag and contiguous layouts.
+
+Every configuration runs in its own set of P processes (one thread each), so peak memory is per run.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from typing import Any
+
+__all__ = ["run_docs", "run_window", "doc_lengths"]
+
+
+def doc_lengths(n: int, seq: int, seed: int = 0) -> list[int]:
+    """``n`` random document lengths (1 .. 2*seq/n, a few of length 1) whose sum is at most ``seq``."""
+    rnd = random.Random(seed)
+    lens = [rnd.randint(1, max(1, 2 * seq // n)) for _ in range(n)]
+    lens[:: max(1, n // 8)] = [1] * len(lens[:: max(1, n // 8)])
+    while sum(lens) > seq:
+        i = lens.index(max(lens))
+        lens[i] = max(1, lens[i] - (sum(lens) - seq))
+    return lens
+
+
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_ring import ring_attention
+    from megatron_ring.benchmark import _peak_mib, _rss_mib, _timed, _warm_up
+    from megatron_ring.comm import Ring
+    from megatron_ring.layouts import get_layout
+    from megatron_ring.masks import AttentionMask, needed_steps, schedule
+
+    torch.set_num_threads(1)
+    T, layout = cfg["T"], cfg["layout"]
+    cu = torch.tensor(cfg["cu"], dtype=torch.int32) if cfg["cu"] is not None else None
+    window = tuple(cfg["window"]) if cfg["window"] is not None else None
+    _warm_up(lambda *t: ring_attention(*t, causal=True, layout=layout), 2 * world, torch.float32)
+    base = _rss_mib()
+    s = T // world
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(s, cfg["heads"], cfg["head_dim"], generator=g, requires_grad=True)
+    k, v = (torch.randn(s, cfg["heads"], cfg["head_dim"], generator=g, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    ring = Ring(dist.group.WORLD, q.device)
+
+    def fwd_bwd():
+        ring_attention(q, k, v, qkv_format="thd", cu_seqlens=cu, causal=True, layout=layout, window=window,
+                       ring=ring).backward(dout)
+
+    fwd_bwd()
+    before = sum(ring.bytes_sent.values())
+    times = _timed(fwd_bwd, cfg["iters"], dist.barrier)
+    sent = (sum(ring.bytes_sent.values()) - before) / cfg["iters"]
+    lay = get_layout(layout)
+    rule = AttentionMask(True, tuple(cfg["cu"]) if cfg["cu"] is not None else None,
+                         (window[0], -1) if window is not None else None)
+    steps = needed_steps(lay, rule, world, s)
+    calls = sum(len(schedule(lay, rule, world, rank, (rank - t) % world, s)) for t in range(steps))
+    return dict(times=times, peak=_peak_mib() - base, bytes=sent, calls=calls, steps=steps)
+
+
+def _spawn(world: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    from megatron_ring.launch import run_on_ranks
+
+    per_rank = run_on_ranks(_worker, world, cfg, timeout=timeout)
+    iters = len(per_rank[0]["times"])
+    slowest = [max(r["times"][i] for r in per_rank) for i in range(iters)]
+    return dict(ms=1e3 * statistics.median(slowest), peak_mib=max(r["peak"] for r in per_rank),
+                mib_sent=max(r["bytes"] for r in per_rank) / 2**20, calls=max(r["calls"] for r in per_rank),
+                steps=per_rank[0]["steps"])
+
+
+def _per_doc_calls(cu: list[int], world: int, T: int, layout: str) -> int:
+    """Kernel calls per forward if every (document, visiting block) piece were its own call (max rank)."""
+    import torch
+
+    from megatron_ring.layouts import get_layout
+
+    lay = get_layout(layout)
+    ids = torch.searchsorted(torch.tensor(cu), torch.arange(T), right=True) - 1
+    ids[torch.arange(T) >= cu[-1]] = -1
+    per_rank = [set(ids[lay.positions(T, world, r)].tolist()) - {-1} for r in range(world)]
+    return max(sum(len(per_rank[r] & per_rank[src]) for src in range(world)) for r in range(world))
+
+
+def run_docs(world: int, seq: int, n_docs: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    mult = 2 * world
+    lens = doc_lengths(n_docs, seq - mult)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T = -(-cu[-1] // mult) * mult
+    padded = [-(-n // mult) * mult for n in lens]  # each document padded to a multiple of 2P
+    cup, cu_fill = [0], [0]
+    for n, p in zip(lens, padded):
+        cu_fill += [cu_fill[-1] + n] + ([cu_fill[-1] + p] if p > n else [])  # filler: its own document
+        cup.append(cup[-1] + p)
+    rows = []
+    for name, stream, bounds in (("packed", T, cu), ("padded to 2P", cup[-1], cu_fill)):
+        res = _spawn(world, dict(cfg, T=stream, cu=bounds, window=None), timeout)
+        rows.append(dict(case=name, P=world, docs=n_docs, tokens=stream, per_doc_calls=_per_doc_calls(
+            bounds, world, stream, cfg["layout"]), **res))
+    return rows
+
+
+def run_window(world: int, seq: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    rows = []
+    for layout in ("zigzag", "contiguous"):
+        for name, w in (("full causal", None), ("S/2", seq // 2), ("S/4", seq // 4), ("S/16", seq // 16)):
+            res = _spawn(world, dict(cfg, layout=layout, T=seq, cu=None, window=None if w is None else (w, 0)),
+                         timeout)
+            rows.append(dict(case=name, layout=layout, P=world, window=w, **res))
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    keys = [k for k in rows[0] if k not in ()]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r[k]:.1f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    return "\n".join(lines)
