@@ -129,5 +129,47 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     keys = [k for k in rows[0] if k not in ()]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
-        lines.append("| " + " | ".join(f"{r[k]:.1f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+        lines.append("| " + " | ".join((f"{r[k]:.3f}" if abs(r[k]) < 10 else f"{r[k]:.1f}") if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
     return "\n".join(lines)
+
+
+def mixes(T: int, seed: int = 0) -> dict[str, list[int]]:
+    """Realistic document-length mixes over a stream of T tokens (lengths sum to T, no padding)."""
+    rnd = random.Random(seed)
+
+    def fill(draw):
+        lens = []
+        while sum(lens) < T:
+            lens.append(max(1, min(T - sum(lens), int(draw()))))
+        return lens
+
+    return {
+        "one document": [T],
+        "many short (mean T/256)": fill(lambda: rnd.expovariate(256 / T)),
+        "lognormal (median T/64)": fill(lambda: rnd.lognormvariate(0, 1.0) * T / 64),
+        "web mix (80% short, 20% long)": fill(lambda: rnd.expovariate(128 / T) if rnd.random() < 0.8
+                                              else rnd.uniform(T / 8, T / 2)),
+        "few long (T/3 .. T/2)": fill(lambda: rnd.uniform(T / 3, T / 2)),
+    }
+
+
+def run_balance(worlds: list[int], T: int, seeds: int = 3) -> list[dict[str, Any]]:
+    """Causal work (visible pairs) per rank: max/mean per layout and mix (worst over ``seeds`` seeds)."""
+    from megatron_ring.layouts import get_layout
+    from megatron_ring.masks import AttentionMask, visible_pairs
+
+    rows = []
+    for world in worlds:
+        for name in mixes(T):
+            worst = {}
+            for seed in range(seeds):
+                lens = mixes(T, seed)[name]
+                cu = [0]
+                for n in lens:
+                    cu.append(cu[-1] + n)
+                rule = AttentionMask(True, tuple(cu))
+                for layout in ("zigzag", "striped", "contiguous"):
+                    work = [visible_pairs(get_layout(layout), rule, world, r, T // world) for r in range(world)]
+                    worst[layout] = max(worst.get(layout, 0.0), max(work) / (sum(work) / world))
+            rows.append(dict(P=world, mix=name, **{f"{k} max/mean": round(v, 3) for k, v in worst.items()}))
+    return rows

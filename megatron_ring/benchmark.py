@@ -268,7 +268,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--docs", type=int, help="packed documents: N random-length documents packed (THD) vs "
                     "each padded to 2P (see megatron_ring.bench_documents)")
     ap.add_argument("--window", action="store_true", help="sliding windows S/16, S/4, S/2 vs full causal")
+    ap.add_argument("--balance", action="store_true", help="causal work per rank (visible pairs) per layout "
+                    "for realistic document-length mixes over S tokens (no timing)")
     a = ap.parse_args(argv)
+    if a.balance:
+        from .bench_documents import format_rows, run_balance
+
+        rows = run_balance(a.world_sizes, a.seq)
+        print(format_rows(rows), flush=True)
+        return rows
     if a.docs or a.window:
         return _documents_main(a)
     cfg = dict(world_sizes=a.world_sizes, seq=a.seq, batch=a.batch, heads=a.heads,
