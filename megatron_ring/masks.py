@@ -143,7 +143,7 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
                 kind = "none" if not bool(ok.any()) else ("full" if bool(ok.all()) else "mixed")
             if kind == "none":
                 continue
-            if row and row[-1][1] == ka:  # extend the contiguous run of visible key tiles
+            if row and row[-1][1] == ka and (MERGE_KINDS or row[-1][2] == kind):  # extend the run
                 row[-1] = (row[-1][0], kb, "mixed" if "mixed" in (row[-1][2], kind) else "full")
             else:
                 row.append((ka, kb, kind))
@@ -174,6 +174,10 @@ def _merge_rows(tasks: list[BlockTask]) -> list[BlockTask]:
             out.append(t)
     return out
 
+
+#: True: one call per run of visible key tiles (masked if any tile is mixed); False: full runs and
+#: mixed runs are separate calls (more calls, fewer masked pairs; a causal diagonal tile stays unmasked).
+MERGE_KINDS = True
 
 _CACHE: "OrderedDict[tuple, tuple[BlockTask, ...]]" = OrderedDict()
 _CACHE_SIZE = 4096
