@@ -209,14 +209,24 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
 
 def needed_steps(layout: Layout, rule: AttentionMask, world: int, s: int) -> int:
     """How many ring steps (K/V hops + 1) any rank needs: steps past the last one with a task on ANY
-    rank are dropped (a window spanning fewer ranks than P with a contiguous layout needs fewer hops)."""
-    if rule.plain:
+    rank are dropped (a window spanning fewer ranks than P with a contiguous layout needs fewer hops).
+
+    Only the window can shorten the ring here: documents are left out (they only remove pairs, so the
+    count stays a safe upper bound) and the result is cached per (layout, causal, window, P, s)."""
+    if rule.window is None:
         return world
-    last = 0
-    for t in range(world):
-        if any(schedule(layout, rule, world, r, (r - t) % world, s) for r in range(world)):
-            last = t
-    return last + 1
+    key = (layout.name, rule.causal, rule.window, world, s)
+    if key not in _STEPS:
+        base = AttentionMask(rule.causal, None, rule.window)
+        last = 0
+        for t in range(world):
+            if any(schedule(layout, base, world, r, (r - t) % world, s) for r in range(world)):
+                last = t
+        _STEPS[key] = last + 1
+    return _STEPS[key]
+
+
+_STEPS: dict[tuple, int] = {}
 
 
 def visible_pairs(layout: Layout, rule: AttentionMask, world: int, rank: int, s: int) -> int:

@@ -84,6 +84,8 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
             f"(differing: {', '.join(differing)}; {per_rank}). Every rank must pass the same shapes, "
             "dtypes and options: check the batch sharding and sequence padding (all ranks need the same "
             "local sequence length), and the configuration each rank read.")
+    if len(seen) >= 4096:  # e.g. a new cu_seqlens every step: keep the memory bounded
+        seen.clear()
     seen.add(sig)
 
 

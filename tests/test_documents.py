@@ -70,9 +70,9 @@ def _case(world, layout, causal, name, T, cu, window, heads, dtype, kernel, seed
 def _matrix_worker(rank, world):
     rows = []
     configs = _configs(world, seed=world)
-    cases = itertools.product(("contiguous", "zigzag", "striped"), (True, False), range(len(configs)),
-                              (torch.float32, torch.bfloat16))
-    for i, (layout, causal, ci, dtype) in enumerate(cases):
+    cases = itertools.product(("contiguous", "zigzag", "striped"), (True, False), range(len(configs)))
+    for i, (layout, causal, ci) in enumerate(cases):  # dtypes alternate: each (layout, config) gets both
+        dtype = (torch.float32, torch.bfloat16)[(i + ci) % 2]
         name, T, cu, window = configs[ci]
         heads = HEADS[i % len(HEADS)]
         kernel = "math" if i % 5 == 0 else "auto"
@@ -114,7 +114,7 @@ def _bshd_window_worker(rank, world):
     return max(errs)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_window_on_bshd_and_sbhd(world):
     assert max(run_distributed(_bshd_window_worker, world, timeout=300)) < 2e-5
 

@@ -21,7 +21,7 @@ def _rules(T, rnd):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_tasks_cover_every_visible_pair_exactly_once(world):
     rnd = random.Random(world)
-    s = 48
+    s = 32
     T = s * world
     for name, rule in itertools.product(LAYOUTS, _rules(T, rnd)):
         lay = get_layout(name)
