@@ -8,9 +8,10 @@ or ``--window``; see :func:`main`).
   forward+backward, kernel calls per rank per forward, and kernel calls with one call per
   (document, block) piece (what a per-document loop would make).
 * ``--window``: causal attention over S tokens with windows S/16, S/4, S/2 vs full causal: time, bytes,
-  ring steps, for the zigzag and contiguous layouts.
+  ring steps, for the zigzag and contiguous layouts; the four variants are timed interleaved (iteration
+  by iteration) in the same P processes, so machine noise hits them alike.
 
-Every configuration runs in its own set of P processes (one thread each), so peak memory is per run.
+The two ``--docs`` cases run in their own sets of P processes (one thread each): peak memory is per case.
 """
 from __future__ import annotations
 
@@ -32,54 +33,77 @@ def doc_lengths(n: int, seq: int, seed: int = 0) -> list[int]:
     return lens
 
 
-def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Times every variant of ``cfg["variants"]`` (dicts with T, cu, window) in the same processes,
+    interleaved iteration by iteration, so machine noise hits all of them alike."""
+    import time
+
     import torch
     import torch.distributed as dist
 
     from megatron_ring import ring_attention
-    from megatron_ring.benchmark import _peak_mib, _rss_mib, _timed, _warm_up
+    from megatron_ring.benchmark import _peak_mib, _rss_mib, _warm_up
     from megatron_ring.comm import Ring
     from megatron_ring.layouts import get_layout
     from megatron_ring.masks import AttentionMask, needed_steps, schedule
 
     torch.set_num_threads(1)
-    T, layout = cfg["T"], cfg["layout"]
-    cu = torch.tensor(cfg["cu"], dtype=torch.int32) if cfg["cu"] is not None else None
-    window = tuple(cfg["window"]) if cfg["window"] is not None else None
+    layout = cfg["layout"]
     _warm_up(lambda *t: ring_attention(*t, causal=True, layout=layout), 2 * world, torch.float32)
     base = _rss_mib()
-    s = T // world
-    g = torch.Generator().manual_seed(rank)
-    q = torch.randn(s, cfg["heads"], cfg["head_dim"], generator=g, requires_grad=True)
-    k, v = (torch.randn(s, cfg["heads"], cfg["head_dim"], generator=g, requires_grad=True) for _ in range(2))
-    dout = torch.randn_like(q)
-    ring = Ring(dist.group.WORLD, q.device)
+    ring = Ring(dist.group.WORLD, torch.device("cpu"))
+    runs = []
+    for var in cfg["variants"]:
+        T = var["T"]
+        s = T // world
+        cu = torch.tensor(var["cu"], dtype=torch.int32) if var["cu"] is not None else None
+        window = tuple(var["window"]) if var["window"] is not None else None
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(s, cfg["heads"], cfg["head_dim"], generator=g, requires_grad=True) for _ in range(3))
+        dout = torch.randn_like(q)
 
-    def fwd_bwd():
-        ring_attention(q, k, v, qkv_format="thd", cu_seqlens=cu, causal=True, layout=layout, window=window,
-                       ring=ring).backward(dout)
+        def fwd_bwd(q=q, k=k, v=v, dout=dout, cu=cu, window=window):
+            ring_attention(q, k, v, qkv_format="thd", cu_seqlens=cu, causal=True, layout=layout, window=window,
+                           ring=ring).backward(dout)
 
-    fwd_bwd()
-    before = sum(ring.bytes_sent.values())
-    times = _timed(fwd_bwd, cfg["iters"], dist.barrier)
-    sent = (sum(ring.bytes_sent.values()) - before) / cfg["iters"]
-    lay = get_layout(layout)
-    rule = AttentionMask(True, tuple(cfg["cu"]) if cfg["cu"] is not None else None,
-                         (window[0], -1) if window is not None else None)
-    steps = needed_steps(lay, rule, world, s)
-    calls = sum(len(schedule(lay, rule, world, rank, (rank - t) % world, s)) for t in range(steps))
-    return dict(times=times, peak=_peak_mib() - base, bytes=sent, calls=calls, steps=steps)
+        before = sum(ring.bytes_sent.values())
+        fwd_bwd()  # warm-up (schedules, consistency check); also gives the bytes of one call
+        lay = get_layout(layout)
+        rule = AttentionMask(True, tuple(var["cu"]) if var["cu"] is not None else None,
+                             (window[0], -1) if window is not None else None)
+        steps = needed_steps(lay, rule, world, s)
+        calls = sum(len(schedule(lay, rule, world, rank, (rank - t) % world, s)) for t in range(steps))
+        runs.append(dict(fn=fwd_bwd, times=[], bytes=sum(ring.bytes_sent.values()) - before, calls=calls,
+                         steps=steps))
+    for _ in range(cfg["iters"]):
+        for r in runs:
+            dist.barrier()
+            t0 = time.perf_counter()
+            r["fn"]()
+            r["times"].append(time.perf_counter() - t0)
+    peak = _peak_mib() - base
+    return [dict(times=r["times"], bytes=r["bytes"], calls=r["calls"], steps=r["steps"], peak=peak) for r in runs]
 
 
-def _spawn(world: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _spawn_all(world: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     from megatron_ring.launch import run_on_ranks
 
     per_rank = run_on_ranks(_worker, world, cfg, timeout=timeout)
-    iters = len(per_rank[0]["times"])
-    slowest = [max(r["times"][i] for r in per_rank) for i in range(iters)]
-    return dict(ms=1e3 * statistics.median(slowest), peak_mib=max(r["peak"] for r in per_rank),
-                mib_sent=max(r["bytes"] for r in per_rank) / 2**20, calls=max(r["calls"] for r in per_rank),
-                steps=per_rank[0]["steps"])
+    out = []
+    for i in range(len(cfg["variants"])):
+        rows = [r[i] for r in per_rank]
+        iters = len(rows[0]["times"])
+        slowest = [max(r["times"][j] for r in rows) for j in range(iters)]
+        out.append(dict(ms=1e3 * statistics.median(slowest), mib_sent=max(r["bytes"] for r in rows) / 2**20,
+                        calls=max(r["calls"] for r in rows), steps=rows[0]["steps"],
+                        peak_mib=max(r["peak"] for r in rows)))
+    return out
+
+
+def _spawn(world: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One variant in its own processes (so its peak memory is its own)."""
+    var = dict(T=cfg["T"], cu=cfg["cu"], window=cfg["window"])
+    return _spawn_all(world, dict(cfg, variants=[var]), timeout)[0]
 
 
 def _per_doc_calls(cu: list[int], world: int, T: int, layout: str) -> int:
@@ -116,12 +140,17 @@ def run_docs(world: int, seq: int, n_docs: int, cfg: dict[str, Any], timeout: fl
 
 
 def run_window(world: int, seq: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """Windows vs full causal, per layout, timed interleaved in the same processes (peak memory is then
+    the max over the variants, so it is not reported per row)."""
     rows = []
+    cases = (("full causal", None), ("S/2", seq // 2), ("S/4", seq // 4), ("S/16", seq // 16))
     for layout in ("zigzag", "contiguous"):
-        for name, w in (("full causal", None), ("S/2", seq // 2), ("S/4", seq // 4), ("S/16", seq // 16)):
-            res = _spawn(world, dict(cfg, layout=layout, T=seq, cu=None, window=None if w is None else (w, 0)),
-                         timeout)
-            rows.append(dict(case=name, layout=layout, P=world, window=w, **res))
+        variants = [dict(T=seq, cu=None, window=None if w is None else (w, 0)) for _, w in cases]
+        res = _spawn_all(world, dict(cfg, layout=layout, variants=variants), timeout)
+        full = res[0]["ms"]
+        for (name, w), r in zip(cases, res):
+            r.pop("peak_mib")
+            rows.append(dict(case=name, layout=layout, P=world, window=w, **r, vs_full=r["ms"] / full))
     return rows
 
 

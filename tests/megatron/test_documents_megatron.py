@@ -64,3 +64,27 @@ def test_packed_seq_params_and_window(run, world, layout):
     errs = run(D.packed_attention_worker, world, layout)
     for e in errs:
         assert max(e.values()) < 2e-5, e
+
+
+def test_batch_helper_shards_packed_batches():
+    """THD batch: [1, T] tensors split with the layout, cu_seqlens kept global; padded params -> boundaries."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_ring.layouts import get_layout
+    from megatron_ring.megatron import get_batch_on_this_cp_rank
+    from megatron_ring.megatron.documents import packed_cu_seqlens
+
+    T, cu = 16, torch.tensor([0, 3, 4, 11], dtype=torch.int32)
+    pos = torch.cat([torch.arange(a, b) - a for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())] + [torch.zeros(5)])
+    batch = dict(tokens=torch.arange(T)[None], labels=torch.arange(T)[None] + 1, loss_mask=torch.ones(1, T),
+                 position_ids=pos[None].long(), cu_seqlens=cu, max_seqlen=7)
+    for layout in ("zigzag", "striped"):
+        got = get_batch_on_this_cp_rank(batch, layout=layout, cp_size=4, cp_rank=1)
+        idx = get_layout(layout).positions(T, 4, 1)
+        assert torch.equal(got["tokens"][0], idx) and torch.equal(got["position_ids"][0], pos[idx].long())
+        assert got["cu_seqlens"] is cu and got["max_seqlen"] == 7
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3, 4, 11]),
+                             cu_seqlens_kv=torch.tensor([0, 3, 4, 11]),
+                             cu_seqlens_q_padded=torch.tensor([0, 4, 8, 16]),
+                             cu_seqlens_kv_padded=torch.tensor([0, 4, 8, 16]))
+    assert packed_cu_seqlens(params).tolist() == [0, 3, 4, 5, 8, 15, 16]
