@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --context-parallel-size 4
     torchrun --nproc-per-node 1 examples/train_gpt.py --context-parallel-size 1   # the CP = 1 baseline
     torchrun --nproc-per-node 4 examples/train_gpt.py --tensor-model-parallel-size 2 --context-parallel-size 2
+    torchrun --nproc-per-node 4 examples/train_gpt.py --context-parallel-size 4 --pack-documents [--window-size 256]
 
 Model: Megatron-Core ``GPTModel`` (RMSNorm, SwiGLU, RoPE, GQA), byte-level vocabulary (256). Corpus: the
 Python standard library's own source files (always present, deterministic), or ``--corpus FILE``.
@@ -67,6 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--log-json", type=str, default=None, help="write the per-step log here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    p.add_argument("--pack-documents", action="store_true",
+                   help="pack documents of random lengths (corpus slices ending in an EOD byte 0) into each "
+                        "row; attention stays inside documents (--reset-attention-mask style mask, position "
+                        "ids restart per document); CP=1 uses Megatron's attention with the same mask")
+    p.add_argument("--mean-doc-length", type=int, default=128, help="mean document length for --pack-documents")
+    p.add_argument("--window-size", type=int, default=None,
+                   help="causal sliding window: each token sees itself and the previous N tokens "
+                        "(TransformerConfig.window_size=(N, 0)); at CP=1 pass --attention-impl ring")
     add_context_parallel_args(p)
     return p.parse_args(argv)
 
@@ -95,8 +104,35 @@ def get_batch(corpus: torch.Tensor, it: int, args: argparse.Namespace, dp_rank: 
     starts = torch.randint(0, corpus.numel() - s - 1, (ps.get_data_parallel_world_size() * b,), generator=g)
     starts = starts[dp_rank * b:(dp_rank + 1) * b]
     rows = torch.stack([corpus[i:i + s + 1].long() for i in starts.tolist()])
+    if args.pack_documents:
+        return _pack(rows, args, g)
     return dict(tokens=rows[:, :-1].contiguous(), labels=rows[:, 1:].contiguous(),
                 loss_mask=torch.ones(b, s), position_ids=torch.arange(s).unsqueeze(0).expand(b, s).contiguous())
+
+
+EOD = 0  # byte 0 never occurs in the text corpus
+
+
+def _pack(rows: torch.Tensor, args: argparse.Namespace, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Each row becomes documents of random lengths (exponential, mean --mean-doc-length, 1 and
+    longer-than-a-shard included) separated by EOD; the document mask and restarting position ids are
+    what Megatron's --reset-attention-mask --reset-position-ids build."""
+    from megatron_ring.megatron.documents import document_mask
+
+    rows = rows.clone()
+    s = args.seq_length
+    for r in range(rows.size(0)):
+        pos = 0
+        while True:
+            pos += 1 + int(torch.empty(1).exponential_(1.0 / args.mean_doc_length, generator=g))
+            if pos >= s:
+                break
+            rows[r, pos - 1] = EOD  # the last token of a document
+    tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    mask, position_ids = document_mask(tokens, EOD)
+    loss_mask = (tokens != EOD).float()  # do not predict across a document boundary
+    return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
+                attention_mask=mask)
 
 
 def build_model(args: argparse.Namespace, ring: bool) -> GPTModel:
@@ -106,7 +142,8 @@ def build_model(args: argparse.Namespace, ring: bool) -> GPTModel:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=args.attention_dropout, params_dtype=torch.float32,
-        normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True)
+        normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True,
+        window_size=(args.window_size, 0) if args.window_size is not None else None)
     spec = (get_gpt_layer_ring_spec if ring else get_gpt_layer_local_spec)(normalization="RMSNorm")
     torch.manual_seed(args.seed)  # same full weights on every rank (CPU init splits them by TP)
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=args.seq_length,
@@ -150,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             batch = get_batch_on_this_cp_rank(get_batch(corpus, it, args, dp_rank))
-            per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                              labels=batch["labels"])
             red = reduce_loss_over_cp(per_token, batch["loss_mask"])
             red.loss.backward()
             allreduce_gradients(model)

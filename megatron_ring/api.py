@@ -13,8 +13,9 @@ from .comm import LoopbackRing, Ring
 from .engine import RingAttentionFunction, RingPlan, head_groups
 from .kernels import BlockKernel, select_kernel
 from .layouts import Layout, get_layout
+from .masks import AttentionMask, needed_steps
 from .ring_status import refuse_on_every_rank
-from .validation import call_signature, check_inputs, check_same_across_ranks
+from .validation import call_signature, check_cu_seqlens, check_inputs, check_same_across_ranks, check_window
 
 __all__ = ["ring_attention", "resolve_group"]
 
@@ -50,7 +51,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    softmax_scale: float | None = None, qkv_format: str = "bshd",
                    comm_dtype: torch.dtype | str | None = None, kernel: str | BlockKernel = "auto",
                    check_consistency: bool = True, timeout_s: float | None = None,
-                   head_chunks: int = 1, ring: Ring | None = None) -> torch.Tensor:
+                   head_chunks: int = 1, ring: Ring | None = None, cu_seqlens: Any = None,
+                   window: tuple[int, int] | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -62,7 +64,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         causal: apply the global causal mask of the full sequence.
         layout: how the global sequence was split: "zigzag", "striped" or "contiguous".
         softmax_scale: defaults to ``1/sqrt(d)``.
-        qkv_format: "bshd" or "sbhd".
+        qkv_format: "bshd", "sbhd", or "thd" (packed documents: ``q [t_local, h, d]``, k/v
+            ``[t_local, h_kv, d]``, this rank's share of ONE packed stream of T tokens split by ``layout``
+            like a sequence, e.g. ``shard_sequence(x, dim=0, layout=...)``).
         comm_dtype: wire dtype for K/V (None sends them as they are).
         kernel: local block kernel: "auto", "flash_cpu", "math", "sdpa_cuda", "flash_attn".
         check_consistency: verify (once per new shape signature) that every rank passes the same
@@ -74,6 +78,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         head_chunks: run the ring over this many groups of K/V heads one after another (capped at
             h_kv): per-rank extra memory (wire buffers, dK/dV accumulators, temporaries) shrinks by
             this factor, for proportionally more (smaller) ring steps. Same bytes, same compute.
+        cu_seqlens: ("thd" only) int tensor ``[n_docs + 1]``: the GLOBAL document boundaries of the
+            packed stream, the same on every rank (``0``, non-decreasing, ``<= T``). Attention never
+            crosses a boundary (``causal`` is causal within each document); tokens at or past
+            ``cu_seqlens[-1]`` are padding: they see nothing and are seen by nothing (output 0).
+        window: ``(left, right)``: query at global position i sees keys j with
+            ``i - left <= j <= i + right`` (``-1``: unbounded on that side), combined with ``causal``
+            and documents. A query that sees no key gets output 0 and zero gradients.
         ring: advanced: a prepared :class:`~megatron_ring.comm.Ring` (e.g. ``LoopbackRing`` for
             compute-only timing); overrides ``group``.
 
@@ -92,26 +103,62 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
     if ring.world > 1 and ring.group is not None and check_consistency:
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
-                             comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks)
+                             comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks,
+                             cu_seqlens=cu_seqlens, window=window)
         check_same_across_ranks(sig, ring.group, q.device, {
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
-            "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name})
+            "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name,
+            "cu_seqlens": cu_seqlens, "window": window})
     if codec_error is not None:
         raise codec_error
-    refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, check_inputs, q, k, v, qkv_format)
-    lay = get_layout(layout)
+    thd = qkv_format == "thd"
+    if thd:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.ndim != 3:
+                raise ValueError(f"qkv_format='thd' expects {name} as [t, h, d] (packed tokens), got shape "
+                                 f"{tuple(t.shape)}; for [s, b, h, d] use qkv_format='sbhd', for [b, s, h, d] "
+                                 "qkv_format='bshd'")
+        q, k, v, qkv_format = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "bshd"
+    elif cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens describes packed documents: use qkv_format='thd' ([t, h, d]), got "
+                         f"qkv_format={qkv_format!r}")
     s_dim = 1 if qkv_format == "bshd" else 0
+
+    def ring_steps() -> int:  # the forward ring's length, for a rank that refuses its input (ring_status)
+        lay_ = get_layout(layout)
+        mask_ = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
+        return ring.world if mask_.plain else needed_steps(lay_, mask_, ring.world, q.shape[s_dim])
+
+    refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, check_inputs, q, k, v, qkv_format,
+                         steps=ring_steps)
+    lay = get_layout(layout)
     lay.check_local_len(q.shape[s_dim], ring.world)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     to_bhsd = (lambda t: t.transpose(1, 2)) if qkv_format == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
     qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
+    mask = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
     plan = RingPlan(ring=ring, layout=lay, causal=bool(causal), scale=float(scale),
-                    kernel=refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, select_kernel, qh, kernel),
-                    codec=codec)
+                    kernel=refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, select_kernel, qh,
+                                                kernel, steps=ring_steps),
+                    codec=codec, mask=None if mask.plain else mask)
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
         raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
     out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))
     out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
+    out = out.squeeze(0) if thd else out
     return out if out.is_contiguous() else out.contiguous()  # e.g. q was a non-dense view
+
+
+def _attention_mask(causal: bool, cu_seqlens: Any, window: Any, total: int) -> AttentionMask:
+    """The validated, normalised mask: one document covering the stream and unbounded windows vanish."""
+    cu = check_cu_seqlens(cu_seqlens, total) if cu_seqlens is not None else None
+    win = check_window(window)
+    if cu is not None and cu == (0, total):
+        cu = None
+    if win is not None and causal:
+        win = (win[0], -1)  # causal already hides every key right of the query
+    if win == (-1, -1):
+        win = None
+    return AttentionMask(causal, cu, win)

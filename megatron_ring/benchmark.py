@@ -265,7 +265,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per spawned run")
     ap.add_argument("--json", help="write the rows to this JSON file")
     ap.add_argument("--plot", help="write a PNG of time and memory per rank against P")
+    ap.add_argument("--docs", type=int, help="packed documents: N random-length documents packed (THD) vs "
+                    "each padded to 2P (see megatron_ring.bench_documents)")
+    ap.add_argument("--window", action="store_true", help="sliding windows S/16, S/4, S/2 vs full causal")
+    ap.add_argument("--balance", action="store_true", help="causal work per rank (visible pairs) per layout "
+                    "for realistic document-length mixes over S tokens (no timing)")
     a = ap.parse_args(argv)
+    if a.balance:
+        from .bench_documents import format_rows, run_balance
+
+        rows = run_balance(a.world_sizes, a.seq)
+        print(format_rows(rows), flush=True)
+        return rows
+    if a.docs or a.window:
+        return _documents_main(a)
     cfg = dict(world_sizes=a.world_sizes, seq=a.seq, batch=a.batch, heads=a.heads,
                kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, dtype=a.dtype, layout=a.layout,
                causal=a.causal, comm_dtypes=a.comm_dtype, head_chunks_list=a.head_chunks, iters=a.iters,
@@ -280,6 +293,30 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             json.dump(rows, f, indent=2)
     if a.plot:
         plot(rows, a.plot)
+    return rows
+
+
+def _documents_main(a) -> list[dict[str, Any]]:
+    from . import bench_documents as bd
+
+    cfg = dict(heads=a.heads, head_dim=a.head_dim, layout=a.layout, iters=a.iters)
+    print(f"# S={a.seq} H={a.heads} D={a.head_dim} fp32 causal; P processes x 1 thread; fwd+bwd medians of "
+          f"{a.iters} (slowest rank); MiB sent per rank per fwd+bwd; calls = kernel calls per rank per fwd",
+          flush=True)
+    rows = []
+    for world in a.world_sizes:
+        if a.docs:
+            rows += bd.run_docs(world, a.seq, a.docs, cfg, a.timeout)
+        if a.window:
+            rows += bd.run_window(world, a.seq, cfg, a.timeout)
+    for kind in ("docs", "window"):
+        sub = [r for r in rows if (kind in r) == (kind == "docs")] if kind == "docs" else \
+            [r for r in rows if "window" in r]
+        if sub:
+            print(bd.format_rows(sub), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
     return rows
 
 

@@ -22,8 +22,9 @@ import torch
 
 from .codec import KVCodec, KVSpec
 from .comm import Exchange, Ring
-from .kernels import BlockKernel
+from .kernels import BlockKernel, MathKernel
 from .layouts import Layout
+from .masks import AttentionMask, needed_steps, schedule
 from .merge import merge_into
 from .ring_status import RingStatus, check_pending, status_buffers
 
@@ -40,10 +41,34 @@ class RingPlan:
     scale: float
     kernel: BlockKernel
     codec: KVCodec
+    mask: AttentionMask | None = None  # documents / window (None: the layout's causal or full structure)
 
     def tasks(self, step: int, s: int):
         src = (self.ring.rank - step) % self.ring.world
-        return self.layout.block_tasks(self.causal, self.ring.world, self.ring.rank, src, s)
+        if self.mask is None:
+            return self.layout.block_tasks(self.causal, self.ring.world, self.ring.rank, src, s)
+        return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s)
+
+    def steps(self, s: int) -> int:
+        """Ring steps to run: fewer than P when no rank needs the K/V of the farther ranks (windows)."""
+        return self.ring.world if self.mask is None else needed_steps(self.layout, self.mask, self.ring.world, s)
+
+    def forward_block(self, task, q, k, v):
+        mask = getattr(task, "mask", None)
+        if mask is None:
+            return self.kernel.forward(q, k, v, task.causal, self.scale)
+        return _mask_kernel(self.kernel).forward(q, k, v, False, self.scale, mask=mask)
+
+    def backward_block(self, task, dout, q, k, v, out, lse):
+        mask = getattr(task, "mask", None)
+        if mask is None:
+            return self.kernel.backward(dout, q, k, v, out, lse, task.causal, self.scale)
+        return _mask_kernel(self.kernel).backward(dout, q, k, v, out, lse, False, self.scale, mask=mask)
+
+
+def _mask_kernel(kernel: BlockKernel) -> BlockKernel:
+    """The kernel for tasks with an explicit mask: ``kernel`` if it takes masks, else the math kernel."""
+    return kernel if kernel.supports_mask else MathKernel()
 
 
 class _KVStream:
@@ -59,9 +84,9 @@ class _KVStream:
             self.status.encode(k, v, self.bufs[0])  # an error is raised after the ring, on every rank
         self.pending: Exchange | None = None
 
-    def start(self, step: int) -> None:
+    def start(self, step: int, steps: int) -> None:
         """Begin fetching the block for ``step + 1`` (if there is one)."""
-        if step + 1 < self.plan.ring.world:
+        if step + 1 < steps:
             self.pending = self.plan.ring.exchange(self.bufs[step % 2], self.bufs[(step + 1) % 2],
                                                    self.channel, step)
 
@@ -85,14 +110,22 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Ring attention forward. Returns ``(out [b,h,s,d] float32, lse [b,h,s] float32)``."""
     kv = _KVStream(plan, k, v, "fwd_kv")
     acc: list[torch.Tensor] = []  # [out, lse] once the first block result exists
-    for step in range(plan.ring.world):
-        kv.start(step)
+    steps = plan.steps(q.shape[2])
+    for step in range(steps):
+        kv.start(step, steps)
         _forward_step(q, *kv.block(step), plan, step, acc)
         kv.finish()
     if plan.ring.world > 1:
         kv.status.settle(plan)  # every rank raises if any rank's K/V (or input) was refused
-    assert acc, "every layout computes the diagonal block"
+    if not acc:  # no local query sees any key (all padding, or masked away): out 0, lse -inf
+        _new_acc(q, v, acc)
     return acc[0], acc[1]
+
+
+def _new_acc(q: torch.Tensor, v: torch.Tensor, acc: list[torch.Tensor]) -> None:
+    b, h, s, _ = q.shape
+    acc += [q.new_zeros((b, h, s, v.shape[-1]), dtype=torch.float32),
+            q.new_full((b, h, s), float("-inf"), dtype=torch.float32)]
 
 
 def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: RingPlan, step: int,
@@ -100,14 +133,12 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
     """Fold one visiting block into ``acc``; a function so its temporaries die before the next step."""
     b, h, s, _ = q.shape
     for task in plan.tasks(step, s):
-        out, lse = plan.kernel.forward(q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv],
-                                       task.causal, plan.scale)
+        out, lse = plan.forward_block(task, q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv])
         if not acc and task.q == slice(0, s):  # first result covering every row: adopt it
             acc += [out.float(), lse.float()]
             continue
         if not acc:
-            acc += [q.new_zeros((b, h, s, vt.shape[-1]), dtype=torch.float32),
-                    q.new_full((b, h, s), float("-inf"), dtype=torch.float32)]
+            _new_acc(q, vt, acc)
         merge_into(acc[0][:, :, task.q], acc[1][:, :, task.q], out, lse)
 
 
@@ -129,8 +160,9 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if world > 1:
         dkv.append(torch.empty_like(dkv[0]))
     dkv_pending: Exchange | None = None
-    for step in range(world):
-        kv.start(step)
+    steps = plan.steps(s)
+    for step in range(steps):
+        kv.start(step, steps)
         acc = dkv[step % 2]
         _backward_step(dout, q, *kv.block(step), out, lse, plan, step, dq,
                        lambda: dkv_pending.wait() if dkv_pending is not None else None,
@@ -138,6 +170,9 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         if world > 1:  # pass it on; after the last step this hop returns each block to its owner
             dkv_pending = plan.ring.exchange(acc, dkv[(step + 1) % 2], "bwd_dkv", step)
         kv.finish()
+    for step in range(steps, world):  # a shortened ring: carry the accumulators home, nothing to add
+        dkv_pending.wait()
+        dkv_pending = plan.ring.exchange(dkv[step % 2], dkv[(step + 1) % 2], "bwd_dkv", step)
     if dkv_pending is not None:
         dkv_pending.wait()
     mine = dkv[world % len(dkv)]  # P=1: the local accumulator; else where the last hop landed
@@ -152,9 +187,9 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     partial = []
     for task in plan.tasks(step, q.shape[2]):
         rows = task.q
-        dq_b, dk_b, dv_b = plan.kernel.backward(
-            dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
-            out[:, :, rows], lse[:, :, rows].contiguous(), task.causal, plan.scale)
+        dq_b, dk_b, dv_b = plan.backward_block(
+            task, dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
+            out[:, :, rows], lse[:, :, rows].contiguous())
         dq[:, :, rows] += dq_b
         del dq_b
         partial.append((task.kv, dk_b, dv_b))

@@ -6,6 +6,12 @@ handled inside the kernel; K/V are never repeated on the wire). ``forward`` retu
 ``(dq, dk, dv)`` shaped like ``q, k, v``. ``causal`` is the top-left mask (key j visible to query i iff
 j <= i). Callers never pass a block with a fully masked query row (see ``layouts``).
 
+Masks (documents, windows; see :mod:`.masks`): a kernel with ``supports_mask = True`` also accepts the
+keyword ``mask=`` (a :class:`~megatron_ring.masks.BlockMask`, ``causal`` is then False). With a mask,
+query rows that see no key of the block return out 0 and lse -inf, and ``backward`` accepts lse = -inf
+for rows that see no key at all (their gradients are 0). The engine sends masked tasks to a kernel
+without ``supports_mask`` to :class:`MathKernel` instead, so a new kernel works unchanged.
+
 Kernels are picked once per device by :func:`select_kernel` and can be forced by name.
 """
 from __future__ import annotations
@@ -20,6 +26,7 @@ __all__ = ["BlockKernel", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel", "sel
 
 class BlockKernel(abc.ABC):
     name: str = "abstract"
+    supports_mask: bool = False  # True: forward/backward accept mask= (a masks.BlockMask)
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -40,6 +47,7 @@ class MathKernel(BlockKernel):
     """Plain fp32 matmul/softmax. Slow, exact, works on every device and dtype."""
 
     name = "math"
+    supports_mask = True
 
     @staticmethod
     def _grouped(q: torch.Tensor, h_kv: int) -> torch.Tensor:
@@ -47,27 +55,29 @@ class MathKernel(BlockKernel):
         return q.reshape(b, h_kv, h // h_kv, s, d)
 
     @staticmethod
-    def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, mask=None) -> torch.Tensor:
         qg = MathKernel._grouped(q.float(), k.shape[1])
         s = torch.einsum("bkgqd,bksd->bkgqs", qg, k.float()) * scale
         if causal:
             sq, sk = s.shape[-2:]
             hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1)
             s = s.masked_fill(hidden, float("-inf"))
+        if mask is not None:
+            s = s.masked_fill(~mask.allowed(q.device), float("-inf"))
         return s
 
-    def forward(self, q, k, v, causal, scale):
-        s = self._scores(q, k, causal, scale)
+    def forward(self, q, k, v, causal, scale, mask=None):
+        s = self._scores(q, k, causal, scale, mask)
         lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse.unsqueeze(-1))
+        p = torch.exp(s - _finite_lse(lse).unsqueeze(-1))  # rows with no key: all zeros
         out = torch.einsum("bkgqs,bksd->bkgqd", p, v.float())
         b, h, sq, d = q.shape
         return out.reshape(b, h, sq, v.shape[-1]).to(q.dtype), lse.reshape(b, h, sq)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
         h_kv = k.shape[1]
-        s = self._scores(q, k, causal, scale)
-        lse_g = self._grouped(lse.unsqueeze(-1), h_kv)
+        s = self._scores(q, k, causal, scale, mask)
+        lse_g = self._grouped(_finite_lse(lse).unsqueeze(-1), h_kv)
         p = torch.exp(s - lse_g)
         do = self._grouped(dout.float(), h_kv)
         delta = (do * self._grouped(out.float(), h_kv)).sum(-1, keepdim=True)
@@ -83,19 +93,34 @@ class FlashCPUKernel(BlockKernel):
     """torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``) and its backward."""
 
     name = "flash_cpu"
+    supports_mask = True  # as a float additive mask in q's dtype
 
     def supports(self, q):
         return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16,
                                                       torch.float64)
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, mask=None):
+        if mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        allowed = mask.allowed(q.device)
+        additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-        return out, lse
+            q, k, v, 0.0, False, attn_mask=additive, scale=scale)
+        empty = ~allowed.any(-1)  # this kernel returns lse 0 (not -inf) for rows that see no key
+        return out.masked_fill(empty[:, None], 0.0), lse.masked_fill(empty, float("-inf"))
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+        if mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        additive = mask.additive(q.dtype, q.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            dout, q, k, v, out, _finite_lse(lse).contiguous(), 0.0, False, attn_mask=additive, scale=scale)
+
+
+def _finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows that see no key) replaced by 0: their scores are all -inf, so exp(s - 0) = 0."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -119,19 +119,25 @@ def _raise_for(codes: list[float], ring: Any, codec: KVCodec) -> None:
 
 
 def refuse_on_every_rank(ring: Any, codec: KVCodec | None, k: torch.Tensor, v: torch.Tensor, qkv_format: str,
-                         head_chunks: Any, check, *args: Any) -> Any:
+                         head_chunks: Any, check, *args: Any, steps: Any = None) -> Any:
     """``check(*args)``; if it raises ValueError on this rank only (after the cross-rank check), take part in
-    the forward ring with status :data:`BAD_INPUT` first, so the other ranks raise too instead of waiting."""
+    the forward ring with status :data:`BAD_INPUT` first, so the other ranks raise too instead of waiting.
+
+    ``steps()`` gives the forward ring's length (fewer than P steps when a window shortens it); default P."""
     try:
         return check(*args)
     except ValueError as exc:
         if ring.world > 1 and ring.group is not None and codec is not None and k.ndim == v.ndim == 4:
-            _refusal_ring(ring, codec, k, v, qkv_format, head_chunks)
+            try:
+                n = int(steps()) if steps is not None else ring.world
+            except ValueError:  # the mask itself is invalid: every rank raises that before any exchange
+                raise exc from None
+            _refusal_ring(ring, codec, k, v, qkv_format, head_chunks, n)
         raise exc
 
 
 def _refusal_ring(ring: Any, codec: KVCodec, k: torch.Tensor, v: torch.Tensor, qkv_format: str,
-                  head_chunks: Any) -> None:
+                  head_chunks: Any, steps: int) -> None:
     from .engine import head_groups  # noqa: PLC0415 - the engine imports this module
 
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
@@ -145,7 +151,7 @@ def _refusal_ring(ring: Any, codec: KVCodec, k: torch.Tensor, v: torch.Tensor, q
         bufs = status_buffers(codec, spec)
         bufs[0].zero_()
         status.mark(bufs[0], BAD_INPUT)
-        for step in range(ring.world - 1):  # forward every received block unchanged, like the engine
+        for step in range(steps - 1):  # forward every received block unchanged, like the engine
             ring.exchange(bufs[step % 2], bufs[(step + 1) % 2], "fwd_kv", step).wait()
         if status.read_in_forward:
             return  # the others raise at the end of this (first) forward ring

@@ -14,16 +14,17 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["FORMATS", "check_inputs", "call_signature", "check_same_across_ranks"]
+__all__ = ["FORMATS", "check_inputs", "call_signature", "check_same_across_ranks", "check_cu_seqlens",
+           "check_window"]
 
-FORMATS = ("bshd", "sbhd")
+FORMATS = ("bshd", "sbhd")  # plus "thd" (packed documents), turned into bshd with b=1 by the api
 
 _SIGNATURE_FIELDS = (
     "q.ndim", "q.shape[0]", "q.shape[1]", "q.shape[2]", "q.shape[3]",
     "k.shape[0]", "k.shape[1]", "k.shape[2]", "k.shape[3]",
     "v.shape[0]", "v.shape[1]", "v.shape[2]", "v.shape[3]",
     "q.dtype", "k.dtype", "v.dtype", "device type", "causal", "layout", "qkv_format", "comm_dtype",
-    "softmax_scale", "head_chunks",
+    "softmax_scale", "head_chunks", "cu_seqlens", "window",
 )
 
 
@@ -38,14 +39,20 @@ def _shape4(t: torch.Tensor) -> list[int]:
 
 def call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, layout: Any,
                    qkv_format: Any, comm_dtype: Any, softmax_scale: float | None,
-                   head_chunks: Any = 1) -> tuple[int, ...]:
+                   head_chunks: Any = 1, cu_seqlens: Any = None, window: Any = None) -> tuple[int, ...]:
     """The integers every rank of the group must agree on (see ``_SIGNATURE_FIELDS``)."""
     scale_bits = struct.unpack("<q", struct.pack("<d", float(softmax_scale)))[0] if softmax_scale else 0
     layout_name = getattr(layout, "name", layout)
     return (q.ndim, *_shape4(q), *_shape4(k), *_shape4(v), _code(q.dtype), _code(k.dtype),
             _code(v.dtype), _code(q.device.type), int(bool(causal)), _code(layout_name),
             _code(qkv_format), _code(comm_dtype), scale_bits,
-            head_chunks if isinstance(head_chunks, int) else _code(head_chunks))
+            head_chunks if isinstance(head_chunks, int) else _code(head_chunks), _code(_listed(cu_seqlens)),
+            _code(_listed(window)))
+
+
+def _listed(x: Any) -> Any:
+    """Tensors as lists, so the code depends on the values only."""
+    return x.tolist() if isinstance(x, torch.Tensor) else (list(x) if isinstance(x, (tuple, list)) else x)
 
 
 _checked: dict[int, set[tuple[int, ...]]] = {}
@@ -77,11 +84,16 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
             f"(differing: {', '.join(differing)}; {per_rank}). Every rank must pass the same shapes, "
             "dtypes and options: check the batch sharding and sequence padding (all ranks need the same "
             "local sequence length), and the configuration each rank read.")
+    if len(seen) >= 4096:  # e.g. a new cu_seqlens every step: keep the memory bounded
+        seen.clear()
     seen.add(sig)
 
 
 def _decode(field: str, value: int, describe: dict[str, Any]) -> str:
     """Numbers print as numbers; hashed names print as the local name when they match it."""
+    if field in ("cu_seqlens", "window"):
+        local = describe.get(field)
+        return f"<{field} differs from this rank's {_listed(local)}>" if local is not None else "<differs>"
     if "shape" in field or field in ("q.ndim", "head_chunks"):
         return str(value)
     local = describe.get(field)
@@ -95,7 +107,7 @@ def _decode(field: str, value: int, describe: dict[str, Any]) -> str:
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: str) -> None:
     """Shape/dtype/device checks that name the fix. Raises ValueError."""
     if qkv_format not in FORMATS:
-        raise ValueError(f"unknown qkv_format {qkv_format!r}; use 'bshd' ([b, s, h, d]) or 'sbhd' ([s, b, h, d])")
+        raise ValueError(f"unknown qkv_format {qkv_format!r}; use 'bshd' ([b, s, h, d]), 'sbhd' ([s, b, h, d]) or 'thd' ([t, h, d])")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             raise ValueError(f"{name} must be a 4-D tensor in {qkv_format} layout, got "
@@ -122,3 +134,41 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: 
                          "fix num_attention_heads / num_query_groups")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v need a contiguous last (head) dimension; call .contiguous() first")
+
+
+def check_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple of ints, after checking it describes documents of a stream of ``total``
+    tokens (int, 1-D, starts at 0, non-decreasing, ends at or before ``total``). Raises ValueError."""
+    if isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+            raise ValueError("cu_seqlens must hold integers; pass torch.tensor(cu_seqlens, dtype=torch.int32)")
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+            or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be an integer tensor (int32/int64), got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}; cast it with .int()")
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [n_docs + 1] (global cumulative document lengths), got shape "
+                         f"{tuple(cu_seqlens.shape)}; for one batch row per sequence use qkv_format='bshd'")
+    cu = tuple(int(x) for x in cu_seqlens.tolist())
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}; prepend 0")
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError("cu_seqlens must be non-decreasing (cumulative document lengths); pass the GLOBAL "
+                         "boundaries of the packed stream, the same on every rank")
+    if cu[-1] > total:
+        raise ValueError(f"cu_seqlens[-1]={cu[-1]} is past the packed stream's {total} tokens (local length x "
+                         "ranks); pass the global boundaries and pad only at the end of the stream")
+    return cu
+
+
+def check_window(window: Any) -> tuple[int, int] | None:
+    """``window`` as ``(left, right)`` ints (``-1`` unbounded) or None. Raises ValueError."""
+    if window is None:
+        return None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in window)):
+        raise ValueError(f"window must be a pair of ints (left, right), -1 meaning unbounded, got {window!r}")
+    if any(x < -1 for x in window):
+        raise ValueError(f"window values must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    return int(window[0]), int(window[1])

@@ -18,6 +18,7 @@ from megatron.core.utils import divide
 import megatron_ring
 
 from .config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
+from .documents import DocumentsFromMask, packed_cu_seqlens
 from .provider import get_ring_state, is_context_parallel_initialized
 
 __all__ = ["RingDotProductAttention"]
@@ -40,8 +41,10 @@ class RingDotProductAttention(MegatronModule):
     The ring runs over the group registered by
     :func:`~megatron_ring.megatron.provider.initialize_context_parallel` (its layout and wire dtype);
     without a registered ring it uses Megatron's CP group (only valid at CP size 1, zigzag, no wire cast).
-    Supported masks: ``causal`` (global causal mask; the ``attention_mask`` tensor is then ignored) and
-    ``no_mask``. Attention dropout must be 0.
+    Supported masks: ``causal`` and ``no_mask``; documents from ``packed_seq_params`` (THD, global
+    ``cu_seqlens``) or, with ``causal``, from an ``attention_mask`` that is causal within documents
+    (``--reset-attention-mask``; see :mod:`.documents`); ``config.window_size`` (sliding window).
+    Attention dropout must be 0.
     """
 
     def __init__(
@@ -73,8 +76,8 @@ class RingDotProductAttention(MegatronModule):
             raise ContextParallelConfigError("--cp-comm-type", f"ring attention runs 'p2p', got {cp_comm_type!r}")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported; use 'vanilla'")
-        if getattr(config, "window_size", None) is not None:
-            raise NotImplementedError("sliding-window attention (window_size) is not supported by ring attention")
+        self.window = _window(config, layer_number)
+        self._documents = DocumentsFromMask()
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
         # a model built with a process-group collection names its CP group: honour it (checked in _ring)
         self._pg_cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
@@ -140,14 +143,40 @@ class RingDotProductAttention(MegatronModule):
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> Tensor:
         """``[sq, b, np, hn]`` x ``[sk, b, ng, hn]`` x2 -> ``[sq, b, np * hn]``."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (THD) are not supported by RingDotProductAttention")
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by RingDotProductAttention")
         causal = self._mask_causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
         group, cfg = self._ring()
-        out = megatron_ring.ring_attention(
-            query, key, value, group=group, causal=causal, layout=cfg.layout,
-            softmax_scale=self.softmax_scale, qkv_format="sbhd", comm_dtype=cfg.torch_comm_dtype,
-            timeout_s=cfg.timeout_s)
+        run = lambda q, k, v, fmt, cu=None: megatron_ring.ring_attention(  # noqa: E731
+            q, k, v, group=group, causal=causal, layout=cfg.layout, softmax_scale=self.softmax_scale,
+            qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
+            window=self.window)
+        if packed_seq_params is not None:  # THD: query [t, np, hn] (Megatron squeezed the batch dim)
+            if query.dim() == 4:
+                query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+            out = run(query, key, value, "thd", packed_cu_seqlens(packed_seq_params))
+            return out.view(out.size(0), self.hidden_size_per_partition)
+        docs = None
+        if attention_mask is not None and causal:  # --reset-attention-mask: documents per batch row
+            docs = self._documents(attention_mask, group if group is not None and group.size() > 1 else None,
+                                   cfg.layout)
+        if docs is None:
+            out = run(query, key, value, "sbhd")
+        else:
+            out = torch.stack([run(query[:, i], key[:, i], value[:, i], "thd", torch.tensor(cu))
+                               for i, cu in enumerate(docs)], 1)
         return out.view(out.size(0), out.size(1), self.hidden_size_per_partition)
+
+
+def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int, int]]:
+    """Megatron's ``window_size`` for this layer (``window_attn_skip_freq`` layers use full attention)."""
+    window = getattr(config, "window_size", None)
+    if window is None:
+        return None
+    skip = getattr(config, "window_attn_skip_freq", None)
+    if skip is not None:
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        if not is_layer_window_attention(window, skip, layer_number):
+            return None
+    return (int(window[0]), int(window[1]))

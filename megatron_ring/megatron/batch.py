@@ -11,6 +11,10 @@ __all__ = ["get_batch_on_this_cp_rank", "cp_positions"]
 
 #: Sequence dimension per batch key; every other tensor is ``[b, s, ...]`` (dimension 1).
 SEQ_DIM = {"attention_mask": 2}  # [b, 1, s_q, s_k]: queries are split, keys stay whole (as in Megatron)
+#: Packed-document metadata: GLOBAL boundaries of the packed stream, the same on every CP rank (not split).
+GLOBAL_KEYS = frozenset({"cu_seqlens", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_padded",
+                         "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen", "max_seqlen_q",
+                         "max_seqlen_kv"})
 
 
 def _resolve(layout: str | None, cp_group: Any, cp_size: int | None, cp_rank: int | None) -> tuple[str, int, int]:
@@ -50,6 +54,11 @@ def get_batch_on_this_cp_rank(batch: Mapping[str, Any], *, layout: str | None = 
     (``[b, 1, s / cp, s]``). ``None`` and non-tensor values pass through. Defaults come from the
     registered ring (layout, group); Megatron's own helper would always split zigzag.
 
+    Packed documents (THD, ``tokens [1, T]``): every ``[1, T]`` tensor (tokens, labels, loss mask,
+    position ids restarting per document) is split like a sequence, and ``cu_seqlens`` (and the other
+    ``GLOBAL_KEYS``) stay global, as ring attention wants them; ``--reset-attention-mask`` masks keep
+    their key dimension. No per-document padding is needed (pad the stream's end only).
+
     Pass full-sequence ``position_ids`` (``0..s-1``) so learned position embeddings see global positions;
     RoPE gets them from :func:`~megatron_ring.megatron.rope.use_layout_rope`.
     """
@@ -60,7 +69,7 @@ def get_batch_on_this_cp_rank(batch: Mapping[str, Any], *, layout: str | None = 
     lay = get_layout(layout)
     cache: dict[tuple[int, torch.device], torch.Tensor] = {}
     for key, val in batch.items():
-        if not isinstance(val, torch.Tensor):
+        if not isinstance(val, torch.Tensor) or key in GLOBAL_KEYS:
             continue
         dim = SEQ_DIM.get(key, 1)
         if val.dim() <= dim:

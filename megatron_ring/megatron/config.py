@@ -17,7 +17,6 @@ from megatron_ring.layouts import LAYOUTS, get_layout
 __all__ = [
     "ContextParallelConfigError",
     "RingConfig",
-    "refuse_reset_attention_mask",
     "refuse_mtp_without_zigzag",
     "COMM_DTYPES",
     "CP_COMM_TYPES",
@@ -179,7 +178,6 @@ class RingConfig:
                 num_layers=getattr(args, "num_layers", None),
                 mtp_num_layers=getattr(args, "mtp_num_layers", None),
             )
-            refuse_reset_attention_mask(getattr(args, "reset_attention_mask", False), cfg.context_parallel_size)
         return cfg
 
 
@@ -191,16 +189,6 @@ def refuse_mtp_without_zigzag(mtp_num_layers: int | None, layout: str, context_p
             "--cp-layout", f"multi-token prediction (--mtp-num-layers {mtp_num_layers}) rolls each CP shard "
                            f"assuming Megatron's zigzag split; --cp-layout {layout} would be silently wrong. Use "
                            "--cp-layout zigzag (or drop --mtp-num-layers)")
-
-
-def refuse_reset_attention_mask(reset_attention_mask: bool, context_parallel_size: int) -> None:
-    """``--reset-attention-mask`` needs document masks, which ring attention does not apply yet: refuse it
-    instead of attending across document boundaries. (Drop this check when document masks land.)"""
-    if reset_attention_mask and context_parallel_size > 1:
-        raise ContextParallelConfigError(
-            "--reset-attention-mask", "ring attention does not apply per-document masks yet, so tokens would "
-                                      "attend across document boundaries; remove --reset-attention-mask (or run "
-                                      "with --context-parallel-size 1)")
 
 
 def _as_tuple(x: Any) -> tuple | None:

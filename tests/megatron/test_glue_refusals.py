@@ -9,16 +9,7 @@ import pytest
 
 from megatron_ring.megatron import ContextParallelConfigError, RingConfig
 from megatron_ring.megatron import attention as attn
-from megatron_ring.megatron.config import refuse_mtp_without_zigzag, refuse_reset_attention_mask
-
-
-def test_reset_attention_mask_is_refused_naming_the_flag():
-    args = argparse.Namespace(context_parallel_size=2, reset_attention_mask=True, seq_length=64, world_size=2)
-    with pytest.raises(ContextParallelConfigError) as e:
-        RingConfig.from_args(args)
-    assert e.value.flag == "--reset-attention-mask" and "document" in str(e.value)
-    refuse_reset_attention_mask(True, 1)  # no ring at CP=1: nothing to refuse
-    RingConfig.from_args(argparse.Namespace(context_parallel_size=2, seq_length=64, world_size=2))
+from megatron_ring.megatron.config import refuse_mtp_without_zigzag
 
 
 @pytest.mark.parametrize("layout", ["striped", "contiguous"])

@@ -1,0 +1,242 @@
+"""Attention structure as data: documents (packed THD streams), causal, sliding windows.
+
+:class:`AttentionMask` describes which (query, key) pairs of the GLOBAL token stream are visible:
+
+* documents: ``cu_seqlens`` (global, ``[n_docs + 1]``); attention never crosses a document boundary, and
+  tokens at or past ``cu_seqlens[-1]`` are padding (they see nothing and are seen by nothing);
+* ``causal``: key j visible to query i only if ``j <= i``;
+* ``window=(left, right)``: key j visible to query i only if ``i - left <= j <= i + right`` (``-1``:
+  unbounded on that side).
+
+:func:`schedule` turns it, for one (layout, P, rank, source rank, local length), into the list of
+:class:`~megatron_ring.layouts.BlockTask` the engine computes at that ring step. Without documents and
+window it IS the layout's own causal schedule (same tasks, same cost). Otherwise local rows are cut into
+tiles; tile pairs are classified from their position/document ranges (no visible pair: skipped; every
+pair visible: a full block) and only the ambiguous ones are checked element-wise. Each query tile then
+gets one kernel call per contiguous run of visible key tiles: full, top-left causal, or with a
+:class:`BlockMask` (an explicit mask built lazily at call time from the local position/document vectors
+of the task, so a rank never holds an ``[S, S]`` mask and many short documents cost a handful of
+block-diagonal masked calls, not one call per document). Schedules are cached per signature.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .layouts import BlockTask, Layout
+
+__all__ = ["AttentionMask", "BlockMask", "schedule", "visible_pairs", "needed_steps", "doc_ids"]
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """The global visibility rule; hashable (it keys the schedule cache)."""
+
+    causal: bool
+    cu_seqlens: tuple[int, ...] | None = None
+    window: tuple[int, int] | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Only the layout's causal/full structure (the fast path: the layout's own tasks)."""
+        return self.cu_seqlens is None and (self.window is None or self.window == (-1, -1))
+
+    def doc_ids(self, pos: torch.Tensor) -> torch.Tensor:
+        return doc_ids(pos, self.cu_seqlens)
+
+    def allowed(self, qpos: torch.Tensor, qdoc: torch.Tensor, kpos: torch.Tensor,
+                kdoc: torch.Tensor) -> torch.Tensor:
+        """Bool ``[len(qpos), len(kpos)]``: True where the pair is visible."""
+        i, j = qpos[:, None], kpos[None, :]
+        ok = (qdoc[:, None] == kdoc[None, :]) & (qdoc >= 0)[:, None]
+        if self.causal:
+            ok &= j <= i
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                ok &= j >= i - left
+            if right >= 0:
+                ok &= j <= i + right
+        return ok
+
+
+def doc_ids(pos: torch.Tensor, cu_seqlens: Sequence[int] | None) -> torch.Tensor:
+    """Document index of each global position; -1 for padding (at or past ``cu_seqlens[-1]``)."""
+    if cu_seqlens is None:
+        return torch.zeros_like(pos)
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64)
+    ids = torch.searchsorted(cu, pos, right=True) - 1
+    return torch.where(pos < cu[-1], ids, torch.full_like(ids, -1))
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """An explicit mask for one task, built on demand from the rows' global positions and documents."""
+
+    rule: AttentionMask
+    qpos: torch.Tensor
+    qdoc: torch.Tensor
+    kpos: torch.Tensor
+    kdoc: torch.Tensor
+
+    def allowed(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Bool ``[sq, sk]`` (True: visible)."""
+        return self.rule.allowed(self.qpos, self.qdoc, self.kpos, self.kdoc).to(device)
+
+    def additive(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``0`` where visible, ``-inf`` where hidden, in ``dtype``."""
+        ok = self.allowed(device)
+        return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
+
+
+@dataclass(frozen=True)
+class MaskedTask(BlockTask):
+    """A :class:`BlockTask` whose pairs need an explicit :class:`BlockMask` (``causal`` is False)."""
+
+    mask: BlockMask | None = None
+
+
+def _runs(pos: torch.Tensor, tile: int) -> list[tuple[int, int]]:
+    """Row ranges of at most ``tile`` rows, never across a jump in the position stride."""
+    n = len(pos)
+    cuts = [0]
+    if n > 2:
+        d = pos[1:] - pos[:-1]
+        cuts += (torch.nonzero(d[1:] != d[:-1]).flatten() + 2).tolist()
+    cuts.append(n)
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        out += [(x, min(x + tile, b)) for x in range(a, b, tile)]
+    return out
+
+
+def _classify(rule: AttentionMask, qp, qd, kp, kd, pad: int) -> str:
+    """'none', 'full' or 'mixed' for a tile pair from its ranges: positions and document ids increase
+    along a tile (padding has the largest id, ``pad``), so the end points bound every pair."""
+    qa, qb, ka, kb = int(qp[0]), int(qp[-1]), int(kp[0]), int(kp[-1])
+    dqa, dqb, dka, dkb = int(qd[0]), int(qd[-1]), int(kd[0]), int(kd[-1])
+    left, right = rule.window if rule.window is not None else (-1, -1)
+    if (dqa == pad or dka == pad or dkb < dqa or dka > dqb or (rule.causal and ka > qb)
+            or (left >= 0 and kb < qa - left) or (right >= 0 and ka > qb + right)):
+        return "none"
+    if (dqa == dqb == dka == dkb and (not rule.causal or kb <= qa)
+            and (left < 0 or ka >= qb - left) and (right < 0 or kb <= qa + right)):
+        return "full"
+    return "mixed"
+
+
+def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: int) -> tuple[BlockTask, ...]:
+    qdoc, kdoc = rule.doc_ids(qpos), rule.doc_ids(kpos)
+    pad = len(rule.cu_seqlens) if rule.cu_seqlens is not None else 1
+    qd, kd = torch.where(qdoc < 0, pad, qdoc), torch.where(kdoc < 0, pad, kdoc)  # padding sorts last
+    ktiles = _runs(kpos, tile)
+    tasks: list[BlockTask] = []
+    for qa, qb in _runs(qpos, tile):
+        row: list[tuple[int, int, str]] = []
+        for ka, kb in ktiles:
+            kind = _classify(rule, qpos[qa:qb], qd[qa:qb], kpos[ka:kb], kd[ka:kb], pad)
+            if kind == "mixed":
+                ok = rule.allowed(qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb])
+                kind = "none" if not bool(ok.any()) else ("full" if bool(ok.all()) else "mixed")
+            if kind == "none":
+                continue
+            if row and row[-1][1] == ka and (MERGE_KINDS or row[-1][2] == kind):  # extend the run
+                row[-1] = (row[-1][0], kb, "mixed" if "mixed" in (row[-1][2], kind) else "full")
+            else:
+                row.append((ka, kb, kind))
+        for ka, kb, kind in row:
+            tasks.append(_task(rule, qpos, qdoc, kpos, kdoc, slice(qa, qb), slice(ka, kb), kind))
+    return tuple(_merge_rows(tasks))
+
+
+def _task(rule, qpos, qdoc, kpos, kdoc, q: slice, kv: slice, kind: str) -> BlockTask:
+    if kind == "full":
+        return BlockTask(q, kv, False)
+    ok = rule.allowed(qpos[q], qdoc[q], kpos[kv], kdoc[kv])
+    n = ok.shape[0]
+    if ok.shape == (n, n) and torch.equal(ok, torch.ones(n, n, dtype=torch.bool).tril_()):
+        return BlockTask(q, kv, True)
+    return MaskedTask(q, kv, False, BlockMask(rule, qpos[q], qdoc[q], kpos[kv], kdoc[kv]))
+
+
+def _merge_rows(tasks: list[BlockTask]) -> list[BlockTask]:
+    """Merge vertically adjacent full tasks over the same key rows into one call."""
+    out: list[BlockTask] = []
+    for t in tasks:
+        last = out[-1] if out else None
+        if (last is not None and type(last) is BlockTask and type(t) is BlockTask and not last.causal
+                and not t.causal and last.kv == t.kv and last.q.stop == t.q.start):
+            out[-1] = BlockTask(slice(last.q.start, t.q.stop), t.kv, False)
+        else:
+            out.append(t)
+    return out
+
+
+#: True: one call per run of visible key tiles (masked if any tile is mixed); False: full runs and
+#: mixed runs are separate calls (more calls, fewer masked pairs; a causal diagonal tile stays unmasked).
+MERGE_KINDS = True
+
+_CACHE: "OrderedDict[tuple, tuple[BlockTask, ...]]" = OrderedDict()
+_CACHE_SIZE = 4096
+
+
+def default_tile(s: int) -> int:
+    """Tile rows: about 16 tiles per local block (fine enough to skip window edges), at least 64."""
+    return max(64, -(-s // 16))
+
+
+def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: int, s: int,
+             tile: int | None = None) -> tuple[BlockTask, ...]:
+    """The tasks rank ``rank`` computes against the K/V block of rank ``src`` (cached)."""
+    if rule.plain:
+        return layout.block_tasks(rule.causal, world, rank, src, s)
+    key = (layout.name, rule, world, rank, src, s, tile)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit
+    seq = s * world
+    tasks = _tasks(rule, layout.positions(seq, world, rank), layout.positions(seq, world, src),
+                   tile or default_tile(s))
+    _CACHE[key] = tasks
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return tasks
+
+
+def needed_steps(layout: Layout, rule: AttentionMask, world: int, s: int) -> int:
+    """How many ring steps (K/V hops + 1) any rank needs: steps past the last one with a task on ANY
+    rank are dropped (a window spanning fewer ranks than P with a contiguous layout needs fewer hops).
+
+    Only the window can shorten the ring here: documents are left out (they only remove pairs, so the
+    count stays a safe upper bound) and the result is cached per (layout, causal, window, P, s)."""
+    if rule.window is None:
+        return world
+    key = (layout.name, rule.causal, rule.window, world, s)
+    if key not in _STEPS:
+        base = AttentionMask(rule.causal, None, rule.window)
+        last = 0
+        for t in range(world):
+            if any(schedule(layout, base, world, r, (r - t) % world, s) for r in range(world)):
+                last = t
+        _STEPS[key] = last + 1
+    return _STEPS[key]
+
+
+_STEPS: dict[tuple, int] = {}
+
+
+def visible_pairs(layout: Layout, rule: AttentionMask, world: int, rank: int, s: int) -> int:
+    """Visible (query, key) pairs rank ``rank`` computes over the whole ring (its causal work)."""
+    seq = s * world
+    qpos = layout.positions(seq, world, rank)
+    qdoc = rule.doc_ids(qpos)
+    total = 0
+    for src in range(world):
+        kpos = layout.positions(seq, world, src)
+        for a in range(0, s, 1024):  # bounded memory
+            total += int(rule.allowed(qpos[a:a + 1024], qdoc[a:a + 1024], kpos, rule.doc_ids(kpos)).sum())
+    return total

@@ -1,0 +1,108 @@
+"""Document structure from Megatron's inputs: ``PackedSeqParams`` (THD) and ``--reset-attention-mask``.
+
+* :func:`packed_cu_seqlens` turns ``PackedSeqParams`` (``cu_seqlens_q/kv`` and their ``_padded``
+  variants, as Megatron builds them) into the ring's global ``cu_seqlens``. With ``_padded`` boundaries
+  each document sits at the start of its padded slot; the filler after it becomes a document of its own
+  (it attends only to filler, never to a real token, and its loss mask is 0).
+* :class:`DocumentsFromMask` reads the documents of each batch row from Megatron's boolean
+  ``attention_mask`` (True = hidden; ``[b, 1, s_local, S]`` as :func:`get_batch_on_this_cp_rank` shards
+  it, or ``[b, 1, S, S]`` at CP 1), as built by ``get_ltor_masks_and_position_ids(reset_attention_mask)``.
+  Each local query row gives the start of its document; one small all-reduce over the CP group
+  (``[b, S]`` bytes, once per mask tensor: every layer reuses it) makes the boundaries global and equal on
+  every rank. A mask that is not "causal within documents" is refused (NotImplementedError), never
+  silently approximated.
+* :func:`document_mask` builds that mask (and position ids restarting per document) from EOD tokens.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.layouts import get_layout
+
+__all__ = ["packed_cu_seqlens", "DocumentsFromMask", "document_mask"]
+
+
+def packed_cu_seqlens(params: Any) -> torch.Tensor:
+    """Global document boundaries (int64, CPU) for the ring from Megatron's ``PackedSeqParams``."""
+    if getattr(params, "qkv_format", "thd") != "thd":
+        raise NotImplementedError(f"packed_seq_params.qkv_format={params.qkv_format!r}: ring attention takes 'thd'")
+    cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+    if cu_q is None:
+        raise ValueError("packed_seq_params.cu_seqlens_q is None; pass the global document boundaries")
+    if cu_kv is not None and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
+        raise NotImplementedError("ring attention is self-attention: cu_seqlens_q must equal cu_seqlens_kv")
+    cu = cu_q.detach().cpu().long()
+    padded = params.cu_seqlens_q_padded
+    if padded is None or torch.equal(padded.cpu().long(), cu):
+        return cu
+    padded = padded.detach().cpu().long()
+    if padded.shape != cu.shape:
+        raise ValueError("cu_seqlens_q_padded must have cu_seqlens_q's shape [n_docs + 1]")
+    lens = cu[1:] - cu[:-1]
+    if bool((padded[1:] - padded[:-1] < lens).any()):
+        raise ValueError("cu_seqlens_q_padded leaves less room than cu_seqlens_q for some document")
+    ends = padded[:-1] + lens  # real tokens [padded[i], ends[i]); filler [ends[i], padded[i+1])
+    bounds = torch.stack([padded[:-1], ends], 1).flatten()
+    return torch.unique_consecutive(torch.cat([bounds, padded[-1:]]))
+
+
+class DocumentsFromMask:
+    """Per-row ``cu_seqlens`` from a boolean causal-document ``attention_mask`` (cached per tensor)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, list[list[int]] | None] = (None, None)
+
+    def __call__(self, mask: torch.Tensor, group: Any, layout: str) -> list[list[int]] | None:
+        """Boundaries per batch row, or None when every row is one document (plain causal)."""
+        ref, cached = self._last
+        if ref is not None and ref() is mask:
+            return cached
+        rows = _documents(mask, group, layout)
+        self._last = (weakref.ref(mask), rows)
+        return rows
+
+
+def _documents(mask: torch.Tensor, group: Any, layout: str) -> list[list[int]] | None:
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.size(1) != 1:
+        raise NotImplementedError(f"attention_mask must be a bool [b, 1, s, S] tensor (True = hidden), got "
+                                  f"{mask.dtype} {tuple(mask.shape)}")
+    b, _, s_local, S = mask.shape
+    cp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    rank = dist.get_rank(group) if cp > 1 else 0
+    if s_local * cp != S:
+        raise ValueError(f"attention_mask has {s_local} query rows and {S} keys; with CP={cp} shard it with "
+                         "get_batch_on_this_cp_rank (queries split, keys whole)")
+    pos = get_layout(layout).positions(S, cp, rank).to(mask.device)
+    visible = ~mask[:, 0]  # [b, s_local, S]
+    j = torch.arange(S, device=mask.device)
+    start = torch.where(visible, j, S).amin(-1)  # first visible key of each local query
+    expected = (j >= start[..., None]) & (j <= pos[:, None])
+    if not torch.equal(visible, expected):
+        raise NotImplementedError(
+            "ring attention supports attention_mask tensors that are causal within documents (as "
+            "--reset-attention-mask builds them); this mask is not. Use attn_mask_type causal/no_mask "
+            "with attention_mask=None, or packed_seq_params (THD) for packed documents")
+    is_start = torch.zeros(b, S, dtype=torch.uint8, device=mask.device)
+    is_start.scatter_(1, start.clamp(max=S - 1).long(), 1)
+    if cp > 1:
+        dist.all_reduce(is_start, op=dist.ReduceOp.MAX, group=group)
+    is_start[:, 0] = 1
+    rows = [torch.nonzero(r).flatten().tolist() + [S] for r in is_start.cpu()]
+    return None if all(r == [0, S] for r in rows) else rows
+
+
+def document_mask(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(attention_mask [b, 1, s, s] bool, True = hidden; position_ids [b, s])`` for documents that end
+    at each ``eod`` token (the EOD belongs to the document it ends), as Megatron's
+    ``--reset-attention-mask --reset-position-ids`` build them."""
+    b, s = tokens.shape
+    ends = (tokens == eod).long()
+    doc = torch.cumsum(ends, 1) - ends  # a document id per token; the EOD stays in its document
+    i = torch.arange(s)
+    visible = (doc[:, :, None] == doc[:, None, :]) & (i[None, None, :] <= i[None, :, None])
+    first = torch.where(visible, i, s).amin(-1)
+    return ~visible.unsqueeze(1), i[None, :] - first

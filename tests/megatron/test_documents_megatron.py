@@ -1,0 +1,90 @@
+"""Documents through Megatron: ``--reset-attention-mask`` batches at TP x CP match Megatron's own CP = 1
+model (local attention applying the same document mask): loss and every gradient after one step, and a
+10-step loss curve at CP = 4 (with every gradient after step 1); ``PackedSeqParams`` (THD, padded variants) and ``window_size`` in
+RingDotProductAttention vs the float64 per-document reference.
+
+Tolerances (fp32) as tests/megatron/test_cp_equivalence.py: loss 2e-5, gradients rtol 1e-4 / atol 1e-6;
+curve 1e-4 per step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import doc_workers as D
+import megatron_workers as W
+from conftest import RUN_TIMEOUT
+from dist_utils import run_distributed
+
+_REF: dict = {}
+
+
+def _reference(steps):
+    if steps not in _REF:
+        _REF[steps] = run_distributed(D.reference_worker, 1, W.MODEL, steps, timeout=RUN_TIMEOUT)[0]
+    return _REF[steps]
+
+
+@pytest.mark.parametrize("tp,cp", [(2, 2)], ids=["tp2cp2"])  # CP 4 alone: the curve test below
+def test_reset_attention_mask_matches_megatron_cp1(run, tp, cp):
+    ref = _reference(1)
+    got = run(D.ring_worker, tp * cp, W.MODEL, tp, cp, ["zigzag", "striped"], 1)[0]
+    for layout, res in got.items():
+        assert abs(res["losses"][0] - ref["losses"][0]) <= 2e-5, (layout, res["losses"], ref["losses"])
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(res["grads"][name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{layout} {name}: {m}")
+
+
+def test_reset_attention_mask_negative_control():
+    """The documents matter: the CP = 1 reference without the mask differs clearly from the one with it."""
+    from megatron_ring.megatron.documents import document_mask
+
+    b = D.doc_batch(W.MODEL, 0, 2)
+    assert b["attention_mask"].any() and (b["position_ids"] == 0).sum() > 2
+    mask, pos = document_mask(torch.tensor([[3, 0, 0, 4, 0]]), 0)
+    assert pos.tolist() == [[0, 1, 0, 0, 1]]
+    assert (~mask[0, 0]).int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0],
+                                           [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+
+
+def test_reset_attention_mask_cp4_curve_matches_cp1(run):
+    steps = 10
+    ref = _reference(steps)
+    got = run(D.ring_worker, 4, W.MODEL, 1, 4, ["zigzag"], steps)
+    for name, g in _reference(1)["grads"].items():  # step 0: every gradient, as in the TP x CP test
+        torch.testing.assert_close(got[0]["zigzag"]["grads"][name], g, rtol=1e-4, atol=1e-6)
+    for r in got:
+        diffs = [abs(a - b) for a, b in zip(r["zigzag"]["losses"], ref["losses"])]
+        assert len(diffs) == steps and max(diffs) <= 1e-4, (r["zigzag"]["losses"], ref["losses"])
+    assert ref["losses"][-1] < ref["losses"][0] - 0.05
+
+
+@pytest.mark.parametrize("world,layout", [(2, "striped")])
+def test_packed_seq_params_and_window(run, world, layout):
+    errs = run(D.packed_attention_worker, world, layout)
+    for e in errs:
+        assert max(e.values()) < 2e-5, e
+
+
+def test_batch_helper_shards_packed_batches():
+    """THD batch: [1, T] tensors split with the layout, cu_seqlens kept global; padded params -> boundaries."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_ring.layouts import get_layout
+    from megatron_ring.megatron import get_batch_on_this_cp_rank
+    from megatron_ring.megatron.documents import packed_cu_seqlens
+
+    T, cu = 16, torch.tensor([0, 3, 4, 11], dtype=torch.int32)
+    pos = torch.cat([torch.arange(a, b) - a for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())] + [torch.zeros(5)])
+    batch = dict(tokens=torch.arange(T)[None], labels=torch.arange(T)[None] + 1, loss_mask=torch.ones(1, T),
+                 position_ids=pos[None].long(), cu_seqlens=cu, max_seqlen=7)
+    for layout in ("zigzag", "striped"):
+        got = get_batch_on_this_cp_rank(batch, layout=layout, cp_size=4, cp_rank=1)
+        idx = get_layout(layout).positions(T, 4, 1)
+        assert torch.equal(got["tokens"][0], idx) and torch.equal(got["position_ids"][0], pos[idx].long())
+        assert got["cu_seqlens"] is cu and got["max_seqlen"] == 7
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3, 4, 11]),
+                             cu_seqlens_kv=torch.tensor([0, 3, 4, 11]),
+                             cu_seqlens_q_padded=torch.tensor([0, 4, 8, 16]),
+                             cu_seqlens_kv_padded=torch.tensor([0, 4, 8, 16]))
+    assert packed_cu_seqlens(params).tolist() == [0, 3, 4, 5, 8, 15, 16]

@@ -1,0 +1,101 @@
+"""Schedules for documents and windows (masks.py): exact coverage, grouping, shortened rings, bad input."""
+import itertools
+import random
+
+import pytest
+import torch
+
+from megatron_ring import ring_attention
+from megatron_ring.layouts import LAYOUTS, get_layout
+from megatron_ring.masks import AttentionMask, needed_steps, schedule
+
+
+def _rules(T, rnd):
+    cu = [0]
+    while cu[-1] < T - 2:
+        cu.append(min(T - 2, cu[-1] + rnd.choice([1, 2, 5, 9, 30])))
+    return [AttentionMask(True, tuple(cu)), AttentionMask(False, tuple(cu)), AttentionMask(True, None, (7, -1)),
+            AttentionMask(False, tuple(cu), (3, 4)), AttentionMask(True, (0, T // 2 + 3), (40, -1))]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_tasks_cover_every_visible_pair_exactly_once(world):
+    rnd = random.Random(world)
+    s = 32
+    T = s * world
+    for name, rule in itertools.product(LAYOUTS, _rules(T, rnd)):
+        lay = get_layout(name)
+        for rank, src in itertools.product(range(world), range(world)):
+            qp, kp = lay.positions(T, world, rank), lay.positions(T, world, src)
+            want = rule.allowed(qp, rule.doc_ids(qp), kp, rule.doc_ids(kp))
+            got = torch.zeros_like(want, dtype=torch.int32)
+            for t in schedule(lay, rule, world, rank, src, s, tile=8):
+                block = torch.ones(t.q.stop - t.q.start, t.kv.stop - t.kv.start, dtype=torch.bool)
+                if t.causal:
+                    block = block.tril()
+                    assert block.shape[0] == block.shape[1]
+                m = getattr(t, "mask", None)
+                if m is not None:
+                    block = m.allowed()
+                else:  # full and causal tasks must not contain a hidden pair
+                    assert not (block & ~want[t.q, t.kv]).any(), (name, rule, rank, src, t)
+                got[t.q, t.kv] += block.int()
+            assert torch.equal(got, want.int()), (name, rule, rank, src)
+
+
+def test_plain_rule_is_the_layout_schedule():
+    for name, world, causal in itertools.product(LAYOUTS, (1, 2, 3, 8), (True, False)):
+        lay = get_layout(name)
+        for rank, src in itertools.product(range(world), range(world)):
+            assert schedule(lay, AttentionMask(causal), world, rank, src, 16) == lay.block_tasks(
+                causal, world, rank, src, 16)
+
+
+def test_many_short_documents_are_grouped():
+    """256 documents of 4 tokens on one 1024-token block: a few dozen calls, not 256."""
+    lay = get_layout("contiguous")
+    rule = AttentionMask(True, tuple(range(0, 1025, 4)))
+    tasks = schedule(lay, rule, 1, 0, 0, 1024)
+    assert len(tasks) <= 16, len(tasks)
+    computed = sum((t.q.stop - t.q.start) * (t.kv.stop - t.kv.start) for t in tasks)
+    assert computed <= 1024 * 64 * 1.01  # the diagonal tiles only (1/16 of the block)
+
+
+def test_window_shortens_the_contiguous_ring():
+    s, world = 64, 4
+    assert needed_steps(get_layout("contiguous"), AttentionMask(True, None, (40, -1)), world, s) == 2
+    assert needed_steps(get_layout("contiguous"), AttentionMask(True, None, (100, -1)), world, s) == 3
+    assert needed_steps(get_layout("zigzag"), AttentionMask(True, None, (40, -1)), world, s) == world
+    assert needed_steps(get_layout("contiguous"), AttentionMask(False, None, (40, 3)), world, s) == world
+
+
+def test_padding_rows_are_zero_with_zero_grads():
+    q, k, v = (torch.randn(16, 2, 8, requires_grad=True) for _ in range(3))
+    out = ring_attention(q, k, v, qkv_format="thd", cu_seqlens=torch.tensor([0, 5, 11]), causal=True)
+    out.backward(torch.randn_like(out))
+    assert not out.isnan().any() and (out[11:] == 0).all()
+    for t in (q, k, v):
+        assert not t.grad.isnan().any() and (t.grad[11:] == 0).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cu_seqlens=torch.tensor([0.0, 4.0])), "integer"),
+    (dict(cu_seqlens=torch.tensor([[0, 4]])), "1-D"),
+    (dict(cu_seqlens=torch.tensor([0, 6, 4])), "non-decreasing"),
+    (dict(cu_seqlens=torch.tensor([1, 4])), "start at 0"),
+    (dict(cu_seqlens=torch.tensor([0, 17])), "past"),
+    (dict(window=(-2, 3)), "-1 for unbounded"),
+    (dict(window=(3,)), "pair"),
+])
+def test_bad_document_input_names_the_fix(kwargs, match):
+    q = torch.randn(16, 2, 8)
+    with pytest.raises(ValueError, match=match):
+        ring_attention(q, q, q, qkv_format="thd", causal=True, **kwargs)
+
+
+def test_thd_with_4d_tensors_and_cu_without_thd():
+    q = torch.randn(1, 16, 2, 8)
+    with pytest.raises(ValueError, match="sbhd"):
+        ring_attention(q, q, q, qkv_format="thd", cu_seqlens=torch.tensor([0, 16]))
+    with pytest.raises(ValueError, match="qkv_format='thd'"):
+        ring_attention(q, q, q, qkv_format="bshd", cu_seqlens=torch.tensor([0, 16]))
