@@ -142,7 +142,8 @@ def test_batch_split_covers_the_sequence_once(layout):
 
 
 def test_zigzag_split_equals_megatrons_own_helper(tmp_path):
-    from megatron.core.utils import get_batch_on_this_cp_rank as megatron_split
+    # Megatron's own helper, called through compat (its signature moved in 0.17+: is_hybrid_cp)
+    from megatron_ring.megatron.compat import megatron_get_batch_on_this_cp_rank as megatron_split
 
     # Megatron's helper only splits when torch.distributed is initialised: a 1-process gloo group
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
