@@ -17,7 +17,7 @@ import inspect
 from typing import Any, Callable
 
 __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gpt_layer_local_spec",
-           "megatron_get_batch_on_this_cp_rank", "has_megatron_training"]
+           "megatron_get_batch_on_this_cp_rank", "has_megatron_training", "run_pretrain"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,3 +97,29 @@ def has_megatron_training() -> bool:
     except Exception:  # ImportError, or its own import-time failures on a partial install
         return False
     return True
+
+
+def run_pretrain(pretrain: Callable, datasets_provider: Callable, model_provider: Callable, model_type: Any,
+                 forward_step: Callable, *, extra_args_provider: Callable | None = None,
+                 args_defaults: dict | None = None, **kwargs: Any) -> Any:
+    """Megatron-LM's ``pretrain()`` with a model provider, on either of its signatures.
+
+    0.19: ``pretrain(cfg_container, datasets_provider, model_type, forward_step, model_provider=...)`` after
+    ``parse_and_validate_args``; up to 0.16: ``pretrain(datasets_provider, model_provider, model_type,
+    forward_step, extra_args_provider=..., args_defaults=...)`` (it parses the arguments itself).
+    """
+    params = inspect.signature(pretrain).parameters
+    if "cfg_container" in params:
+        import warnings
+
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=args_defaults or {})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "use a ModelConfig instead of a model provider": we need the provider
+            container = pretrain_cfg_container_from_args(args, None)
+        return pretrain(container, datasets_provider, model_type, forward_step, model_provider=model_provider,
+                        **kwargs)
+    return pretrain(datasets_provider, model_provider, model_type, forward_step,
+                    extra_args_provider=extra_args_provider, args_defaults=args_defaults or {}, **kwargs)
