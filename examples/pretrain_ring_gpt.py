@@ -142,7 +142,34 @@ def loss_func(loss_mask, output_tensor):
         group_tokens = mask.sum().detach().clone()
         dist.all_reduce(group_tokens, group=ps.get_context_parallel_group())
         loss = loss * (mask.sum() * cp / group_tokens.clamp(min=1))
+    _log_loss(loss.detach() if cp == 1 or args.calculate_per_token_loss else torch.sum(losses * mask).detach(),
+              mask.sum())
     return loss, num_tokens, report
+
+
+LOSS_LOG = os.environ.get("MEGATRON_RING_LOSS_LOG")  # full-precision losses for tests / the demo
+
+
+def _log_loss(loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+    """With MEGATRON_RING_LOSS_LOG set: one line per micro-batch on global rank 0 with the loss sum and
+    token count over DP x CP (float64), and the time."""
+    if not LOSS_LOG:
+        return
+    import time
+
+    stats = torch.stack([loss_sum.double(), tokens.double()])
+    dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
+    if dist.get_rank() == 0:
+        with open(LOSS_LOG, "a") as f:
+            f.write(f"{stats[0].item():.17g} {stats[1].item():.17g} {time.time():.6f}\n")
+
+
+def _log_peak_memory() -> None:
+    if LOSS_LOG:
+        import resource
+
+        with open(f"{LOSS_LOG}.mem{dist.get_rank()}", "w") as f:
+            f.write(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}\n")
 
 
 def forward_step(data_iterator, model):
@@ -157,6 +184,7 @@ def main() -> None:
         compat.run_pretrain(pretrain, train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                             forward_step, extra_args_provider=add_context_parallel_args,
                             args_defaults={"tokenizer_type": "NullTokenizer"})
+        _log_peak_memory()
 
 
 if __name__ == "__main__":

@@ -95,6 +95,14 @@ def _peak_rss_bytes(*args: Any, **kwargs: Any) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _cpu_get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
 def _one(*args: Any, **kwargs: Any) -> int:
     return 1
 
@@ -144,6 +152,9 @@ _MEGATRON = {
     ("megatron.training.initialize", "_compile_dependencies"): lambda fn: _none,  # runs `make`, CUDA kernels
     ("megatron.training.training", "set_jit_fusion_options"): lambda fn: _none,  # JIT warm-up on CUDA
     ("megatron.training.arguments", "get_device_arch_version"): lambda fn: _zero,  # CUDA query, TP/CP > 1
+    # activation recompute saves/restores the "CUDA" RNG state: on CPU that is the CPU generator
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): lambda fn: _cpu_get_rng_state,
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): lambda fn: _cpu_set_rng_state,
 }
 
 #: every (module, attribute) the opt-in replaces, for the test and the docs
@@ -229,3 +240,25 @@ def megatron_training_cpu() -> Iterator[None]:
             setattr(obj, attr, old)
         with _lock:
             _active = False
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m megatron_ring.megatron.training_cpu SCRIPT [ARGS...]`` (or under ``torchrun -m``): run a
+    Megatron-LM training script (e.g. a patched ``pretrain_gpt.py``) as ``__main__`` inside the CPU opt-in."""
+    import os
+    import runpy
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        raise SystemExit("usage: python -m megatron_ring.megatron.training_cpu SCRIPT [ARGS...]")
+    script = os.path.abspath(argv[0])
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(script))
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with megatron_training_cpu():
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
