@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -84,7 +85,7 @@ def with_ring_attention(spec: Any, core_attention: type = RingDotProductAttentio
 
 def _swap(node: Any, core: type, count: list[int], memo: dict[int, Any]) -> Any:
     """A copy of ``node`` with core attention swapped; copies only containers (specs, submodule
-    dataclasses, lists, tuples, dicts), never the modules or callables they name."""
+    dataclasses, lists, tuples, dicts, partials), never the modules or callables they name."""
     if id(node) in memo:
         return memo[id(node)]
     if isinstance(node, list):
@@ -105,6 +106,11 @@ def _swap(node: Any, core: type, count: list[int], memo: dict[int, Any]) -> Any:
         else:
             new.submodules = _swap(node.submodules, core, count, memo)
             new.params = _swap(node.params, core, count, memo)
+    elif isinstance(node, functools.partial):  # 0.19 builds MLPs through partial(MLP.as_mlp_submodule, ...)
+        args = _swap(node.args, core, count, memo)
+        keywords = _swap(node.keywords, core, count, memo)
+        new = functools.partial(node.func, *args, **keywords) if (args, keywords) != (node.args, node.keywords) \
+            else node
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
         new = copy.copy(node)
         for f in dataclasses.fields(node):

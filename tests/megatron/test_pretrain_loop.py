@@ -93,8 +93,3 @@ def test_pretrain_lossy_wire_within_bound(tmp_path, reference, wire):
     diffs = [abs(a - b) for a, b in zip(got, reference)]
     assert max(diffs) <= WIRES[wire], (wire, diffs)
     assert max(diffs) > 0, "a lossy wire that changes nothing was not on the wire"
-
-
-def test_attention_backend_local_is_refused_at_cp2(tmp_path):
-    with pytest.raises(AssertionError, match="attention-backend"):
-        pretrain(tmp_path, "local", 2, "--context-parallel-size", "2", "--attention-backend", "local")

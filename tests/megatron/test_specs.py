@@ -9,6 +9,7 @@ local spec with only that change, on every release (the 0.19 positional-argument
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch.distributed as dist
@@ -32,6 +33,10 @@ def _leaves(node, path="spec"):
         yield f"{path}.module", node.module
         yield from _leaves(node.params, f"{path}.params")
         yield from _leaves(node.submodules, f"{path}.submodules")
+    elif isinstance(node, functools.partial):  # 0.19: partial(MLP.as_mlp_submodule, submodules=...)
+        yield f"{path}.func", node.func
+        yield from _leaves(list(node.args), f"{path}.args")
+        yield from _leaves(node.keywords, f"{path}.keywords")
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
         for f in dataclasses.fields(node):
             yield from _leaves(getattr(node, f.name), f"{path}.{f.name}")
@@ -42,7 +47,7 @@ def _leaves(node, path="spec"):
 def _assert_only_core_attention_changed(before, after, expect_swaps):
     a, b = dict(_leaves(before)), dict(_leaves(after))
     assert a.keys() == b.keys(), "the tree's shape changed"
-    changed = sorted(k for k in a if a[k] is not b[k])
+    changed = sorted(k for k in a if a[k] is not b[k] and a[k] != b[k])  # == : bound methods are rebuilt
     assert changed and all(k.endswith("self_attention.submodules.core_attention") for k in changed), changed
     assert len(changed) == expect_swaps, changed
     assert all(b[k] is RingDotProductAttention for k in changed)
@@ -62,6 +67,18 @@ def mpu(tmp_path):
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _mlp_submodules(mlp):
+    """0.16: ModuleSpec(MLP, submodules=...); 0.19: partial(MLP.as_mlp_submodule, submodules=...)."""
+    return mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+
+
+def _mlp_name(mlp):
+    if isinstance(mlp, functools.partial):
+        owner = getattr(mlp.func, "__self__", mlp.func)
+        return getattr(owner, "__name__", type(owner).__name__)
+    return mlp.module.__name__
 
 
 def _config(**kw):
@@ -123,20 +140,20 @@ def test_with_ring_attention_te_spec_structurally(monkeypatch):
     attn = ring.submodules.self_attention.submodules
     assert attn.linear_qkv is te_ext.TELayerNormColumnParallelLinear  # TE's fused norm+linear kept
     assert attn.linear_proj is te_ext.TERowParallelLinear
-    assert ring.submodules.mlp.submodules.linear_fc1 is te_ext.TELayerNormColumnParallelLinear
+    assert _mlp_submodules(ring.submodules.mlp).linear_fc1 is te_ext.TELayerNormColumnParallelLinear
     assert te.submodules.self_attention.submodules.core_attention is te_ext.TEDotProductAttention
 
 
 def test_with_ring_attention_moe_block_and_mtp_block(mpu):
     cfg = _config(num_moe_experts=4, moe_router_topk=2, moe_layer_freq=[1, 0], mtp_num_layers=1)
     block = S.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
-    assert [type(l.submodules.mlp.module).__name__ and l.submodules.mlp.module.__name__
-            for l in block.layer_specs] == ["MoELayer", "MLP"]
+    assert [_mlp_name(l.submodules.mlp) for l in block.layer_specs] == ["MoELayer", "MLP"]
     _assert_only_core_attention_changed(block, with_ring_attention(block), 2)
     mtp = S.get_gpt_mtp_block_spec(cfg, block.layer_specs[-1], use_transformer_engine=False)
     ring_mtp = with_ring_attention(mtp)
     _assert_only_core_attention_changed(mtp, ring_mtp, 1)
-    layer = ring_mtp.layer_specs[0].submodules.transformer_layer
+    mtp_sub = ring_mtp.layer_specs[0].submodules  # 0.16: transformer_layer; 0.19: mtp_model_layer
+    layer = getattr(mtp_sub, "transformer_layer", None) or getattr(mtp_sub, "mtp_model_layer")
     assert layer.submodules.self_attention.submodules.core_attention is RingDotProductAttention
     # a list of layer specs (Megatron's get_gpt_decoder_layer_specs) works too
     _assert_only_core_attention_changed(block.layer_specs, with_ring_attention(block.layer_specs), 2)
