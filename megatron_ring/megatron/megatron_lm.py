@@ -26,8 +26,8 @@ def uses_ring_attention(args: Any) -> bool:
     return getattr(args, "context_parallel_size", 1) > 1
 
 
-def _backend_name(args: Any) -> str:
-    backend = getattr(args, "attention_backend", None)
+def _backend_name(obj: Any) -> str:
+    backend = getattr(obj, "attention_backend", None)
     return str(getattr(backend, "name", backend))
 
 
@@ -40,7 +40,7 @@ def use_ring_attention_in_gpt_config(args: Any, model_cfg: Any) -> Any:
     """
     if not uses_ring_attention(args):
         return model_cfg
-    if _backend_name(args) == "local":
+    if "local" in (_backend_name(args), _backend_name(model_cfg)):  # the flag, or a config/YAML setting
         raise ContextParallelConfigError(
             "--attention-backend", "'local' swaps Megatron's own DotProductAttention in, which cannot run "
             f"--context-parallel-size {args.context_parallel_size}; megatron_ring's ring attention is the core "

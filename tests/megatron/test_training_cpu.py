@@ -89,6 +89,10 @@ def test_gpt_config_glue_puts_ring_into_the_spec_and_refuses_attention_backend_l
     assert cfg.transformer_layer_spec is None and cfg.pre_wrap_hooks == []  # CP = 1: Megatron's attention
     with pytest.raises(ContextParallelConfigError, match="--attention-backend"):
         megatron_lm.use_ring_attention_in_gpt_config(_args(attention_backend=AttnBackend.local), cfg)
+    with pytest.raises(ContextParallelConfigError, match="--attention-backend"):  # set in the model config
+        megatron_lm.use_ring_attention_in_gpt_config(
+            _args(), types.SimpleNamespace(transformer_layer_spec=None, pre_wrap_hooks=[],
+                                           attention_backend=AttnBackend.local))
 
     local = compat.gpt_layer_local_spec(normalization="RMSNorm")
     cfg = types.SimpleNamespace(transformer_layer_spec=local, pre_wrap_hooks=[])
