@@ -167,7 +167,7 @@ def _to_cpu(dev: Any) -> Any:
         return torch.device("cpu") if dev.type == "cuda" else dev
     if isinstance(dev, str) and dev.startswith("cuda"):
         return "cpu"
-    if isinstance(dev, int):  # a bare CUDA ordinal
+    if isinstance(dev, int) and not isinstance(dev, bool):  # a bare CUDA ordinal
         return "cpu"
     return dev
 
@@ -193,8 +193,8 @@ class _CudaToCpu(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return _CUDA_TYPE.get(name, name)
-        if func is torch.Tensor.to:
-            args = tuple(_to_cpu(a) if i > 0 else a for i, a in enumerate(args))
+        if func is torch.Tensor.to and len(args) > 1:  # to(device, ...) / to(device, dtype, ...)
+            args = (args[0], _to_cpu(args[1]), *args[2:])
         if "pin_memory" in kwargs:
             kwargs["pin_memory"] = False
         return func(*args, **kwargs)

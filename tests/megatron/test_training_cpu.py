@@ -49,6 +49,7 @@ def test_training_cpu_replaces_exactly_the_named_functions_and_restores_them():
         assert training_cpu_enabled() and cpu_support_enabled()
         t = torch.zeros(3, device="cuda")  # device='cuda' lands on the CPU
         assert t.device.type == "cpu" and t.cuda() is t and t.to("cuda").device.type == "cpu"
+        assert t.to(torch.float64, True).dtype == torch.float64 and t.to(0).device.type == "cpu"
         assert t.type() == "torch.cuda.FloatTensor"  # what Megatron's optimizers/clip_grads compare against
         with pytest.raises(RuntimeError, match="already active"):
             with megatron_training_cpu():
