@@ -48,30 +48,16 @@ from megatron_ring.megatron import (add_context_parallel_args, config_from_args,
                                     get_gpt_layer_ring_spec, initialize_context_parallel,
                                     is_context_parallel_initialized, use_layout_rope)
 from megatron_ring.megatron import compat  # noqa: E402
+from megatron_ring.megatron.megatron_lm import check_attention_backend, uses_ring_attention  # noqa: E402
 from megatron_ring.megatron.training_cpu import megatron_training_cpu  # noqa: E402
-
-
-def use_ring(args) -> bool:
-    """Ring attention replaces core attention whenever the sequence is split (CP > 1)."""
-    return args.context_parallel_size > 1
-
-
-def check_attention_backend(args) -> None:
-    """``--attention-backend local`` asks for Megatron's own attention, which cannot run at CP > 1."""
-    backend = getattr(args, "attention_backend", None)
-    name = getattr(backend, "name", str(backend))
-    if use_ring(args) and name == "local":
-        raise ValueError(f"--attention-backend {name} selects Megatron's attention, but --context-parallel-size "
-                         f"{args.context_parallel_size} uses megatron_ring's ring attention: drop --attention-backend "
-                         "(or pass --attention-backend auto)")
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
-    if use_ring(args):
-        check_attention_backend(args)
+    if uses_ring_attention(args):
+        check_attention_backend(args)  # --attention-backend local would mean Megatron's attention
         # registers the ring on Megatron's CP groups (idempotent); validates --cp-* against the world
         initialize_context_parallel(config_from_args(args), seq_length=args.seq_length)
         spec = get_gpt_layer_ring_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
@@ -85,7 +71,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                      parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                      rotary_base=args.rotary_base, **kwargs)
-    if use_ring(args):
+    if uses_ring_attention(args):
         use_layout_rope(model)  # RoPE positions follow --cp-layout
     return model
 

@@ -18,7 +18,7 @@ from .layer_spec import with_ring_attention
 from .provider import initialize_context_parallel
 from .rope import use_layout_rope
 
-__all__ = ["use_ring_attention_in_gpt_config", "uses_ring_attention"]
+__all__ = ["use_ring_attention_in_gpt_config", "uses_ring_attention", "check_attention_backend"]
 
 
 def uses_ring_attention(args: Any) -> bool:
@@ -31,6 +31,16 @@ def _backend_name(obj: Any) -> str:
     return str(getattr(backend, "name", backend))
 
 
+def check_attention_backend(args: Any, model_cfg: Any = None) -> None:
+    """At CP > 1, refuse ``attention_backend=local`` (the flag, or a config/YAML setting): it would swap
+    Megatron's own ``DotProductAttention`` back in, which cannot run context parallelism."""
+    if uses_ring_attention(args) and "local" in (_backend_name(args), _backend_name(model_cfg)):
+        raise ContextParallelConfigError(
+            "--attention-backend", "'local' swaps Megatron's own DotProductAttention in, which cannot run "
+            f"--context-parallel-size {args.context_parallel_size}; megatron_ring's ring attention is the core "
+            "attention at CP > 1: drop --attention-backend local (or use auto)")
+
+
 def use_ring_attention_in_gpt_config(args: Any, model_cfg: Any) -> Any:
     """Put ring attention into ``model_cfg`` (a ``GPTModelConfig``) when ``args.context_parallel_size > 1``.
 
@@ -40,11 +50,7 @@ def use_ring_attention_in_gpt_config(args: Any, model_cfg: Any) -> Any:
     """
     if not uses_ring_attention(args):
         return model_cfg
-    if "local" in (_backend_name(args), _backend_name(model_cfg)):  # the flag, or a config/YAML setting
-        raise ContextParallelConfigError(
-            "--attention-backend", "'local' swaps Megatron's own DotProductAttention in, which cannot run "
-            f"--context-parallel-size {args.context_parallel_size}; megatron_ring's ring attention is the core "
-            "attention at CP > 1: drop --attention-backend local (or use auto)")
+    check_attention_backend(args, model_cfg)
     config_from_args(args, validate=False)  # fail on bad --cp-* flags now, before any process group exists
     base = model_cfg.transformer_layer_spec
 
