@@ -15,7 +15,8 @@ from .attention import RingDotProductAttention
 from .batch import cp_positions, get_batch_on_this_cp_rank
 from .config import ContextParallelConfigError, RingConfig
 from .cpu import cpu_support_enabled, disable_cpu_support, enable_cpu_support, megatron_cpu
-from .layer_spec import get_gpt_layer_ring_spec
+from .layer_spec import get_gpt_layer_ring_spec, with_ring_attention
+from .megatron_lm import use_ring_attention_in_gpt_config, uses_ring_attention
 from .loss import CPLoss, allreduce_gradients, reduce_loss_over_cp
 from .provider import (RingState, destroy_context_parallel, get_ring_state, initialize_context_parallel,
                        is_context_parallel_initialized)
@@ -24,8 +25,8 @@ from .rope import LayoutRotaryEmbedding, use_layout_rope
 __all__ = [
     "add_context_parallel_args", "config_from_args", "RingConfig", "ContextParallelConfigError",
     "initialize_context_parallel", "get_ring_state", "is_context_parallel_initialized",
-    "destroy_context_parallel", "RingState", "RingDotProductAttention", "get_gpt_layer_ring_spec",
+    "destroy_context_parallel", "RingState", "RingDotProductAttention", "get_gpt_layer_ring_spec", "with_ring_attention",
     "LayoutRotaryEmbedding", "use_layout_rope", "get_batch_on_this_cp_rank", "cp_positions",
     "reduce_loss_over_cp", "allreduce_gradients", "CPLoss", "megatron_cpu", "enable_cpu_support",
-    "disable_cpu_support", "cpu_support_enabled",
+    "disable_cpu_support", "cpu_support_enabled", "use_ring_attention_in_gpt_config", "uses_ring_attention",
 ]

@@ -1,14 +1,24 @@
-"""``get_gpt_layer_ring_spec``: Megatron's local GPT layer spec with ring attention as core attention."""
+"""Ring attention in Megatron layer specs.
+
+* :func:`get_gpt_layer_ring_spec`: Megatron's local GPT layer spec with ring attention as core attention
+  (same arguments as ``get_gpt_layer_local_spec``, keywords passed through :mod:`.compat`).
+* :func:`with_ring_attention`: ANY layer or block spec (local, TransformerEngine, MoE decoder block,
+  multi-token-prediction block, heterogeneous, user specs) with only its self-attention's core attention
+  replaced; linears, norms, MLP/MoE and everything else stay exactly as given.
+"""
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 from typing import Any, Optional
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from . import compat
 from .attention import RingDotProductAttention
 
-__all__ = ["get_gpt_layer_ring_spec"]
+__all__ = ["get_gpt_layer_ring_spec", "with_ring_attention"]
 
 
 def get_gpt_layer_ring_spec(
@@ -28,12 +38,84 @@ def get_gpt_layer_ring_spec(
 
         spec = get_gpt_layer_ring_spec(normalization="RMSNorm")   # was get_gpt_layer_local_spec(...)
 
+    Arguments are passed by keyword on every supported megatron-core; one a release lacks
+    (``moe_use_legacy_grouped_gemm`` after 0.16) is accepted at its default and refused otherwise.
     Multi-latent attention is not supported (its V head size differs from Q/K's).
     """
     if multi_latent_attention:
         raise NotImplementedError("get_gpt_layer_ring_spec does not support multi_latent_attention")
-    spec = get_gpt_layer_local_spec(
-        num_experts, moe_grouped_gemm, qk_layernorm, False, fp8, moe_use_legacy_grouped_gemm,
-        normalization, qk_l2_norm, **kwargs)
+    spec = compat.gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
+        multi_latent_attention=False, fp8=fp8, moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm,
+        normalization=normalization, qk_l2_norm=qk_l2_norm, **kwargs)
     spec.submodules.self_attention.submodules.core_attention = RingDotProductAttention
     return spec
+
+
+def _is_self_attention(spec: ModuleSpec) -> bool:
+    from megatron.core.transformer.attention import Attention, CrossAttention
+
+    mod = spec.module  # SelfAttention, MLASelfAttention, or a user's subclass; never cross attention
+    return isinstance(mod, type) and issubclass(mod, Attention) and not issubclass(mod, CrossAttention) \
+        and hasattr(spec.submodules, "core_attention")
+
+
+def _is_mla(spec: ModuleSpec) -> bool:
+    return isinstance(spec.module, type) and "MLA" in spec.module.__name__
+
+
+def with_ring_attention(spec: Any, core_attention: type = RingDotProductAttention) -> Any:
+    """A copy of ``spec`` (``ModuleSpec``, ``TransformerBlockSubmodules``, MTP block spec, or a list of
+    them) in which every self-attention's ``core_attention`` is ``core_attention`` (ring attention).
+
+    Walks the whole spec tree: ``ModuleSpec.submodules`` dataclasses, ``layer_specs`` lists, nested
+    specs (MTP layers hold a transformer-layer spec). Everything that is not a self-attention core
+    attention is kept as is — TransformerEngine linears/norms, MoE experts, cross attention. The input
+    is not modified. Multi-latent attention (MLA) is refused (its value head size differs from Q/K's).
+
+    Raises ``ValueError`` when the tree holds no self-attention (nothing would change: never silent).
+    """
+    count = [0]
+    out = _swap(spec, core_attention, count, {})
+    if count[0] == 0:
+        raise ValueError(f"with_ring_attention: no self-attention with a core_attention found in {type(spec).__name__}"
+                         " (nothing to replace)")
+    return out
+
+
+def _swap(node: Any, core: type, count: list[int], memo: dict[int, Any]) -> Any:
+    """A copy of ``node`` with core attention swapped; copies only containers (specs, submodule
+    dataclasses, lists, tuples, dicts, partials), never the modules or callables they name."""
+    if id(node) in memo:
+        return memo[id(node)]
+    if isinstance(node, list):
+        new: Any = [_swap(x, core, count, memo) for x in node]
+    elif isinstance(node, tuple) and not hasattr(node, "_fields"):
+        new = tuple(_swap(x, core, count, memo) for x in node)
+    elif isinstance(node, dict):
+        new = {k: _swap(v, core, count, memo) for k, v in node.items()}
+    elif isinstance(node, ModuleSpec):
+        new = copy.copy(node)
+        if _is_self_attention(node):
+            if _is_mla(node):
+                raise NotImplementedError(f"ring attention does not support multi-latent attention "
+                                          f"({node.module.__name__}): its value head size differs from Q/K's")
+            new.submodules = copy.copy(node.submodules)
+            new.submodules.core_attention = core
+            count[0] += 1
+        else:
+            new.submodules = _swap(node.submodules, core, count, memo)
+            new.params = _swap(node.params, core, count, memo)
+    elif isinstance(node, functools.partial):  # 0.19 builds MLPs through partial(MLP.as_mlp_submodule, ...)
+        args = _swap(node.args, core, count, memo)
+        keywords = _swap(node.keywords, core, count, memo)
+        new = functools.partial(node.func, *args, **keywords) if (args, keywords) != (node.args, node.keywords) \
+            else node
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        new = copy.copy(node)
+        for f in dataclasses.fields(node):
+            setattr(new, f.name, _swap(getattr(node, f.name), core, count, memo))
+    else:
+        return node
+    memo[id(node)] = new
+    return new

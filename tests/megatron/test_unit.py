@@ -141,11 +141,17 @@ def test_batch_split_covers_the_sequence_once(layout):
         assert parts[1]["position_ids"][0].tolist() == [1, 5, 9, 13]
 
 
-def test_zigzag_split_equals_megatrons_own_helper(tmp_path):
-    from megatron.core.utils import get_batch_on_this_cp_rank as megatron_split
+def test_zigzag_split_equals_megatrons_own_helper(tmp_path, monkeypatch):
+    # Megatron's own helper, called through compat (its signature moved in 0.17+: is_hybrid_cp)
+    from megatron_ring.megatron.compat import megatron_get_batch_on_this_cp_rank as megatron_split
 
     # Megatron's helper only splits when torch.distributed is initialised: a 1-process gloo group
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    # 0.17+ asks torch.distributed for the group's size/rank: answer for the stand-in group
+    for name, attr in (("get_world_size", "size"), ("get_rank", "rank")):
+        real = getattr(dist, name)
+        monkeypatch.setattr(dist, name, lambda group=None, _real=real, _attr=attr:
+                            getattr(group, _attr)() if isinstance(group, FakeGroup) else _real(group))
     try:
         _compare_with_megatron_split(megatron_split)
     finally:

@@ -1,0 +1,177 @@
+"""Megatron-LM's own training loop (``megatron.training.pretrain``) with ring-attention context parallelism.
+
+    # CPU / gloo (the scoped CPU opt-in is used automatically when CUDA is absent):
+    torchrun --nproc-per-node 4 examples/pretrain_ring_gpt.py --context-parallel-size 4 --cp-layout zigzag \\
+        --distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion \\
+        --transformer-impl local --rerun-mode disabled <model and training flags>
+    # GPUs: the same script and flags without the four CPU ones.
+
+Everything is Megatron's: argument parser (plus megatron_ring's ``--cp-layout`` / ``--cp-comm-dtype``
+through ``extra_args_provider``, added only when Megatron lacks them), ``initialize_megatron``, DDP or the
+distributed optimizer, the schedule, recompute, logging. This file supplies the three callbacks:
+
+* ``model_provider``: ``GPTModel`` with ring attention in its layer spec when ``--context-parallel-size``
+  > 1 (the ring registered on Megatron's own CP groups) and RoPE following ``--cp-layout``; at CP = 1
+  Megatron's own local attention (the reference);
+* ``forward_step``: the batch split by the configured layout, a CP-aware loss (exact at any CP size);
+* ``train_valid_test_datasets_provider``: a deterministic learnable token stream (no download).
+
+Needs ``megatron.training`` (shipped in the megatron-core wheel from 0.19, or a Megatron-LM checkout on
+PYTHONPATH). ``--attention-backend local`` would mean Megatron's attention: it is refused at CP > 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from functools import partial
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it for TP/CP > 1 (GPU stream order)
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope|absl|transformer-engine|"
+                                          "moe_ffn_hidden_size|ModelConfig).*")
+try:  # run from a checkout without installing
+    import megatron_ring  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.training import get_args, pretrain  # noqa: E402
+from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
+
+from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_batch_on_this_cp_rank,  # noqa: E402
+                                    get_gpt_layer_ring_spec, initialize_context_parallel,
+                                    is_context_parallel_initialized, use_layout_rope)
+from megatron_ring.megatron import compat  # noqa: E402
+from megatron_ring.megatron.megatron_lm import check_attention_backend, uses_ring_attention  # noqa: E402
+from megatron_ring.megatron.training_cpu import megatron_training_cpu  # noqa: E402
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    if uses_ring_attention(args):
+        check_attention_backend(args)  # --attention-backend local would mean Megatron's attention
+        # registers the ring on Megatron's CP groups (idempotent); validates --cp-* against the world
+        initialize_context_parallel(config_from_args(args), seq_length=args.seq_length)
+        spec = get_gpt_layer_ring_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+    else:
+        spec = compat.gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+    kwargs = dict(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_position_embeddings, fp16_lm_cross_entropy=False,
+                     parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                     rotary_base=args.rotary_base, **kwargs)
+    if uses_ring_attention(args):
+        use_layout_rope(model)  # RoPE positions follow --cp-layout
+    return model
+
+
+class PatternDataset(torch.utils.data.Dataset):
+    """Sample i: an arithmetic token sequence mod V with a per-sample start and stride (learnable, no files)."""
+
+    def __init__(self, n: int, seq_length: int, vocab: int, seed: int):
+        self.n, self.s, self.v, self.seed = n, seq_length, vocab, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        start, stride = torch.randint(0, self.v, (2,), generator=g).tolist()
+        seq = (start + (stride % 7 + 1) * torch.arange(self.s + 1)) % self.v
+        noise = torch.rand(self.s + 1, generator=g) < 0.1  # 10% random tokens keep it from being trivial
+        seq = torch.where(noise, torch.randint(0, self.v, (self.s + 1,), generator=g), seq)
+        return {"tokens": seq[:-1].clone(), "labels": seq[1:].clone(),
+                "loss_mask": torch.ones(self.s), "position_ids": torch.arange(self.s)}
+
+
+def train_valid_test_datasets_provider(num_samples, vp_stage=None):
+    args = get_args()
+    vocab = args.vocab_size or args.padded_vocab_size
+    return tuple(PatternDataset(max(int(n), 1), args.seq_length, vocab, args.seed + k)
+                 for k, n in enumerate(num_samples))
+
+
+train_valid_test_datasets_provider.is_distributed = True  # every rank reads its own (identical) copy
+
+
+def get_batch(data_iterator):
+    batch = next(data_iterator)
+    batch = {k: v.to(torch.cuda.current_device()) if torch.cuda.is_available() else v for k, v in batch.items()}
+    if is_context_parallel_initialized():
+        return get_batch_on_this_cp_rank(batch)  # split with --cp-layout
+    return compat.megatron_get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
+
+
+def loss_func(loss_mask, output_tensor):
+    """CP-aware: Megatron divides each rank's loss by its own token count and averages gradients over
+    DP x CP; scaling by (local tokens x CP / CP-group tokens) makes that the exact full-sequence mean.
+    With --calculate-per-token-loss Megatron divides by the global token count itself: no scaling."""
+    args = get_args()
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    cp = args.context_parallel_size
+    if cp > 1 and not args.calculate_per_token_loss:
+        group_tokens = mask.sum().detach().clone()
+        dist.all_reduce(group_tokens, group=ps.get_context_parallel_group())
+        loss = loss * (mask.sum() * cp / group_tokens.clamp(min=1))
+    _log_loss(loss.detach() if cp == 1 or args.calculate_per_token_loss else torch.sum(losses * mask).detach(),
+              mask.sum())
+    return loss, num_tokens, report
+
+
+LOSS_LOG = os.environ.get("MEGATRON_RING_LOSS_LOG")  # full-precision losses for tests / the demo
+
+
+def _log_loss(loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+    """With MEGATRON_RING_LOSS_LOG set: one line per micro-batch on global rank 0 with the loss sum and
+    token count over DP x CP (float64), and the time."""
+    if not LOSS_LOG:
+        return
+    import time
+
+    stats = torch.stack([loss_sum.double(), tokens.double()])
+    dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
+    if dist.get_rank() == 0:
+        with open(LOSS_LOG, "a") as f:
+            f.write(f"{stats[0].item():.17g} {stats[1].item():.17g} {time.time():.6f}\n")
+
+
+def _log_peak_memory() -> None:
+    if LOSS_LOG:
+        import resource
+
+        with open(f"{LOSS_LOG}.mem{dist.get_rank()}", "w") as f:
+            f.write(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}\n")
+
+
+def forward_step(data_iterator, model):
+    batch = get_batch(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def main() -> None:
+    cpu = contextlib.nullcontext() if torch.cuda.is_available() else megatron_training_cpu()
+    with cpu:
+        compat.run_pretrain(pretrain, train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+                            forward_step, extra_args_provider=add_context_parallel_args,
+                            args_defaults={"tokenizer_type": "NullTokenizer"})
+        _log_peak_memory()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The one place for megatron-core API differences across the supported range (0.16.1 - 0.19.x).
+
+Every call into a Megatron function whose signature moved between releases goes through here, with
+keyword arguments and feature detection (never version-number checks, never positional arguments):
+
+* ``get_gpt_layer_local_spec``: 0.16 has ``moe_use_legacy_grouped_gemm`` between ``fp8`` and
+  ``normalization``; 0.19 removed it (a positional call shifts every later argument);
+  0.19 also hides the signature behind ``(*args, **kwargs)`` -> ``get_gpt_layer_local_submodules``.
+* ``megatron.core.utils.get_batch_on_this_cp_rank``: 0.16 ``(batch)``; 0.19 ``(batch, is_hybrid_cp, cp_group=...)``.
+* ``megatron.training`` ships in the megatron-core wheel from 0.19 (``has_megatron_training``).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from typing import Any, Callable
+
+__all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gpt_layer_local_spec",
+           "megatron_get_batch_on_this_cp_rank", "has_megatron_training", "run_pretrain"]
+
+
+@functools.lru_cache(maxsize=1)
+def mcore_version() -> tuple[int, ...]:
+    """megatron-core's version as integers, e.g. ``(0, 19, 2)`` (informational; code uses feature detection)."""
+    from megatron.core import package_info
+
+    return tuple(int(x) for x in (package_info.MAJOR, package_info.MINOR, package_info.PATCH))
+
+
+def accepted_kwargs(fn: Callable, *fallbacks: Callable) -> frozenset[str] | None:
+    """Keyword names ``fn`` accepts; if it only has ``*args, **kwargs``, those of the first fallback that
+    names its parameters. ``None`` means "anything" (no named parameters found)."""
+    for f in (fn, *fallbacks):
+        params = inspect.signature(f).parameters.values()
+        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if named:
+            return frozenset(named)
+    return None
+
+
+def call_with_supported_kwargs(fn: Callable, kwargs: dict[str, Any], *, defaults: dict[str, Any],
+                               fallbacks: tuple[Callable, ...] = ()) -> Any:
+    """Call ``fn(**kwargs)`` keeping only the keywords this megatron-core accepts.
+
+    A keyword the installed version lacks is dropped when its value is the documented default in
+    ``defaults`` (it cannot change the result) and raises ``TypeError`` otherwise (never silently ignored).
+    """
+    names = accepted_kwargs(fn, *fallbacks)
+    if names is None:
+        return fn(**kwargs)
+    kept = {}
+    for k, v in kwargs.items():
+        if k in names:
+            kept[k] = v
+        elif k in defaults and v == defaults[k]:
+            continue
+        else:
+            raise TypeError(f"{getattr(fn, '__qualname__', fn)} of this megatron-core "
+                            f"({'.'.join(map(str, mcore_version()))}) has no argument {k!r} (got {k}={v!r})")
+    return fn(**kept)
+
+
+#: keywords of get_gpt_layer_local_spec that some supported release lacks, with their no-op value
+_LOCAL_SPEC_OPTIONAL = {"moe_use_legacy_grouped_gemm": False, "qk_l2_norm": False, "fp8": None,
+                        "experimental_attention_variant": None, "use_kitchen": False}
+
+
+def gpt_layer_local_spec(**kwargs: Any) -> Any:
+    """``get_gpt_layer_local_spec(**kwargs)`` on any supported megatron-core (keywords only)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    fallbacks = tuple(f for f in (getattr(specs, "get_gpt_layer_local_submodules", None),) if f is not None)
+    return call_with_supported_kwargs(specs.get_gpt_layer_local_spec, kwargs, defaults=_LOCAL_SPEC_OPTIONAL,
+                                      fallbacks=fallbacks)
+
+
+def megatron_get_batch_on_this_cp_rank(batch: dict[str, Any], cp_group: Any = None) -> dict[str, Any]:
+    """Megatron's own zigzag CP split of a batch (``megatron.core.utils.get_batch_on_this_cp_rank``)."""
+    from megatron.core import utils as mutils
+
+    fn = mutils.get_batch_on_this_cp_rank
+    names = accepted_kwargs(fn) or frozenset()
+    kwargs: dict[str, Any] = {}
+    if "is_hybrid_cp" in names:
+        kwargs["is_hybrid_cp"] = False
+    if "cp_group" in names and cp_group is not None:
+        kwargs["cp_group"] = cp_group
+    return fn(batch, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def has_megatron_training() -> bool:
+    """Whether Megatron-LM's ``megatron.training`` (argument parser, ``pretrain()``) is importable."""
+    try:
+        importlib.import_module("megatron.training")
+    except Exception:  # ImportError, or its own import-time failures on a partial install
+        return False
+    return True
+
+
+def run_pretrain(pretrain: Callable, datasets_provider: Callable, model_provider: Callable, model_type: Any,
+                 forward_step: Callable, *, extra_args_provider: Callable | None = None,
+                 args_defaults: dict | None = None, **kwargs: Any) -> Any:
+    """Megatron-LM's ``pretrain()`` with a model provider, on either of its signatures.
+
+    0.19: ``pretrain(cfg_container, datasets_provider, model_type, forward_step, model_provider=...)`` after
+    ``parse_and_validate_args``; up to 0.16: ``pretrain(datasets_provider, model_provider, model_type,
+    forward_step, extra_args_provider=..., args_defaults=...)`` (it parses the arguments itself).
+    """
+    params = inspect.signature(pretrain).parameters
+    if "cfg_container" in params:
+        import warnings
+
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=args_defaults or {})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "use a ModelConfig instead of a model provider": we need the provider
+            container = pretrain_cfg_container_from_args(args, None)
+        return pretrain(container, datasets_provider, model_type, forward_step, model_provider=model_provider,
+                        **kwargs)
+    return pretrain(datasets_provider, model_provider, model_type, forward_step,
+                    extra_args_provider=extra_args_provider, args_defaults=args_defaults or {}, **kwargs)

@@ -1,0 +1,107 @@
+"""The scoped CPU opt-in for Megatron-LM's training loop, and the Megatron-LM 0.19 config glue (no launches)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import types
+
+import pytest
+import torch
+
+from megatron_ring.megatron.compat import has_megatron_training
+
+pytestmark = pytest.mark.skipif(not has_megatron_training(), reason="megatron.training is not installed "
+                                "(megatron-core >= 0.19 wheel or a Megatron-LM checkout)")
+
+#: every function megatron_training_cpu() replaces, by name (keep in sync with docs/megatron-lm.md)
+EXPECTED = {
+    ("torch.cuda", "synchronize"), ("torch.cuda", "current_device"), ("torch.cuda", "Stream"),
+    ("torch.cuda", "Event"), ("torch.cuda", "current_stream"), ("torch.cuda", "default_stream"),
+    ("torch.cuda", "stream"), ("torch.cuda", "set_stream"), ("torch.cuda", "empty_cache"),
+    ("torch.cuda", "memory_allocated"), ("torch.cuda", "max_memory_allocated"), ("torch.cuda", "memory_reserved"),
+    ("torch.cuda", "max_memory_reserved"), ("torch.cuda", "reset_peak_memory_stats"),
+    ("torch.cuda", "reset_max_memory_allocated"), ("torch.cuda", "memory_stats"), ("torch.cuda", "manual_seed"),
+    ("torch.cuda", "manual_seed_all"), ("torch.cuda", "ipc_collect"),
+    ("megatron.training.training", "initialize_megatron"),
+    ("megatron.training.initialize", "_initialize_distributed"),
+    ("megatron.training.initialize", "_set_random_seed"),
+    ("megatron.training.initialize", "_compile_dependencies"),
+    ("megatron.training.training", "set_jit_fusion_options"),
+    ("megatron.training.arguments", "get_device_arch_version"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+}
+
+
+def _current():
+    return {(m, a): getattr(importlib.import_module(m), a) for m, a in EXPECTED}
+
+
+def test_training_cpu_replaces_exactly_the_named_functions_and_restores_them():
+    from megatron_ring.megatron import cpu_support_enabled
+    from megatron_ring.megatron.training_cpu import REPLACED, megatron_training_cpu, training_cpu_enabled
+
+    assert set(REPLACED) == EXPECTED and len(REPLACED) == len(EXPECTED)
+    before = _current()
+    with megatron_training_cpu():
+        inside = _current()
+        assert all(inside[k] is not before[k] for k in EXPECTED), [k for k in EXPECTED if inside[k] is before[k]]
+        assert training_cpu_enabled() and cpu_support_enabled()
+        t = torch.zeros(3, device="cuda")  # device='cuda' lands on the CPU
+        assert t.device.type == "cpu" and t.cuda() is t and t.to("cuda").device.type == "cpu"
+        assert t.to(torch.float64, True).dtype == torch.float64 and t.to(0).device.type == "cpu"
+        assert t.type() == "torch.cuda.FloatTensor"  # what Megatron's optimizers/clip_grads compare against
+        with pytest.raises(RuntimeError, match="already active"):
+            with megatron_training_cpu():
+                pass
+    after = _current()
+    assert all(after[k] is before[k] for k in EXPECTED)
+    assert not training_cpu_enabled() and not cpu_support_enabled()
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+
+
+def test_training_cpu_is_never_active_on_cuda(monkeypatch):
+    from megatron_ring.megatron.training_cpu import megatron_training_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA is available"):
+        with megatron_training_cpu():
+            pass
+
+
+def _args(**kw):
+    from megatron.core.transformer.enums import AttnBackend
+
+    base = dict(context_parallel_size=2, attention_backend=AttnBackend.auto, cp_layout="striped",
+                cp_comm_dtype="none", cp_comm_type=["p2p"], hierarchical_context_parallel_sizes=None,
+                seq_length=64, cp_timeout_seconds=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_gpt_config_glue_puts_ring_into_the_spec_and_refuses_attention_backend_local(monkeypatch):
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_ring.megatron import ContextParallelConfigError, RingDotProductAttention, compat
+    from megatron_ring.megatron import megatron_lm
+
+    cfg = types.SimpleNamespace(transformer_layer_spec=None, pre_wrap_hooks=[])
+    assert megatron_lm.use_ring_attention_in_gpt_config(_args(context_parallel_size=1), cfg) is cfg
+    assert cfg.transformer_layer_spec is None and cfg.pre_wrap_hooks == []  # CP = 1: Megatron's attention
+    with pytest.raises(ContextParallelConfigError, match="--attention-backend"):
+        megatron_lm.use_ring_attention_in_gpt_config(_args(attention_backend=AttnBackend.local), cfg)
+    with pytest.raises(ContextParallelConfigError, match="--attention-backend"):  # set in the model config
+        megatron_lm.use_ring_attention_in_gpt_config(
+            _args(), types.SimpleNamespace(transformer_layer_spec=None, pre_wrap_hooks=[],
+                                           attention_backend=AttnBackend.local))
+
+    local = compat.gpt_layer_local_spec(normalization="RMSNorm")
+    cfg = types.SimpleNamespace(transformer_layer_spec=local, pre_wrap_hooks=[])
+    registered = []
+    monkeypatch.setattr(megatron_lm, "initialize_context_parallel", lambda c, **k: registered.append(c))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 1)
+    megatron_lm.use_ring_attention_in_gpt_config(_args(), cfg)
+    spec = cfg.transformer_layer_spec(None, vp_stage=0)  # what GPTModelBuilder calls
+    assert spec.submodules.self_attention.submodules.core_attention is RingDotProductAttention
+    assert registered and registered[0].layout == "striped" and len(cfg.pre_wrap_hooks) == 1
+    assert local.submodules.self_attention.submodules.core_attention is not RingDotProductAttention
