@@ -49,7 +49,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    softmax_scale: float | None = None, qkv_format: str = "bshd",
                    comm_dtype: torch.dtype | str | None = None, kernel: str | BlockKernel = "auto",
                    check_consistency: bool = True, timeout_s: float | None = None,
-                   head_chunks: int = 1, ring: Ring | None = None) -> torch.Tensor:
+                   head_chunks: int = 1, ring: Ring | None = None, comm_type: str = "p2p",
+                   hierarchical_groups: Any = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -75,6 +76,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             this factor, for proportionally more (smaller) ring steps. Same bytes, same compute.
         ring: advanced: a prepared :class:`~megatron_ring.comm.Ring` (e.g. ``LoopbackRing`` for
             compute-only timing); overrides ``group``.
+        comm_type: the exchange: "p2p" (the ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
+            (Ulysses inside ``hierarchical_groups[0]``, ring across ``hierarchical_groups[1]``) or
+            "auto" (chosen by a cost model). Same inputs, outputs and exactness for every type; see
+            docs/strategies.md.
+        hierarchical_groups: ``(inner, outer)`` process groups for "a2a+p2p" (inner = consecutive ranks
+            of ``group``, outer = the ranks with the same inner index; Megatron's
+            ``hierarchical_context_parallel_sizes`` convention).
 
     Returns:
         The attention output with q's shape and dtype, contiguous in ``qkv_format``.
@@ -91,8 +99,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
     if ring.world > 1 and ring.group is not None and check_consistency:
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
-                             comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks)
-        check_same_across_ranks(sig, ring.group, q.device, {
+                             comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks,
+                             comm_type=comm_type)
+        check_same_across_ranks(sig, ring.group, q.device, {"comm_type": comm_type,
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
             "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name})
     if codec_error is not None:
@@ -110,6 +119,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                     kernel=select_kernel(qh, kernel), codec=codec)
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
         raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
-    out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))
+    if comm_type == "p2p":
+        out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))
+    else:  # the other exchange patterns (megatron_ring/strategies), same plan and schedule
+        from .strategies import run_strategy
+        out = run_strategy(comm_type, qh, kh, vh, plan, head_chunks=head_chunks,
+                           hierarchical_groups=hierarchical_groups)
     out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
     return out if out.is_contiguous() else out.contiguous()  # e.g. q was a non-dense view
