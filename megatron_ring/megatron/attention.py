@@ -17,6 +17,7 @@ from megatron.core.utils import divide
 
 import megatron_ring
 
+from . import comm_types
 from .config import ContextParallelConfigError, RingConfig
 from .provider import get_ring_state, is_context_parallel_initialized
 
@@ -65,8 +66,7 @@ class RingDotProductAttention(MegatronModule):
         if attention_type != "self":
             raise NotImplementedError(f"RingDotProductAttention supports self-attention only, got "
                                       f"attention_type={attention_type!r}")
-        if cp_comm_type not in (None, "p2p"):
-            raise ContextParallelConfigError("--cp-comm-type", f"ring attention runs 'p2p', got {cp_comm_type!r}")
+        self._cp_comm_type_arg = cp_comm_type  # resolved per layer by comm_types.layer_comm_type
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported; use 'vanilla'")
         if getattr(config, "window_size", None) is not None:
@@ -74,6 +74,7 @@ class RingDotProductAttention(MegatronModule):
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
         if is_context_parallel_initialized():
             self._ring()  # fail at model build if the ring and the model config disagree on the CP size
+            self._comm_type()  # ... or on the comm type
 
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
@@ -88,6 +89,16 @@ class RingDotProductAttention(MegatronModule):
         # inside the softmax: mathematically the plain scale, which is what the ring uses.
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
                               if softmax_scale is None else softmax_scale)
+
+    def _comm_type(self) -> dict[str, Any]:
+        """``comm_type`` / ``hierarchical_groups`` of this layer (see :mod:`.comm_types`)."""
+        state = get_ring_state() if is_context_parallel_initialized() else None
+        ct = comm_types.layer_comm_type(self.config, self.layer_number, self._cp_comm_type_arg,
+                                        state.config if state is not None else None)
+        if state is not None:
+            comm_types.check_heads(ct, divide(self.config.num_attention_heads,
+                                              self.config.tensor_model_parallel_size), state.config)
+        return comm_types.strategy_kwargs(ct, state)
 
     # ------------------------------------------------------------------------------------------
     @staticmethod
@@ -133,5 +144,5 @@ class RingDotProductAttention(MegatronModule):
         out = megatron_ring.ring_attention(
             query, key, value, group=group, causal=causal, layout=cfg.layout,
             softmax_scale=self.softmax_scale, qkv_format="sbhd", comm_dtype=cfg.torch_comm_dtype,
-            timeout_s=cfg.timeout_s)
+            timeout_s=cfg.timeout_s, **self._comm_type())
         return out.view(out.size(0), out.size(1), self.hidden_size_per_partition)
