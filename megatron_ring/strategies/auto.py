@@ -36,7 +36,7 @@ _machines: dict[tuple, Machine] = {}
 _choices: dict[tuple, str] = {}
 _ENV = {"flops": "MEGATRON_RING_FLOPS", "bwd_flops": "MEGATRON_RING_BWD_FLOPS",
         "bw_intra": "MEGATRON_RING_BANDWIDTH", "bw_inter": "MEGATRON_RING_INTER_BANDWIDTH",
-        "latency": "MEGATRON_RING_LATENCY_S"}
+        "latency": "MEGATRON_RING_LATENCY_S", "call_overhead": "MEGATRON_RING_CALL_OVERHEAD_S"}
 
 
 def set_machine(machine: Machine | None, group: Any = None, device_type: str | None = None) -> None:
@@ -48,14 +48,16 @@ def set_machine(machine: Machine | None, group: Any = None, device_type: str | N
     _machines[(id(group) if group is not None else None, device_type)] = machine
 
 
-def _time(fn, reps: int = 3) -> float:
+def _time(fn, reps: int = 5) -> float:
+    """Median of ``reps`` timed calls after one warm-up (a median, not a minimum: on a busy machine the
+    real calls see the same contention as the typical probe call)."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def _sync(device: torch.device) -> None:
@@ -63,22 +65,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def probe_machine(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer: Any = None) -> dict[str, float]:
-    """This rank's measured numbers (not yet agreed across ranks): flops, bwd_flops, bw_intra, bw_inter, latency."""
-    b, h, s, d = 1, 4, 512 if device.type == "cuda" else 256, 64
-    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
-    kern = plan.kernel
+def _kernel_times(kern, device, dtype, h: int, s: int, d: int) -> tuple[float, float]:
+    q, k, v = (torch.randn(1, h, s, d, device=device, dtype=dtype) for _ in range(3))
+    o, lse = kern.forward(q, k, v, False, d ** -0.5)
 
     def fwd():
         kern.forward(q, k, v, False, d ** -0.5)
         _sync(device)
-    o, lse = kern.forward(q, k, v, False, d ** -0.5)
 
     def bwd():
         kern.backward(o, q, k, v, o, lse, False, d ** -0.5)
         _sync(device)
-    flop = 4 * b * h * s * s * d
-    out = {"flops": flop / _time(fwd), "bwd_flops": 2.5 * flop / _time(bwd)}
+    return _time(fwd), _time(bwd)
+
+
+def probe_machine(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer: Any = None, heads: int = 4,
+                  head_dim: int = 64, block: int = 256) -> dict[str, float]:
+    """This rank's measured numbers (not yet agreed across ranks): flops, bwd_flops, call_overhead,
+    bw_intra, bw_inter, latency. The kernel is timed at the call's head count/dim and a block of the
+    call's chunk size (capped), and on a tiny block for the per-task overhead."""
+    kern = plan.kernel
+    tf0, tb0 = _kernel_times(kern, device, dtype, heads, 8, head_dim)  # ~pure overhead
+    tf, tb = _kernel_times(kern, device, dtype, heads, block, head_dim)
+    flop = 4 * heads * block * block * head_dim
+    out = {"flops": flop / max(tf - tf0, 1e-9), "bwd_flops": 2.5 * flop / max(tb - tb0, 1e-9),
+           "call_overhead": tf0}
 
     def link(ring: Ring, nbytes: int) -> float:
         send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -103,28 +114,36 @@ def probe_machine(plan: RingPlan, device: torch.device, dtype: torch.dtype, oute
     return out
 
 
-def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer: Any = None) -> Machine:
-    """The agreed :class:`Machine` for this group and device type (probed once, then cached)."""
+def _probe_block(local_len: int) -> int:
+    """Probe block size: the chunk a task typically covers (half the local length), within [64, 1024]."""
+    return max(64, min(1024, local_len // 2))
+
+
+def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer: Any = None, heads: int = 4,
+                head_dim: int = 64, local_len: int = 512) -> Machine:
+    """The agreed :class:`Machine` for this group, device and kernel shape (probed once, then cached)."""
     group = plan.ring.group
     for key in ((id(group), device.type), (id(group), None), (None, device.type), (None, None)):
         if key in _machines:
             return _machines[key]
-    key = (id(group), device.type, id(outer))
+    block = _probe_block(local_len)
+    key = (id(group), device.type, id(outer), dtype, min(heads, 8), head_dim, block)
     if key in _machines:
         return _machines[key]
     env = {name: float(os.environ[var]) for name, var in _ENV.items() if os.environ.get(var)}
-    numbers = env if len(env) == len(_ENV) else {**probe_machine(plan, device, dtype, outer), **env}
-    order = ["flops", "bwd_flops", "bw_intra", "bw_inter", "latency"]
-    # agree: MIN of rates, MAX of latency (as -MIN of -latency) over the group
-    vec = torch.tensor([numbers[n] if n != "latency" else -numbers[n] for n in order], dtype=torch.float64,
+    numbers = env if len(env) == len(_ENV) else {
+        **probe_machine(plan, device, dtype, outer, min(heads, 8), head_dim, block), **env}
+    order = ["flops", "bwd_flops", "bw_intra", "bw_inter", "latency", "call_overhead"]
+    # agree: MIN of rates, MAX of times (as -MIN of -time) over the group
+    times = ("latency", "call_overhead")
+    vec = torch.tensor([-numbers[n] if n in times else numbers[n] for n in order], dtype=torch.float64,
                        device=device)
     dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)
-    agreed = dict(zip(order, vec.tolist()))
-    agreed["latency"] = -agreed["latency"]
+    agreed = {n: (-x if n in times else x) for n, x in zip(order, vec.tolist())}
     gpn = os.environ.get("MEGATRON_RING_GPUS_PER_NODE")
     _machines[key] = Machine(flops=agreed["flops"], bwd_flops=agreed["bwd_flops"], bw_intra=agreed["bw_intra"],
                              bw_inter=agreed["bw_inter"], latency=agreed["latency"],
-                             gpus_per_node=int(gpn) if gpn else None)
+                             call_overhead=agreed["call_overhead"], gpus_per_node=int(gpn) if gpn else None)
     return _machines[key]
 
 
@@ -149,7 +168,7 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
            plan.codec.name, head_chunks, id(plan.ring.group), inner, id(outer))
     if key in _choices:
         return _choices[key]
-    machine = machine_for(plan, qh.device, qh.dtype, outer)
+    machine = machine_for(plan, qh.device, qh.dtype, outer, qh.shape[1], qh.shape[3], qh.shape[2])
     pb = _problem(qh, kh, plan, head_chunks)
     rows = predict_all(pb, plan.ring.world, machine, inner)
     _choices[key] = rows[0]["comm_type"]

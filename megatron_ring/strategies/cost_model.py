@@ -54,6 +54,7 @@ class Machine:
     bw_inter: float | None = None  # bytes/s per rank between nodes (None: = bw_intra)
     gpus_per_node: int | None = None  # None: every rank on one node
     bwd_flops: float | None = None  # backward flop/s (None: = flops)
+    call_overhead: float = 0.0  # seconds per block task (kernel launch, merge, slicing), forward
 
     def bw(self, span: int, stride: int = 1) -> float:
         """Bandwidth of a collective over ``span`` ranks ``stride`` apart (consecutive global ranks)."""
@@ -87,8 +88,22 @@ def _area(t, c: int) -> float:
     return rows * (rows + 1) / 2 if t.causal else rows * cols
 
 
-def _pair_area(layout, causal: bool, world: int, rank: int, src: int, c: int) -> float:
-    return sum(_area(t, c) for t in layout.block_tasks(causal, world, rank, src, c))
+def _pair_area(layout, causal: bool, world: int, rank: int, src: int, c: int) -> tuple[float, int]:
+    """(area, number of tasks) of (rank's queries, src's keys)."""
+    tasks = layout.block_tasks(causal, world, rank, src, c)
+    return sum(_area(t, c) for t in tasks), len(tasks)
+
+
+def _add(pairs) -> tuple[float, int]:
+    pairs = list(pairs)
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
+def _compute(m: "Machine", area: float, tasks: int, flop_per_area: float) -> tuple[float, float]:
+    """(fwd, bwd) seconds for ``tasks`` kernel calls covering ``area``."""
+    fb = m.bwd_flops or m.flops
+    return (area * flop_per_area / m.flops + tasks * m.call_overhead,
+            area * flop_per_area * BWD_FLOP_FACTOR / fb + 2 * tasks * m.call_overhead)
 
 
 def _xfer(nbytes: float, bw: float, lat: float, messages: int = 1) -> float:
@@ -113,11 +128,9 @@ def _kv_rep(h: int, h_kv: int, n: int) -> int:
 def _ring(pb: Problem, m: Machine, world: int, flop_per_area: float, kv_bytes: float, dkv_bytes: float,
           area_of, bw: float) -> tuple[float, float]:
     """(fwd, bwd) seconds of a ring whose step t costs the slowest rank's ``area_of(rank, t)``."""
-    fb = m.bwd_flops or m.flops
     fwd = bwd = 0.0
     for t in range(world):
-        area = max(area_of(r, t) for r in range(world))
-        cf, cb = area * flop_per_area / m.flops, area * flop_per_area * BWD_FLOP_FACTOR / fb
+        cf, cb = max((_compute(m, *area_of(r, t), flop_per_area) for r in range(world)), key=lambda x: x[0])
         last = t == world - 1
         kv = 0.0 if last else _xfer(kv_bytes, bw, m.latency)
         fwd += max(cf, kv)
@@ -137,18 +150,18 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
     kv_comp = 2 * b * hk * c * d * pb.elem_bytes
     dkv32 = 2 * b * hk * c * d * 4
     fpa = 4 * b * h * d  # flops per unit of (query, key) area, all heads
-    fb = m.bwd_flops or m.flops
     if comm_type == "p2p":
         fwd, bwd = _ring(pb, m, world, fpa, kv_wire, dkv32,
                          lambda r, t: _pair_area(lay, pb.causal, world, r, (r - t) % world, c), m.bw(world))
         sent = (world - 1) * kv_wire + world * dkv32 * (world > 1) + (world - 1) * kv_wire
     elif comm_type == "all_gather":
-        area = max(sum(_pair_area(lay, pb.causal, world, r, j, c) for j in range(world)) for r in range(world))
-        cf, cb = area * fpa / m.flops, area * fpa * BWD_FLOP_FACTOR / fb
+        n = max(1, min(pb.pieces, hk))
+        cf, cb = max((_compute(m, *_add(_pair_area(lay, pb.causal, world, r, j, c) for j in range(world)), fpa)
+                      for r in range(world)), key=lambda x: x[0])
+        cf, cb = cf + (n - 1) * _compute(m, 0, world, fpa)[0], cb + (n - 1) * _compute(m, 0, world, fpa)[1]
         bw = m.bw(world)
         gather = _xfer((world - 1) * kv_wire, bw, m.latency, world - 1)
         rs = _xfer((world - 1) * dkv32, bw, m.latency, world - 1)
-        n = max(1, min(pb.pieces, hk))
         fwd = gather / n + (n - 1) * max(cf / n, gather / n) + cf / n
         bwd = gather / n + (n - 1) * max(cb / n, (gather + rs) / n) + max(cb / n, rs / n) + rs / n
         sent = 2 * (world - 1) * kv_wire + (world - 1) * dkv32
@@ -190,8 +203,8 @@ class _GroupedAreas:
     def __call__(self, o: int, j: int) -> float:
         if (o, j) not in self.cache:
             n = self.n
-            self.cache[(o, j)] = sum(_pair_area(self.lay, self.causal, self.world, o * n + a, j * n + bb, self.c)
-                                     for a in range(n) for bb in range(n))
+            self.cache[(o, j)] = _add(_pair_area(self.lay, self.causal, self.world, o * n + a, j * n + bb, self.c)
+                                      for a in range(n) for bb in range(n))
         return self.cache[(o, j)]
 
 
