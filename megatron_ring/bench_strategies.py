@@ -21,19 +21,9 @@ __all__ = ["run_comm_types", "print_rows"]
 
 
 def _hier(world: int, inner: int):
-    import torch.distributed as dist
+    from megatron_ring.strategies import make_hierarchical_groups
 
-    mine = [None, None]
-    me = dist.get_rank()
-    for o in range(world // inner):
-        g = dist.new_group(list(range(o * inner, (o + 1) * inner)))
-        if me // inner == o:
-            mine[0] = g
-    for i in range(inner):
-        g = dist.new_group(list(range(i, world, inner)))
-        if me % inner == i:
-            mine[1] = g
-    return tuple(mine)
+    return make_hierarchical_groups(inner)
 
 
 def _inputs(cfg: dict[str, Any], rank: int, world: int):

@@ -44,7 +44,8 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
     d = a.kv_channels or a.hidden_size // heads
     elem = _ELEM[a.dtype]
     machine = Machine(flops=a.flops, bwd_flops=a.bwd_flops, bw_intra=a.intra_node_bandwidth,
-                      bw_inter=a.inter_node_bandwidth, latency=a.latency, gpus_per_node=a.gpus_per_node)
+                      bw_inter=a.inter_node_bandwidth, latency=a.latency, gpus_per_node=a.gpus_per_node,
+                      overlap=a.overlap)
     out: dict[str, Any] = {"inputs": vars(a), "rows": [], "recommendation": None}
     for cp in a.context_parallel_size:
         inner = a.a2a_size or (a.gpus_per_node if a.gpus_per_node and cp > a.gpus_per_node
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--intra-node-bandwidth", type=float, required=True, help="bytes/s per GPU inside a node")
     ap.add_argument("--inter-node-bandwidth", type=float, default=None, help="bytes/s per GPU across nodes")
     ap.add_argument("--latency", type=float, default=20e-6, help="seconds per message")
+    ap.add_argument("--overlap", type=float, default=1.0,
+                    help="fraction of a transfer hidden under compute (1: GPUs; 0: CPU processes)")
     ap.add_argument("--flops", type=float, required=True, help="achieved attention forward flop/s per GPU")
     ap.add_argument("--bwd-flops", type=float, default=None, help="backward flop/s (default: --flops)")
     ap.add_argument("--a2a-size", type=int, default=None,

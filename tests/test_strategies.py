@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from megatron_ring import ring_attention, shard_sequence
+from megatron_ring.strategies import make_hierarchical_groups
 from reference import attention_reference, outputs_and_grads, sdpa
 
 FACTOR = 4.0
@@ -32,17 +33,7 @@ def _heads(world):
 
 def hierarchical(world, inner):
     """Megatron's convention: inner = consecutive ranks, outer = same inner index (every rank builds all)."""
-    mine = [None, None]
-    me = dist.get_rank()
-    for o in range(world // inner):
-        g = dist.new_group(list(range(o * inner, (o + 1) * inner)))
-        if me // inner == o:
-            mine[0] = g
-    for i in range(inner):
-        g = dist.new_group(list(range(i, world, inner)))
-        if me % inner == i:
-            mine[1] = g
-    return tuple(mine)
+    return make_hierarchical_groups(inner)
 
 
 def _case(world, comm_type, hier, layout, causal, heads, dtype, seed, comm_dtype=None):
@@ -111,3 +102,77 @@ def test_every_comm_type_matches_full_attention(world):
     want = {"p2p", "all_gather", "a2a", "auto"} | ({"a2a+p2p/2x2"} if world == 4 else set()) | (
         {"a2a+p2p/2x4", "a2a+p2p/4x2"} if world == 8 else set())
     assert want <= seen, sorted(seen)
+
+
+def _wire_worker(rank, world):
+    """Wire codecs on every type: all_gather quantises exactly the blocks p2p does (same per-head,
+    per-64-token scales; own block as is), so its outputs/gradients equal p2p's. a2a (a rank's own shard is
+    exact, but it computes every query shard) and a2a+p2p (super-blocks quantised on the outer ring)
+    are compared by their error against float64."""
+    hier = hierarchical(world, 2)
+    out = []
+    for wire in ("bf16", "fp8"):
+        g = torch.Generator().manual_seed(3)
+        b, s, h, h_kv, d = 1, 64, 4, 2, 16
+        q, k, v, dout = (torch.randn(b, s * world, n, d, generator=g) for n in (h, h_kv, h_kv, h))
+        ref = outputs_and_grads(lambda *t: attention_reference(*t, True), q.double(), k.double(), v.double(),
+                                dout.double())
+        local = [shard_sequence(t, 1, layout="zigzag") for t in (q, k, v, dout)]
+        res = {}
+        for ct in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+            res[ct] = outputs_and_grads(lambda *t: ring_attention(*t, causal=True, comm_dtype=wire, comm_type=ct,
+                                                                  hierarchical_groups=hier), *local)
+        for ct in ("all_gather",):
+            out.append((wire, ct, "vs p2p", max((x - y).abs().max().item() for x, y in zip(res[ct], res["p2p"]))))
+        for ct in ("p2p", "a2a", "a2a+p2p"):
+            out.append((wire, ct, "vs ref", max((x.double() - shard_sequence(r, 1, layout="zigzag")).abs().max().item()
+                                                for x, r in zip(res[ct], ref))))
+    return out
+
+
+def test_wire_codecs_apply_to_every_type():
+    rows = run_distributed(_wire_worker, 4, timeout=300)[0]
+    err = {(w, ct, what): e for w, ct, what, e in rows}
+    for wire in ("bf16", "fp8"):
+        assert err[(wire, "all_gather", "vs p2p")] < 1e-5, err
+        assert err[(wire, "p2p", "vs ref")] > 1e-4  # the wire format is really lossy (the test can fail)
+        for ct in ("a2a", "a2a+p2p"):
+            assert err[(wire, ct, "vs ref")] <= 1.5 * err[(wire, "p2p", "vs ref")], err
+
+
+def _bad_input_worker(rank, world):
+    """Each misuse must raise the same clear error on every rank (bounded: no hang)."""
+    hier = hierarchical(world, 2)
+    strided = make_hierarchical_groups(2)[::-1]  # (outer, inner): not built the Megatron way for a2a+p2p
+    q = torch.randn(1, 4, 6, 8)
+    kv = torch.randn(1, 4, 2, 8)
+    msgs = {}
+    cases = {
+        "a2a heads": lambda: ring_attention(q, kv, kv, comm_type="a2a"),  # 6 heads over 4 ranks
+        "a2a+p2p missing": lambda: ring_attention(q, kv, kv, comm_type="a2a+p2p"),
+        "a2a+p2p swapped": lambda: ring_attention(q, kv, kv, comm_type="a2a+p2p", hierarchical_groups=strided),
+        "a2a+p2p one group": lambda: ring_attention(q, kv, kv, comm_type="a2a+p2p", hierarchical_groups=hier[:1]),
+        "unknown": lambda: ring_attention(q, kv, kv, comm_type="ulysses"),
+        # a fresh shape: the consistency check runs once per new signature
+        "differs": lambda: ring_attention(q[:, :2], kv[:, :2], kv[:, :2], comm_type="all_gather" if rank == 1 else "p2p"),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            msgs[name] = "no error"
+        except ValueError as exc:
+            msgs[name] = str(exc)
+    return msgs
+
+
+def test_bad_strategy_input_fails_on_every_rank():
+    per_rank = run_distributed(_bad_input_worker, 4, timeout=120)
+    want = {"a2a heads": "not divisible", "a2a+p2p missing": "hierarchical_groups=(inner, outer)",
+            "a2a+p2p swapped": "not built the Megatron way", "a2a+p2p one group": "pair (inner, outer)",
+            "unknown": "unknown comm_type", "differs": "comm_type"}
+    for rank, msgs in enumerate(per_rank):
+        for name, text in want.items():
+            assert msgs[name] != "no error", (rank, name)
+            if name in ("a2a+p2p swapped",) and "see their error" in msgs[name]:
+                continue  # ranks whose own groups happen to pass name the failing ranks instead
+            assert text in msgs[name], (rank, name, msgs[name])

@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from ..engine import RingPlan
 from . import a2a, a2a_p2p, all_gather, p2p
+from .a2a_p2p import make_hierarchical_groups
 
-__all__ = ["STRATEGIES", "COMM_TYPES", "run_strategy", "check_comm_type"]
+__all__ = ["STRATEGIES", "COMM_TYPES", "run_strategy", "check_comm_type", "make_hierarchical_groups"]
 
 STRATEGIES: dict[str, Callable[..., torch.Tensor]] = {
     "p2p": p2p.run, "all_gather": all_gather.run, "a2a": a2a.run, "a2a+p2p": a2a_p2p.run,

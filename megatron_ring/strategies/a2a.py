@@ -16,13 +16,14 @@ of ``h/h_kv`` with ``h_kv*e % P == 0``; GQA grouping is preserved), so the K/V a
 times the bytes; dK/dV of the copies are summed in fp32 on the way back.
 
 Wire codecs: the K/V all-to-all of ``a2a`` carries the codec's format (each block quantised once, by
-its owner). Q, O and the gradients travel in the compute dtype (dK/dV in fp32 when replicated).
+its owner; a rank's own shard is used as is, as in the ring). Q, O and the gradients travel in the compute dtype (dK/dV in fp32 when replicated).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..codec import IdentityCodec, KVCodec, KVSpec
 from ..comm import LoopbackRing, Ring
@@ -51,6 +52,7 @@ class _A2A:
 
     def __init__(self, group: Any, world: int, timeout_s: float | None) -> None:
         self.group, self.world, self.timeout_s = group, world, timeout_s
+        self.rank = dist.get_rank(group) if world > 1 else 0
 
     def exchange(self, send: torch.Tensor, what: str) -> torch.Tensor:
         if self.world == 1:
@@ -118,7 +120,9 @@ class KVSeqToHead(torch.autograd.Function):
             sl = slice(j * hk // p, (j + 1) * hk // p)
             codec.encode(k[:, sl], v[:, sl], send[j])
         recv = a2a.exchange(send, "all-to-all of K/V")
-        blocks = [codec.decode(recv[i], spec) for i in range(p)]
+        me = slice(a2a.rank * hk // p, (a2a.rank + 1) * hk // p)
+        blocks = [(k[:, me], v[:, me]) if i == a2a.rank else codec.decode(recv[i], spec)
+                  for i in range(p)]  # this rank's own shard as is (never through the codec), like p2p
         return torch.cat([x[0] for x in blocks], dim=2), torch.cat([x[1] for x in blocks], dim=2)
 
     @staticmethod

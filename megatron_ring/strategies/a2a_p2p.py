@@ -20,12 +20,35 @@ from ..engine import RingPlan
 from .a2a import _A2A, check_heads, run_grouped
 from .collectives import group_ranks
 
-__all__ = ["run", "check_hierarchical_groups", "HIER_HINT"]
+__all__ = ["run", "check_hierarchical_groups", "make_hierarchical_groups", "HIER_HINT"]
 
 HIER_HINT = ("pass hierarchical_groups=(inner, outer) (Megatron: --hierarchical-context-parallel-sizes "
              "INNER OUTER, e.g. GPUs per node and number of nodes)")
 
 _outer_rings: dict[tuple[int, torch.device, float | None], Ring] = {}
+
+
+def make_hierarchical_groups(inner_size: int) -> tuple[Any, Any]:
+    """``(inner, outer)`` groups over the default (world) group, built the Megatron way.
+
+    Collective: every rank must call it (``new_group`` is). Without Megatron this is how to get the
+    groups ``comm_type="a2a+p2p"`` needs; with Megatron, use the provider's (``RingState.hierarchical_groups``).
+    """
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    if inner_size < 1 or world % inner_size:
+        raise ValueError(f"inner size {inner_size} does not divide the world size {world}")
+    mine: list[Any] = [None, None]
+    for o in range(world // inner_size):
+        g = dist.new_group(list(range(o * inner_size, (o + 1) * inner_size)))
+        if me // inner_size == o:
+            mine[0] = g
+    for i in range(inner_size):
+        g = dist.new_group(list(range(i, world, inner_size)))
+        if me % inner_size == i:
+            mine[1] = g
+    return mine[0], mine[1]
 
 
 def check_hierarchical_groups(group: Any, world: int, rank: int, hierarchical_groups: Any) -> str | None:

@@ -53,7 +53,9 @@ class _Gatherer:
         pending, everyone, spec = self.inflight.pop(i)
         self._start(i + 1)  # next piece's gather overlaps this piece's compute
         pending.wait()
-        blocks = [self.plan.codec.decode(chunk, spec) for chunk in everyone.chunk(self.plan.ring.world)]
+        me, hs = self.plan.ring.rank, self.pieces[i]
+        blocks = [(self.k[:, hs], self.v[:, hs]) if j == me else self.plan.codec.decode(chunk, spec)
+                  for j, chunk in enumerate(everyone.chunk(self.plan.ring.world))]  # own block as is, like p2p
         return torch.cat([b[0] for b in blocks], dim=2), torch.cat([b[1] for b in blocks], dim=2)
 
 

@@ -2,7 +2,8 @@
 
 Machine numbers (F, B, latency) come from, in order: environment variables (production clusters:
 ``MEGATRON_RING_FLOPS``, ``MEGATRON_RING_BWD_FLOPS``, ``MEGATRON_RING_BANDWIDTH``,
-``MEGATRON_RING_INTER_BANDWIDTH``, ``MEGATRON_RING_LATENCY_S``, ``MEGATRON_RING_GPUS_PER_NODE``), or
+``MEGATRON_RING_INTER_BANDWIDTH``, ``MEGATRON_RING_LATENCY_S``, ``MEGATRON_RING_CALL_OVERHEAD_S``,
+``MEGATRON_RING_GPUS_PER_NODE``, ``MEGATRON_RING_OVERLAP``), or
 :func:`set_machine`, or a short probe run once per (group, device type): the kernel's forward and
 backward rate on one block and a ring exchange of a small and a large message (bandwidth measured on
 the outer group too when hierarchical groups are given). Every rank must choose the same type (else the
@@ -141,9 +142,11 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
     dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)
     agreed = {n: (-x if n in times else x) for n, x in zip(order, vec.tolist())}
     gpn = os.environ.get("MEGATRON_RING_GPUS_PER_NODE")
+    overlap = os.environ.get("MEGATRON_RING_OVERLAP")  # CPU: transfers run on the compute cores
     _machines[key] = Machine(flops=agreed["flops"], bwd_flops=agreed["bwd_flops"], bw_intra=agreed["bw_intra"],
                              bw_inter=agreed["bw_inter"], latency=agreed["latency"],
-                             call_overhead=agreed["call_overhead"], gpus_per_node=int(gpn) if gpn else None)
+                             call_overhead=agreed["call_overhead"], gpus_per_node=int(gpn) if gpn else None,
+                             overlap=float(overlap) if overlap else (0.0 if device.type == "cpu" else 1.0))
     return _machines[key]
 
 

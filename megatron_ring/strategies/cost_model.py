@@ -5,7 +5,9 @@ machine numbers) and the planner CLI (``python -m megatron_ring.plan``).
 
 Machine (:class:`Machine`): ``flops`` = attention forward rate F (flop/s per rank), ``bwd_flops`` = its
 backward rate, ``bw_intra`` / ``bw_inter`` = link bandwidth B (bytes/s per rank, inside / across
-nodes), ``latency`` = seconds per message, ``gpus_per_node``.
+nodes), ``latency`` = seconds per message, ``call_overhead`` = seconds per block task, ``overlap`` =
+how much of a transfer hides under compute (1 on GPUs, whose copy engines/NICs work beside the SMs; 0
+on CPUs, where gloo's copies use the same cores), ``gpus_per_node``.
 
 Compute comes from the layout's own schedule: the area of every block task (rows x keys, half of a
 square for a causal task) for every (rank, source) pair, times ``4 b h d`` flops (QK^T and PV), divided
@@ -55,6 +57,7 @@ class Machine:
     gpus_per_node: int | None = None  # None: every rank on one node
     bwd_flops: float | None = None  # backward flop/s (None: = flops)
     call_overhead: float = 0.0  # seconds per block task (kernel launch, merge, slicing), forward
+    overlap: float = 1.0  # fraction of a transfer that can hide under compute (GPU: 1; CPU: 0, same cores)
 
     def bw(self, span: int, stride: int = 1) -> float:
         """Bandwidth of a collective over ``span`` ranks ``stride`` apart (consecutive global ranks)."""
@@ -106,6 +109,11 @@ def _compute(m: "Machine", area: float, tasks: int, flop_per_area: float) -> tup
             area * flop_per_area * BWD_FLOP_FACTOR / fb + 2 * tasks * m.call_overhead)
 
 
+def _both(m: "Machine", compute: float, transfer: float) -> float:
+    """Time of a compute and a transfer started together: max() when fully overlapped, sum when not."""
+    return compute + transfer - m.overlap * min(compute, transfer)
+
+
 def _xfer(nbytes: float, bw: float, lat: float, messages: int = 1) -> float:
     return messages * lat + nbytes / bw if nbytes else 0.0
 
@@ -133,8 +141,8 @@ def _ring(pb: Problem, m: Machine, world: int, flop_per_area: float, kv_bytes: f
         cf, cb = max((_compute(m, *area_of(r, t), flop_per_area) for r in range(world)), key=lambda x: x[0])
         last = t == world - 1
         kv = 0.0 if last else _xfer(kv_bytes, bw, m.latency)
-        fwd += max(cf, kv)
-        bwd += max(cb, kv + (_xfer(dkv_bytes, bw, m.latency) if world > 1 else 0.0))
+        fwd += _both(m, cf, kv)
+        bwd += _both(m, cb, kv + (_xfer(dkv_bytes, bw, m.latency) if world > 1 else 0.0))
     if world > 1:
         bwd += _xfer(dkv_bytes, bw, m.latency)  # the last dK/dV hop home
     return fwd, bwd
@@ -162,8 +170,8 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
         bw = m.bw(world)
         gather = _xfer((world - 1) * kv_wire, bw, m.latency, world - 1)
         rs = _xfer((world - 1) * dkv32, bw, m.latency, world - 1)
-        fwd = gather / n + (n - 1) * max(cf / n, gather / n) + cf / n
-        bwd = gather / n + (n - 1) * max(cb / n, (gather + rs) / n) + max(cb / n, rs / n) + rs / n
+        fwd = gather / n + (n - 1) * _both(m, cf / n, gather / n) + cf / n
+        bwd = gather / n + (n - 1) * _both(m, cb / n, (gather + rs) / n) + _both(m, cb / n, rs / n) + rs / n
         sent = 2 * (world - 1) * kv_wire + (world - 1) * dkv32
     elif comm_type in ("a2a", "a2a+p2p"):
         n = world if comm_type == "a2a" else inner
