@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from .layouts import LAYOUTS
-from .strategies.cost_model import (Machine, Problem, activation_bytes, candidate_types, predict,
+from .strategies.cost_model import (Machine, Problem, activation_bytes, candidate_types, pick, predict,
                                     smallest_cp, wire_bytes_per_elem)
 
 __all__ = ["main", "plan"]
@@ -64,7 +64,7 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
                 out["rows"].append(r)
     if not out["rows"]:
         raise SystemExit("no (CP size, layout) divides --seq-length; pad the sequence")
-    best = min(out["rows"], key=lambda r: r["time_s"])
+    best = pick(out["rows"])
     out["recommendation"] = {k: best[k] for k in ("cp", "layout", "comm_type", "inner", "time_s")}
     if a.gpu_memory:
         pb = Problem(batch=a.micro_batch_size, seq=a.seq_length, heads=heads // a.tensor_model_parallel_size,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from ..layouts import get_layout
 
-__all__ = ["Machine", "Problem", "predict", "predict_all", "activation_bytes", "workspace_bytes",
+__all__ = ["Machine", "Problem", "predict", "predict_all", "pick", "activation_bytes", "workspace_bytes",
            "candidate_types", "BWD_FLOP_FACTOR"]
 
 #: backward flops / forward flops of flash attention (5 matmuls with recompute vs 2)
@@ -240,10 +240,25 @@ def workspace_bytes(comm_type: str, pb: Problem, world: int, inner: int | None =
     raise ValueError(comm_type)
 
 
+#: tie-break among predictions within TIE of the best: the simpler exchange first
+PREFERENCE = ("p2p", "all_gather", "a2a", "a2a+p2p")
+TIE = 0.03
+
+
 def predict_all(pb: Problem, world: int, m: Machine, inner: int | None = None) -> list[dict]:
-    """Predictions for every comm type that can run, cheapest first."""
-    rows = [predict(t, pb, world, m, inner) for t in candidate_types(pb.heads, world, inner)]
-    return sorted(rows, key=lambda r: (r["time_s"], r["comm_type"]))
+    """Predictions for every comm type that can run; the first is the pick (:func:`pick`), then cheapest first."""
+    rows = sorted((predict(t, pb, world, m, inner) for t in candidate_types(pb.heads, world, inner)),
+                  key=lambda r: (r["time_s"], PREFERENCE.index(r["comm_type"])))
+    best = pick(rows)
+    return [best] + [r for r in rows if r is not best]
+
+
+def pick(rows: list[dict]) -> dict:
+    """The cheapest prediction, except that a simpler type (``PREFERENCE``) predicted within ``TIE``
+    (3%) of it wins: the model cannot rank near-ties, and the simpler exchange has fewer moving parts."""
+    fastest = min(r["time_s"] for r in rows)
+    close = [r for r in rows if r["time_s"] <= fastest * (1 + TIE)]
+    return min(close, key=lambda r: PREFERENCE.index(r["comm_type"]))
 
 
 def fits(pb: Problem, world: int, layers: int, comm_type: str, memory: float, reserved: float = 0.0,
