@@ -3,7 +3,6 @@ import json
 import logging
 import os
 
-import pytest
 import torch
 
 from dist_utils import run_distributed

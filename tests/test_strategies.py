@@ -4,21 +4,19 @@ One set of P gloo processes per P runs the whole matrix for every comm type the 
 layouts x causal x heads (MHA, GQA, MQA; for a2a also h_kv < P and h_kv % P != 0, where K/V heads are
 replicated) x fp32/bf16. a2a+p2p runs at P=4 (2x2) and P=8 (2x4, 4x2) over hierarchical groups built
 the Megatron way (inner = consecutive ranks). Tolerance as in test_ring_attention: at most FACTOR x the
-error of one-process SDPA in the same dtype plus a small floor.
+error of one-process SDPA in the same dtype plus a small floor (the ring test's case runner and bounds).
 """
 import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_utils import run_distributed
 from megatron_ring import ring_attention, shard_sequence
 from megatron_ring.strategies import make_hierarchical_groups
-from reference import attention_reference, outputs_and_grads, sdpa
+from reference import attention_reference, outputs_and_grads
+from test_ring_attention import FACTOR, FLOOR, _case_errors
 
-FACTOR = 4.0
-FLOOR = {torch.float32: 2e-6, torch.bfloat16: 4e-3}
 
 
 def _heads(world):
@@ -34,35 +32,6 @@ def _heads(world):
 def hierarchical(world, inner):
     """Megatron's convention: inner = consecutive ranks, outer = same inner index (every rank builds all)."""
     return make_hierarchical_groups(inner)
-
-
-def _case(world, comm_type, hier, layout, causal, heads, dtype, seed, comm_dtype=None):
-    h, h_kv, d, fmt = heads
-    b, s_local = 2, 4
-    seq = s_local * world
-    g = torch.Generator().manual_seed(seed)
-    q, dout = (torch.randn(b, seq, h, d, generator=g) for _ in range(2))
-    k, v = (torch.randn(b, seq, h_kv, d, generator=g) for _ in range(2))
-    ref = outputs_and_grads(lambda *t: attention_reference(*t, causal), q.double(), k.double(), v.double(),
-                            dout.double())
-    base = outputs_and_grads(lambda *t: sdpa(*t, causal), q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype))
-    to_fmt = (lambda t: t) if fmt == "bshd" else (lambda t: t.transpose(0, 1).contiguous())
-    local = [to_fmt(shard_sequence(t, 1, layout=layout)).to(dtype) for t in (q, k, v, dout)]
-
-    def run(qq, kk, vv):
-        out = ring_attention(qq, kk, vv, causal=causal, layout=layout, qkv_format=fmt, comm_type=comm_type,
-                             hierarchical_groups=hier, comm_dtype=comm_dtype)
-        assert out.shape == qq.shape and out.dtype == dtype and out.is_contiguous()
-        return out
-
-    got = outputs_and_grads(run, *local)
-    rows = []
-    for name, r, bse, f in zip(("out", "dq", "dk", "dv"), got, base, ref):
-        assert r.shape == local[0 if name in ("out", "dq") else 1].shape
-        f_local = to_fmt(shard_sequence(f, 1, layout=layout))
-        b_local = to_fmt(shard_sequence(bse, 1, layout=layout))
-        rows.append((name, (r.double() - f_local).abs().max().item(), (b_local.double() - f_local).abs().max().item()))
-    return rows
 
 
 def _types(world):
@@ -82,7 +51,8 @@ def _matrix_worker(rank, world):
         if world == 8 and (layout, dtype) != ("zigzag", torch.float32) and ct not in ("a2a+p2p",):
             continue  # P=8: the full matrix for a2a+p2p, one layout/dtype for the others (time)
         label = f"{ct}{'/' + str(inner) + 'x' + str(world // inner) if inner else ''}"
-        for name, err, sdpa_err in _case(world, ct, hier.get(inner), layout, causal, heads, dtype, seed=100 + i):
+        for name, err, sdpa_err in _case_errors(world, layout, causal, heads, dtype, 100 + i, comm_type=ct,
+                                                hierarchical_groups=hier.get(inner)):
             results.append((label, layout, causal, heads, str(dtype), name, err, sdpa_err))
     return results
 
