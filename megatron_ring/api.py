@@ -52,7 +52,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    comm_dtype: torch.dtype | str | None = None, kernel: str | BlockKernel = "auto",
                    check_consistency: bool = True, timeout_s: float | None = None,
                    head_chunks: int = 1, ring: Ring | None = None, cu_seqlens: Any = None,
-                   window: tuple[int, int] | None = None) -> torch.Tensor:
+                   window: tuple[int, int] | None = None, comm_type: str = "p2p",
+                   hierarchical_groups: Any = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -87,6 +88,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             and documents. A query that sees no key gets output 0 and zero gradients.
         ring: advanced: a prepared :class:`~megatron_ring.comm.Ring` (e.g. ``LoopbackRing`` for
             compute-only timing); overrides ``group``.
+        comm_type: the exchange: "p2p" (the ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
+            (Ulysses inside ``hierarchical_groups[0]``, ring across ``hierarchical_groups[1]``) or
+            "auto" (chosen by a cost model). Same inputs, outputs and exactness for every type; see
+            docs/strategies.md.
+        hierarchical_groups: ``(inner, outer)`` process groups for "a2a+p2p" (inner = consecutive ranks
+            of ``group``, outer = the ranks with the same inner index; Megatron's
+            ``hierarchical_context_parallel_sizes`` convention).
 
     Returns:
         The attention output with q's shape and dtype, contiguous in ``qkv_format``.
@@ -104,8 +112,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if ring.world > 1 and ring.group is not None and check_consistency:
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
                              comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks,
-                             cu_seqlens=cu_seqlens, window=window)
-        check_same_across_ranks(sig, ring.group, q.device, {
+                             cu_seqlens=cu_seqlens, window=window, comm_type=comm_type)
+        check_same_across_ranks(sig, ring.group, q.device, {"comm_type": comm_type,
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
             "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name,
             "cu_seqlens": cu_seqlens, "window": window})
@@ -145,7 +153,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                     codec=codec, mask=None if mask.plain else mask)
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
         raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
-    out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))
+    if comm_type == "p2p":
+        out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))
+    else:  # the other exchange patterns (megatron_ring/strategies), same plan and schedule
+        from .strategies import run_strategy
+        out = run_strategy(comm_type, qh, kh, vh, plan, head_chunks=head_chunks,
+                           hierarchical_groups=hierarchical_groups)
     out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
     out = out.squeeze(0) if thd else out
     return out if out.is_contiguous() else out.contiguous()  # e.g. q was a non-dense view

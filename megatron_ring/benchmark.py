@@ -261,6 +261,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="wire dtype(s) for K/V")
     ap.add_argument("--head-chunks", type=int, nargs="+", default=[1],
                     help="run the ring over this many groups of K/V heads in turn (one row per value)")
+    ap.add_argument("--comm-type", nargs="+", default=None,
+                    choices=["p2p", "all_gather", "a2a", "a2a+p2p", "auto"],
+                    help="compare these comm types side by side instead (see megatron_ring/bench_strategies.py)")
+    ap.add_argument("--memory", action="store_true", help="with --comm-type: also measure peak memory per type")
+    ap.add_argument("--no-warmup", action="store_true", help="with --comm-type: skip the untimed warm-up call "
+                    "of each type (auto's probe still runs first); for very long sequences")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per spawned run")
     ap.add_argument("--json", help="write the rows to this JSON file")
@@ -286,8 +292,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"# S={a.seq} B={a.batch} H={a.heads} H_kv={cfg['kv_heads']} D={a.head_dim} {a.dtype} "
           f"{a.layout} causal={a.causal}; ring: P processes x 1 thread; 1proc: 1 process x P threads; "
           f"medians of {a.iters} iterations (slowest rank)", flush=True)
-    print(_header(), flush=True)
-    rows = run(cfg)
+    if a.comm_type:  # every exchange pattern side by side (megatron_ring/bench_strategies.py)
+        from megatron_ring.bench_strategies import run_comm_types
+        rows = run_comm_types(dict(cfg, comm_types=a.comm_type, comm_dtype=None if a.comm_dtype[0] == "none"
+                                   else a.comm_dtype[0], memory=a.memory, warmup=not a.no_warmup))
+    else:
+        print(_header(), flush=True)
+        rows = run(cfg)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -193,6 +193,8 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
     """The tasks rank ``rank`` computes against the K/V block of rank ``src`` (cached)."""
     if rule.plain:
         return layout.block_tasks(rule.causal, world, rank, src, s)
+    if hasattr(layout, "masked_tasks"):  # a strategy's view of several shards (strategies/schedule_views)
+        return layout.masked_tasks(rule, world, rank, src, s)
     key = (layout.name, rule, world, rank, src, s, tile)
     hit = _CACHE.get(key)
     if hit is not None:

@@ -40,7 +40,7 @@ def _configs(world, seed):
     ]
 
 
-def _case(world, layout, causal, name, T, cu, window, heads, dtype, kernel, seed):
+def _case(world, layout, causal, name, T, cu, window, heads, dtype, kernel, seed, **ring_kw):
     h, h_kv = heads
     d = 16
     g = torch.Generator().manual_seed(seed)
@@ -54,7 +54,7 @@ def _case(world, layout, causal, name, T, cu, window, heads, dtype, kernel, seed
 
     def run(qq, kk, vv):
         out = ring_attention(qq, kk, vv, qkv_format="thd", cu_seqlens=cu_t, causal=causal, layout=layout,
-                             window=window, kernel=kernel)
+                             window=window, kernel=kernel, **ring_kw)
         assert out.shape == qq.shape and out.dtype == dtype
         return out
 
@@ -112,6 +112,31 @@ def _bshd_window_worker(rank, world):
         errs.append(max((a.double() - to_fmt(shard_sequence(r, 1, layout=layout))).abs().max().item()
                         for a, r in zip(got, ref)))
     return max(errs)
+
+
+def _strategies_worker(rank, world):
+    """Documents and windows through every comm type (the strategies consume the same masked schedule)."""
+    from megatron_ring.strategies import make_hierarchical_groups
+
+    groups = make_hierarchical_groups(2)
+    rows = []
+    configs = _configs(world, seed=7)
+    for i, (comm_type, layout, causal, ci) in enumerate(itertools.product(
+            ("all_gather", "a2a", "a2a+p2p"), ("zigzag", "striped", "contiguous"), (True, False), (0, 2, 4))):
+        name, T, cu, window = configs[ci]
+        kw = {"comm_type": comm_type}
+        if comm_type == "a2a+p2p":
+            kw["hierarchical_groups"] = groups
+        for what, err in _case(world, layout, causal, name, T, cu, window, (4, 2), torch.float32, "auto",
+                               seed=i, **kw):
+            rows.append((comm_type, layout, causal, name, what, err))
+    return rows
+
+
+def test_documents_and_windows_every_comm_type():
+    failures = [f"{r[:4]} {r[4]}: {r[5]:.3g}" for rows in run_distributed(_strategies_worker, 4, timeout=420)
+                for r in rows if not r[5] <= TOL[torch.float32]]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
 
 
 @pytest.mark.parametrize("world", [3])

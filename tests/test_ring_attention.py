@@ -21,7 +21,8 @@ FLOOR = {torch.float32: 2e-6, torch.bfloat16: 4e-3}
 HEADS = [(4, 4, 64, "bshd"), (4, 2, 80, "sbhd"), (6, 1, 80, "bshd")]  # (h, h_kv, d, format)
 
 
-def _case_errors(world, layout, causal, heads, dtype, seed):
+def _case_errors(world, layout, causal, heads, dtype, seed, **ring_kw):
+    """Per tensor (out, dq, dk, dv): (name, max error of ring_attention(**ring_kw), same of 1-process SDPA)."""
     h, h_kv, d, fmt = heads
     b, s_local = 2, 6
     seq = s_local * world
@@ -36,7 +37,7 @@ def _case_errors(world, layout, causal, heads, dtype, seed):
     local = [to_fmt(shard_sequence(t, 1, layout=layout)).to(dtype) for t in (q, k, v, dout)]
 
     def run(qq, kk, vv):
-        out = ring_attention(qq, kk, vv, causal=causal, layout=layout, qkv_format=fmt)
+        out = ring_attention(qq, kk, vv, causal=causal, layout=layout, qkv_format=fmt, **ring_kw)
         assert out.shape == qq.shape and out.dtype == dtype and out.is_contiguous()
         return out
 

@@ -34,8 +34,9 @@ def add_context_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argum
                            help="Ranks each sequence is split over (ring attention).")
     if not _has(parser, "--cp-comm-type"):
         group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
-                           help="Communication type for context parallelism, one value or one per layer. "
-                                "megatron_ring runs 'p2p' (ring).")
+                           help="Communication type for context parallelism, one value or one per layer: "
+                                "p2p (ring), all_gather, a2a (Ulysses), a2a+p2p (a2a inside "
+                                "--hierarchical-context-parallel-sizes' inner group, ring across), auto.")
     if not _has(parser, "--cp-comm-dtype"):
         group.add_argument("--cp-comm-dtype", type=str, default="none", choices=list(COMM_DTYPES),
                            help="Wire format of K/V blocks on the ring: none (as computed), bf16 or fp8 "

@@ -17,6 +17,7 @@ from megatron.core.utils import divide
 
 import megatron_ring
 
+from . import comm_types
 from .config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
 from .documents import DocumentsFromMask, packed_cu_seqlens
 from .provider import get_ring_state, is_context_parallel_initialized
@@ -72,8 +73,7 @@ class RingDotProductAttention(MegatronModule):
         if attention_type != "self":
             raise NotImplementedError(f"RingDotProductAttention supports self-attention only, got "
                                       f"attention_type={attention_type!r}")
-        if cp_comm_type not in (None, "p2p"):
-            raise ContextParallelConfigError("--cp-comm-type", f"ring attention runs 'p2p', got {cp_comm_type!r}")
+        self._cp_comm_type_arg = cp_comm_type  # resolved per layer by comm_types.layer_comm_type
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported; use 'vanilla'")
         self.window = _window(config, layer_number)
@@ -85,6 +85,7 @@ class RingDotProductAttention(MegatronModule):
             _, cfg = self._ring()  # fail at model build if the ring and the model config disagree
             refuse_mtp_without_zigzag(getattr(config, "mtp_num_layers", None), cfg.layout,
                                       config.context_parallel_size)
+            self._comm_type()  # ... or on the comm type
 
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
@@ -99,6 +100,16 @@ class RingDotProductAttention(MegatronModule):
         # inside the softmax: mathematically the plain scale, which is what the ring uses.
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
                               if softmax_scale is None else softmax_scale)
+
+    def _comm_type(self) -> dict[str, Any]:
+        """``comm_type`` / ``hierarchical_groups`` of this layer (see :mod:`.comm_types`)."""
+        state = get_ring_state() if is_context_parallel_initialized() else None
+        ct = comm_types.layer_comm_type(self.config, self.layer_number, self._cp_comm_type_arg,
+                                        state.config if state is not None else None)
+        if state is not None:
+            comm_types.check_heads(ct, divide(self.config.num_attention_heads,
+                                              self.config.tensor_model_parallel_size), state.config)
+        return comm_types.strategy_kwargs(ct, state)
 
     # ------------------------------------------------------------------------------------------
     @staticmethod
@@ -150,7 +161,7 @@ class RingDotProductAttention(MegatronModule):
         run = lambda q, k, v, fmt, cu=None: megatron_ring.ring_attention(  # noqa: E731
             q, k, v, group=group, causal=causal, layout=cfg.layout, softmax_scale=self.softmax_scale,
             qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
-            window=self.window)
+            window=self.window, **self._comm_type())
         if packed_seq_params is not None:  # THD: query [t, np, hn] (Megatron squeezed the batch dim)
             if query.dim() == 4:
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)

@@ -24,8 +24,8 @@ __all__ = [
 
 #: ``--cp-comm-dtype`` choices; the codec's alias table says which wire dtype each one means.
 COMM_DTYPES: tuple[str, ...] = ("none", "bf16", "fp8")
-#: ``--cp-comm-type`` values this plugin runs (Megatron-LM also knows a2a, allgather, a2a+p2p: TE only).
-CP_COMM_TYPES: tuple[str, ...] = ("p2p",)
+#: ``--cp-comm-type`` values (Megatron-LM's names, plus "auto"); see docs/strategies.md.
+CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")
 
 
 class ContextParallelConfigError(ValueError):
@@ -49,7 +49,9 @@ class RingConfig:
         context_parallel_size: ranks one sequence is split over (``--context-parallel-size``).
         layout: "zigzag", "striped" or "contiguous" (``--cp-layout``).
         comm_dtype: K/V wire format "none", "bf16" or "fp8" (``--cp-comm-dtype``).
-        cp_comm_type: per-layer communication types; only "p2p" (the ring) (``--cp-comm-type``).
+        cp_comm_type: communication type, one for all layers or one per layer: "p2p" (ring),
+            "all_gather", "a2a" (Ulysses), "a2a+p2p" (needs two hierarchical sizes) or "auto"
+            (``--cp-comm-type``).
         hierarchical_context_parallel_sizes: e.g. ``(intra, inter)`` with product equal to the CP size
             (``--hierarchical-context-parallel-sizes``); builds intra-/inter-node sub-rings.
         timeout_s: seconds a ring exchange may wait for a peer before ``RingPeerError``
@@ -99,9 +101,15 @@ class RingConfig:
         bad = [t for t in self.cp_comm_type if t not in CP_COMM_TYPES]
         if bad:
             raise ContextParallelConfigError(
-                "--cp-comm-type", f"{bad} not supported by ring attention; use 'p2p' (a2a / allgather / "
-                                  "a2a+p2p are TransformerEngine's)")
+                "--cp-comm-type", f"{bad} not supported; use one of {list(CP_COMM_TYPES)} (one value, or one "
+                                  "per layer)")
         hcp = self.hierarchical_context_parallel_sizes
+        if "a2a+p2p" in self.cp_comm_type and (hcp is None or len(hcp) != 2):
+            raise ContextParallelConfigError(
+                "--hierarchical-context-parallel-sizes",
+                f"--cp-comm-type a2a+p2p needs two sizes (inner a2a group, outer ring), e.g. "
+                f"'--hierarchical-context-parallel-sizes 8 {max(1, cp // 8)}' (GPUs per node, nodes); got "
+                f"{list(hcp) if hcp else None}")
         if hcp is not None:
             if any((not isinstance(x, int)) or x < 1 for x in hcp):
                 raise ContextParallelConfigError("--hierarchical-context-parallel-sizes",
@@ -110,6 +118,17 @@ class RingConfig:
                 raise ContextParallelConfigError(
                     "--hierarchical-context-parallel-sizes",
                     f"product of {list(hcp)} is {math.prod(hcp)} but --context-parallel-size is {cp}")
+
+    def comm_type_for_layer(self, layer_number: int) -> str:
+        """The comm type of (1-based, global) ``layer_number``: the single value, or the per-layer entry."""
+        types = self.cp_comm_type
+        if len(types) == 1:
+            return types[0]
+        if not 1 <= layer_number <= len(types):
+            raise ContextParallelConfigError(
+                "--cp-comm-type", f"{len(types)} per-layer values but layer number {layer_number}; give one "
+                                  "value or one per layer (--num-layers)")
+        return types[layer_number - 1]
 
     def validate(self, *, world_size: int | None = None, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, seq_length: int | None = None,

@@ -218,7 +218,7 @@ def bad_config_worker(rank: int, world: int, case: str) -> dict[str, Any]:
                     config_from_args(parse(["--context-parallel-size", "2",
                                             "--hierarchical-context-parallel-sizes", "2", "2"]))
                 elif case == "cp_comm_type":
-                    config_from_args(parse(["--context-parallel-size", "2", "--cp-comm-type", "a2a"]))
+                    config_from_args(parse(["--context-parallel-size", "2", "--cp-comm-type", "ulysses"]))
                 elif case == "attention_dropout":
                     config_from_args(parse(["--context-parallel-size", "2", "--attention-dropout", "0.1"]))
                 elif case == "layout_differs_across_ranks":

@@ -54,7 +54,7 @@ def test_args_added_only_where_missing():
     (dict(context_parallel_size=0), "--context-parallel-size"),
     (dict(layout="diagonal"), "--cp-layout"),
     (dict(comm_dtype="fp4"), "--cp-comm-dtype"),
-    (dict(cp_comm_type=["p2p", "a2a"]), "--cp-comm-type"),
+    (dict(cp_comm_type=["p2p", "ulysses"]), "--cp-comm-type"),
     (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 3]), "--hierarchical-context-parallel-sizes"),
 ])
 def test_config_errors_name_the_flag(kwargs, flag):

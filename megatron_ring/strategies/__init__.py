@@ -1,0 +1,82 @@
+"""Context-parallel exchange patterns behind one switch: ``ring_attention(..., comm_type=...)``.
+
+One file per strategy; each consumes the same :class:`~megatron_ring.engine.RingPlan` (layout schedule,
+kernel, codec) and reuses the engine's ring forward/backward for its compute:
+
+* ``p2p`` (:mod:`.p2p`): the ring;
+* ``all_gather`` (:mod:`.all_gather`): gathered K/V in pieces, dK/dV reduce-scattered;
+* ``a2a`` (:mod:`.a2a`): Ulysses, sequence shards <-> head shards;
+* ``a2a+p2p`` (:mod:`.a2a_p2p`): Ulysses in the inner group, ring over the outer group;
+* ``auto`` (:mod:`.auto`): one of the above, chosen per call signature by :mod:`.cost_model`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..engine import RingPlan
+from . import a2a, a2a_p2p, all_gather, p2p
+from .a2a_p2p import make_hierarchical_groups
+
+__all__ = ["STRATEGIES", "COMM_TYPES", "run_strategy", "check_comm_type", "make_hierarchical_groups"]
+
+STRATEGIES: dict[str, Callable[..., torch.Tensor]] = {
+    "p2p": p2p.run, "all_gather": all_gather.run, "a2a": a2a.run, "a2a+p2p": a2a_p2p.run,
+}
+COMM_TYPES: tuple[str, ...] = (*STRATEGIES, "auto")
+
+
+def check_comm_type(comm_type: Any) -> str:
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"unknown comm_type {comm_type!r}; use one of {list(COMM_TYPES)}")
+    return comm_type
+
+
+_agreed: dict[tuple, bool] = {}
+
+
+def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool, device: torch.device) -> bool:
+    """Whether ``hierarchical_groups`` is usable on EVERY rank (one small all-gather per new groups).
+
+    ``required`` (a2a+p2p): raise the same ValueError on every rank when any rank's groups are unusable.
+    """
+    ring = plan.ring
+    ids = tuple(id(x) for x in hierarchical_groups) if isinstance(hierarchical_groups, (tuple, list)) else (
+        id(hierarchical_groups),)
+    key = (id(ring.group), ids, required)
+    if key in _agreed:
+        return _agreed[key]
+    reason = a2a_p2p.check_hierarchical_groups(ring.group, ring.world, ring.rank, hierarchical_groups)
+    flags = torch.zeros(ring.world, dtype=torch.int64, device=device)
+    flags[ring.rank] = int(reason is not None)
+    dist.all_reduce(flags, group=ring.group)
+    bad = [r for r, f in enumerate(flags.tolist()) if f]
+    if bad and required:
+        raise ValueError(reason if reason is not None else
+                         f"comm_type='a2a+p2p': hierarchical_groups are unusable on group rank(s) {bad} (see "
+                         f"their error); {a2a_p2p.HIER_HINT}")
+    _agreed[key] = not bad
+    return _agreed[key]
+
+
+def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
+                 head_chunks: int = 1, hierarchical_groups: Any = None) -> torch.Tensor:
+    """BHSD views in (as :class:`~megatron_ring.engine.RingAttentionFunction` takes them), output out."""
+    check_comm_type(comm_type)
+    ring = plan.ring
+    kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups)
+    if ring.world == 1:  # one rank: every exchange pattern is the local computation
+        return p2p.run(qh, kh, vh, plan, **kw)
+    if ring.group is None:
+        raise ValueError(f"comm_type={comm_type!r} needs a process group; a LoopbackRing (compute-only timing) "
+                         "runs comm_type='p2p' only")
+    if comm_type == "a2a+p2p":
+        hierarchical_usable(plan, hierarchical_groups, required=True, device=qh.device)
+    if comm_type == "auto":
+        from .auto import choose  # noqa: PLC0415 - the probe and cost model load on first use
+
+        usable = hierarchical_usable(plan, hierarchical_groups, required=False, device=qh.device)  # on every rank
+        comm_type = choose(qh, kh, plan, head_chunks, hierarchical_groups if usable else None)
+    return STRATEGIES[comm_type](qh, kh, vh, plan, **kw)

@@ -1,0 +1,132 @@
+"""``all_gather``: every rank gathers all K/V (in pieces of K/V heads) and computes its queries against
+them; dK/dV are reduce-scattered back to their owners.
+
+Schedule: the layout's tasks for (this rank, every source) against the gathered K/V
+(:class:`~.schedule_views.GatheredView`), run by the engine as a world-size-1 plan — so under a causal
+mask a rank computes only the sub-blocks it can see, exactly as the ring does.
+
+Overlap and memory: K/V are gathered in ``pieces`` groups of K/V heads; the gather of piece i+1 is in
+flight while piece i computes (forward and backward), and in backward the reduce-scatter of piece i's
+dK/dV runs while piece i+1 computes. Nothing is kept from forward to backward beyond what the ring
+keeps (q, k, v, out, lse): K/V are gathered again in backward. Peak extra memory per rank is about two
+gathered pieces (2 x P x local K/V / pieces, wire dtype) plus one piece's fp32 dK/dV for all P shards.
+Wire codecs apply to the gathered K/V (each block is quantised once, by its owner); dK/dV travel fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codec import KVSpec
+from ..comm import LoopbackRing
+from ..engine import RingPlan, head_groups, ring_backward, ring_forward
+from .collectives import Pending, all_gather, reduce_scatter
+from .schedule_views import GatheredView
+
+__all__ = ["run", "AllGatherAttention"]
+
+
+def _local_plan(plan: RingPlan, device: torch.device) -> RingPlan:
+    return RingPlan(ring=LoopbackRing(1, 0, device), layout=GatheredView(plan.layout, plan.ring.world, plan.ring.rank),
+                    causal=plan.causal, scale=plan.scale, kernel=plan.kernel, codec=plan.codec, mask=plan.mask)
+
+
+class _Gatherer:
+    """Gathers K/V head pieces one ahead of use: ``get(i)`` returns piece i and starts piece i+1."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, pieces: list[slice], what: str) -> None:
+        self.k, self.v, self.plan, self.pieces, self.what = k, v, plan, pieces, what
+        self.inflight: dict[int, tuple[Pending, torch.Tensor, KVSpec]] = {}
+
+    def _start(self, i: int) -> None:
+        if i >= len(self.pieces) or i in self.inflight:
+            return
+        hs, codec, ring = self.pieces[i], self.plan.codec, self.plan.ring
+        k, v = self.k[:, hs], self.v[:, hs]
+        spec = KVSpec(tuple(k.shape), tuple(v.shape), k.dtype, k.device)
+        mine = codec.new_buffer(spec)
+        codec.encode(k, v, mine)
+        everyone = mine.new_empty(ring.world * mine.numel())
+        self.inflight[i] = (all_gather(everyone, mine, ring.group, _timeout(ring), self.what), everyone, spec)
+
+    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._start(i)
+        pending, everyone, spec = self.inflight.pop(i)
+        self._start(i + 1)  # next piece's gather overlaps this piece's compute
+        pending.wait()
+        me, hs = self.plan.ring.rank, self.pieces[i]
+        blocks = [(self.k[:, hs], self.v[:, hs]) if j == me else self.plan.codec.decode(chunk, spec)
+                  for j, chunk in enumerate(everyone.chunk(self.plan.ring.world))]  # own block as is, like p2p
+        return torch.cat([b[0] for b in blocks], dim=2), torch.cat([b[1] for b in blocks], dim=2)
+
+
+def _timeout(ring) -> float | None:
+    return None if ring.timeout is None else ring.timeout.total_seconds()
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """BHSD views in, q-shaped output; gradients shaped like the inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan, pieces: list[slice]):
+        g = q.shape[1] // k.shape[1]
+        local = _local_plan(plan, q.device)
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        kv = _Gatherer(k, v, plan, pieces, "all_gather of K/V (forward)")
+        for i, hs in enumerate(pieces):
+            qs = slice(hs.start * g, hs.stop * g)
+            k_all, v_all = kv.get(i)
+            acc, lse_part = ring_forward(q[:, qs], k_all, v_all, local)
+            out[:, qs].copy_(acc)
+            lse[:, qs].copy_(lse_part)
+            del acc, lse_part, k_all, v_all
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.pieces = plan, pieces
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, pieces = ctx.plan, ctx.pieces
+        world, g, s = plan.ring.world, q.shape[1] // k.shape[1], q.shape[2]
+        local = _local_plan(plan, q.device)
+        dq, dk, dv = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
+        kv = _Gatherer(k, v, plan, pieces, "all_gather of K/V (backward)")
+        scatters: list[tuple[Pending, torch.Tensor, slice]] = []
+        for i, hs in enumerate(pieces):
+            qs = slice(hs.start * g, hs.stop * g)
+            k_all, v_all = kv.get(i)
+            dq_p, dk_all, dv_all = ring_backward(dout[:, qs], q[:, qs], k_all, v_all, out[:, qs],
+                                                 lse[:, qs], local)
+            dq[:, qs].copy_(dq_p)
+            b, hk, _, d = dk_all.shape
+            # rank-major [P, (dK_j, dV_j)] fp32 so that chunk j of the reduce-scatter goes to rank j
+            send = dk_all.new_empty(world, 2, b, hk, s, d)
+            send[:, 0].copy_(dk_all.reshape(b, hk, world, s, d).permute(2, 0, 1, 3, 4))
+            send[:, 1].copy_(dv_all.reshape(b, hk, world, s, d).permute(2, 0, 1, 3, 4))
+            del dq_p, dk_all, dv_all, k_all, v_all
+            mine = send.new_empty(2, b, hk, s, d)
+            scatters.append((reduce_scatter(mine.view(-1), send.view(-1), plan.ring.group, _timeout(plan.ring),
+                                            "reduce-scatter of dK/dV"), mine, hs))
+            if len(scatters) > 1:  # the previous piece's reduce-scatter ran during this piece's compute
+                _land(scatters.pop(0), dk, dv)
+        for item in scatters:
+            _land(item, dk, dv)
+        return dq, dk, dv, None, None
+
+
+def _land(item, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    pending, mine, hs = item
+    pending.wait()
+    dk[:, hs].copy_(mine[0])
+    dv[:, hs].copy_(mine[1])
+
+
+def pieces_for(h_kv: int, head_chunks: int) -> list[slice]:
+    """``head_chunks`` > 1: that many pieces; default: 2 pieces when there are 2+ K/V heads (overlap)."""
+    return head_groups(h_kv, head_chunks if head_chunks > 1 else 2)
+
+
+def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
+        hierarchical_groups=None) -> torch.Tensor:
+    return AllGatherAttention.apply(qh, kh, vh, plan, pieces_for(kh.shape[1], head_chunks))

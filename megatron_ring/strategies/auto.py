@@ -1,0 +1,183 @@
+"""``comm_type="auto"``: the cheapest comm type by the cost model, chosen once per call signature.
+
+Machine numbers (F, B, latency) come from, in order: environment variables (production clusters:
+``MEGATRON_RING_FLOPS``, ``MEGATRON_RING_BWD_FLOPS``, ``MEGATRON_RING_BANDWIDTH``,
+``MEGATRON_RING_INTER_BANDWIDTH``, ``MEGATRON_RING_LATENCY_S``, ``MEGATRON_RING_CALL_OVERHEAD_S``,
+``MEGATRON_RING_GPUS_PER_NODE``, ``MEGATRON_RING_OVERLAP``), or
+:func:`set_machine`, or a short probe run once per (group, device type): the kernel's forward and
+backward rate on one block and a ring exchange of a small and a large message (bandwidth measured on
+the outer group too when hierarchical groups are given). Every rank must choose the same type (else the
+ranks would run different collectives and hang), so the numbers are agreed before use: rates are
+all-reduced with MIN and the latency with MAX over the group, and the choice depends only on them and on
+the call's shapes (which the consistency check has already made equal).
+
+The choice and the predicted costs of every candidate are logged once per signature at INFO level on
+logger ``megatron_ring``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..codec import KVSpec
+from ..comm import Ring
+from ..engine import RingPlan
+from .cost_model import Machine, Problem, predict_all
+
+__all__ = ["choose", "set_machine", "machine_for", "probe_machine"]
+
+log = logging.getLogger("megatron_ring")
+
+_machines: dict[tuple, Machine] = {}
+_choices: dict[tuple, str] = {}
+_ENV = {"flops": "MEGATRON_RING_FLOPS", "bwd_flops": "MEGATRON_RING_BWD_FLOPS",
+        "bw_intra": "MEGATRON_RING_BANDWIDTH", "bw_inter": "MEGATRON_RING_INTER_BANDWIDTH",
+        "latency": "MEGATRON_RING_LATENCY_S", "call_overhead": "MEGATRON_RING_CALL_OVERHEAD_S"}
+
+
+def set_machine(machine: Machine | None, group: Any = None, device_type: str | None = None) -> None:
+    """Use ``machine`` for ``auto`` (all groups/devices if not given); None forgets every setting and choice."""
+    if machine is None:
+        _machines.clear()
+        _choices.clear()
+        return
+    _machines[(id(group) if group is not None else None, device_type)] = machine
+
+
+def _time(fn, reps: int = 5) -> float:
+    """Median of ``reps`` timed calls after one warm-up (a median, not a minimum: on a busy machine the
+    real calls see the same contention as the typical probe call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _kernel_times(kern, device, dtype, h: int, s: int, d: int) -> tuple[float, float]:
+    q, k, v = (torch.randn(1, h, s, d, device=device, dtype=dtype) for _ in range(3))
+    o, lse = kern.forward(q, k, v, False, d ** -0.5)
+
+    def fwd():
+        kern.forward(q, k, v, False, d ** -0.5)
+        _sync(device)
+
+    def bwd():
+        kern.backward(o, q, k, v, o, lse, False, d ** -0.5)
+        _sync(device)
+    return _time(fwd), _time(bwd)
+
+
+def probe_machine(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer: Any = None, heads: int = 4,
+                  head_dim: int = 64, block: int = 256) -> dict[str, float]:
+    """This rank's measured numbers (not yet agreed across ranks): flops, bwd_flops, call_overhead,
+    bw_intra, bw_inter, latency. The kernel is timed at the call's head count/dim and a block of the
+    call's chunk size (capped), and on a tiny block for the per-task overhead."""
+    kern = plan.kernel
+    tf0, tb0 = _kernel_times(kern, device, dtype, heads, 8, head_dim)  # ~pure overhead
+    tf, tb = _kernel_times(kern, device, dtype, heads, block, head_dim)
+    flop = 4 * heads * block * block * head_dim
+    out = {"flops": flop / max(tf - tf0, 1e-9), "bwd_flops": 2.5 * flop / max(tb - tb0, 1e-9),
+           "call_overhead": tf0}
+
+    def link(ring: Ring, nbytes: int) -> float:
+        send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+        dist.barrier(group=ring.group)
+
+        def go():
+            ring.exchange(send, recv, "fwd_kv", 0).wait()
+            _sync(device)
+        return _time(go)
+    small, large = 1 << 10, 1 << 22
+    ring = Ring(plan.ring.group, device, None)  # its own byte counters: the caller's stay clean
+    t_small, t_large = link(ring, small), link(ring, large)
+    # B from the large message alone (its latency share is small; a difference of two noisy times is not)
+    out["latency"] = t_small
+    out["bw_intra"] = out["bw_inter"] = large / t_large
+    if outer is not None:
+        oring = Ring(outer, device, None)
+        if oring.world > 1:
+            out["bw_inter"] = large / link(oring, large)
+    return out
+
+
+def _probe_block(local_len: int) -> int:
+    """Probe block size: the chunk a task typically covers (half the local length), within [64, 1024]."""
+    return max(64, min(1024, local_len // 2))
+
+
+def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer: Any = None, heads: int = 4,
+                head_dim: int = 64, local_len: int = 512) -> Machine:
+    """The agreed :class:`Machine` for this group, device and kernel shape (probed once, then cached)."""
+    group = plan.ring.group
+    for key in ((id(group), device.type), (id(group), None), (None, device.type), (None, None)):
+        if key in _machines:
+            return _machines[key]
+    block = _probe_block(local_len)
+    key = (id(group), device.type, id(outer), dtype, min(heads, 8), head_dim, block)
+    if key in _machines:
+        return _machines[key]
+    env = {name: float(os.environ[var]) for name, var in _ENV.items() if os.environ.get(var)}
+    numbers = env if len(env) == len(_ENV) else {
+        **probe_machine(plan, device, dtype, outer, min(heads, 8), head_dim, block), **env}
+    order = ["flops", "bwd_flops", "bw_intra", "bw_inter", "latency", "call_overhead"]
+    # agree: MIN of rates, MAX of times (as -MIN of -time) over the group
+    times = ("latency", "call_overhead")
+    vec = torch.tensor([-numbers[n] if n in times else numbers[n] for n in order], dtype=torch.float64,
+                       device=device)
+    dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)
+    agreed = {n: (-x if n in times else x) for n, x in zip(order, vec.tolist())}
+    gpn = os.environ.get("MEGATRON_RING_GPUS_PER_NODE")
+    overlap = os.environ.get("MEGATRON_RING_OVERLAP")  # CPU: transfers run on the compute cores
+    _machines[key] = Machine(flops=agreed["flops"], bwd_flops=agreed["bwd_flops"], bw_intra=agreed["bw_intra"],
+                             bw_inter=agreed["bw_inter"], latency=agreed["latency"],
+                             call_overhead=agreed["call_overhead"], gpus_per_node=int(gpn) if gpn else None,
+                             overlap=float(overlap) if overlap else (0.0 if device.type == "cpu" else 1.0))
+    return _machines[key]
+
+
+def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int) -> Problem:
+    b, h, s, d = qh.shape
+    world = plan.ring.world
+    hk = kh.shape[1]
+    spec = KVSpec((b, hk, s, d), (b, hk, s, d), kh.dtype, torch.device("meta"))
+    wire = plan.codec.wire_bytes(spec) / (2 * b * hk * s * d)
+    return Problem(batch=b, seq=s * world, heads=h, kv_heads=hk, head_dim=d, causal=plan.causal,
+                   layout=plan.layout.name, elem_bytes=qh.element_size(), wire_bytes=wire,
+                   pieces=head_chunks if head_chunks > 1 else 2)
+
+
+def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int, hierarchical_groups: Any) -> str:
+    """The comm type for this call (cached per signature and group); the same on every rank."""
+    inner = outer = None
+    if hierarchical_groups is not None:
+        inner_g, outer = hierarchical_groups
+        inner = dist.get_world_size(inner_g)
+    key = (tuple(qh.shape), tuple(kh.shape), qh.dtype, qh.device.type, plan.causal, plan.layout.name,
+           plan.codec.name, head_chunks, id(plan.ring.group), inner, id(outer))
+    if key in _choices:
+        return _choices[key]
+    machine = machine_for(plan, qh.device, qh.dtype, outer, qh.shape[1], qh.shape[3], qh.shape[2])
+    pb = _problem(qh, kh, plan, head_chunks)
+    rows = predict_all(pb, plan.ring.world, machine, inner)
+    _choices[key] = rows[0]["comm_type"]
+    log.info("megatron_ring auto comm_type: chose %s for S=%d b=%d h=%d h_kv=%d d=%d %s causal=%s wire=%s over %d "
+             "ranks%s; predicted fwd+bwd per call: %s (machine: F=%.3g flop/s, B=%.3g B/s, latency=%.3g s)",
+             _choices[key], pb.seq, pb.batch, pb.heads, pb.kv_heads, pb.head_dim, pb.layout, pb.causal,
+             plan.codec.name, plan.ring.world, f" (hierarchical {inner}x{plan.ring.world // inner})" if inner else "",
+             ", ".join(f"{r['comm_type']} {r['time_s'] * 1e3:.3g} ms" for r in rows),
+             machine.flops, machine.bw_intra, machine.latency)
+    return _choices[key]

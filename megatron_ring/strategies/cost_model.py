@@ -1,0 +1,292 @@
+"""Cost model: predicted forward+backward time, bytes and memory per rank for every comm type.
+
+Inputs are plain numbers, so the same model serves ``comm_type="auto"`` (with probed or configured
+machine numbers) and the planner CLI (``python -m megatron_ring.plan``).
+
+Machine (:class:`Machine`): ``flops`` = attention forward rate F (flop/s per rank), ``bwd_flops`` = its
+backward rate, ``bw_intra`` / ``bw_inter`` = link bandwidth B (bytes/s per rank, inside / across
+nodes), ``latency`` = seconds per message, ``call_overhead`` = seconds per block task, ``overlap`` =
+how much of a transfer hides under compute (1 on GPUs, whose copy engines/NICs work beside the SMs; 0
+on CPUs, where gloo's copies use the same cores), ``gpus_per_node``.
+
+Compute comes from the layout's own schedule: the area of every block task (rows x keys, half of a
+square for a causal task) for every (rank, source) pair, times ``4 b h d`` flops (QK^T and PV), divided
+by F; backward uses the backward rate. So causal skipping and the layout's balance are in the model.
+
+* ``p2p``: P steps; step t costs ``max(compute_t, transfer)`` where compute_t is the slowest rank's
+  work for its source at that step and transfer is one K/V block (``latency + bytes/B``); backward adds
+  the fp32 dK/dV block on the same link and one last exposed dK/dV hop. This is the seed rule: a step
+  hides its transfer when the chunk is long enough (C >= F/B per byte of K/V).
+* ``all_gather``: gather of P-1 K/V blocks (ring algorithm, P-1 messages), pipelined with the compute in
+  ``pieces`` head pieces (the first piece's gather is exposed); backward gathers again and
+  reduce-scatters fp32 dK/dV (P-1 messages of one block).
+* ``a2a``: all-to-all of Q, K/V (x e when K/V heads are replicated) and O forward, dO, dQ, dK/dV
+  backward: (P-1)/P of each tensor leaves the rank, P-1 messages each, not overlapped with compute;
+  compute is the whole sequence for h/P heads (perfectly balanced).
+* ``a2a+p2p``: inner all-to-all (size n) as ``a2a``, plus the ring of ``a2a`` super-blocks over the
+  outer group (size P/n) as ``p2p``.
+
+Links: traffic that stays inside a node moves at ``bw_intra``, traffic between nodes at ``bw_inter``
+(ranks ``gpus_per_node`` per node, consecutive): a ring spanning nodes runs at the inter-node rate; an
+all-to-all or all-gather is as slow as its inter-node share at the inter-node rate.
+
+Memory per rank per layer (bytes): the seed's ``12 C d`` generalised (:func:`activation_bytes`):
+``C dh ((2h + 2h_kv) e_c + 2 h_kv w)`` -- Q, O, K, V in the compute dtype (e_c bytes) plus one K/V
+block in flight in the wire dtype (w bytes); for MHA in bf16 that is exactly ``12 C d``. Each
+strategy adds its workspace (:func:`workspace_bytes`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..layouts import get_layout
+
+__all__ = ["Machine", "Problem", "predict", "predict_all", "pick", "activation_bytes", "workspace_bytes",
+           "candidate_types", "BWD_FLOP_FACTOR"]
+
+#: backward flops / forward flops of flash attention (5 matmuls with recompute vs 2)
+BWD_FLOP_FACTOR = 2.5
+
+
+@dataclass(frozen=True)
+class Machine:
+    flops: float  # forward attention flop/s per rank
+    bw_intra: float  # bytes/s per rank inside a node
+    latency: float = 20e-6  # seconds per message
+    bw_inter: float | None = None  # bytes/s per rank between nodes (None: = bw_intra)
+    gpus_per_node: int | None = None  # None: every rank on one node
+    bwd_flops: float | None = None  # backward flop/s (None: = flops)
+    call_overhead: float = 0.0  # seconds per block task (kernel launch, merge, slicing), forward
+    overlap: float = 1.0  # fraction of a transfer that can hide under compute (GPU: 1; CPU: 0, same cores)
+
+    def bw(self, span: int, stride: int = 1) -> float:
+        """Bandwidth of a collective over ``span`` ranks ``stride`` apart (consecutive global ranks)."""
+        gpn = self.gpus_per_node
+        crosses = gpn is not None and span * stride > gpn
+        return (self.bw_inter or self.bw_intra) if crosses else self.bw_intra
+
+
+@dataclass(frozen=True)
+class Problem:
+    batch: int
+    seq: int  # global sequence length S
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = True
+    layout: str = "zigzag"
+    elem_bytes: int = 2  # compute dtype
+    wire_bytes: float | None = None  # K/V bytes per element on the wire (None: elem_bytes)
+    pieces: int = 2  # all_gather head pieces
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def w(self) -> float:
+        return self.elem_bytes if self.wire_bytes is None else self.wire_bytes
+
+
+def _area(t, c: int) -> float:
+    rows = t.q.stop - t.q.start
+    cols = t.kv.stop - t.kv.start
+    return rows * (rows + 1) / 2 if t.causal else rows * cols
+
+
+def _pair_area(layout, causal: bool, world: int, rank: int, src: int, c: int) -> tuple[float, int]:
+    """(area, number of tasks) of (rank's queries, src's keys)."""
+    tasks = layout.block_tasks(causal, world, rank, src, c)
+    return sum(_area(t, c) for t in tasks), len(tasks)
+
+
+def _add(pairs) -> tuple[float, int]:
+    pairs = list(pairs)
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
+def _compute(m: "Machine", area: float, tasks: int, flop_per_area: float) -> tuple[float, float]:
+    """(fwd, bwd) seconds for ``tasks`` kernel calls covering ``area``."""
+    fb = m.bwd_flops or m.flops
+    return (area * flop_per_area / m.flops + tasks * m.call_overhead,
+            area * flop_per_area * BWD_FLOP_FACTOR / fb + 2 * tasks * m.call_overhead)
+
+
+def _both(m: "Machine", compute: float, transfer: float) -> float:
+    """Time of a compute and a transfer started together: max() when fully overlapped, sum when not."""
+    return compute + transfer - m.overlap * min(compute, transfer)
+
+
+def _xfer(nbytes: float, bw: float, lat: float, messages: int = 1) -> float:
+    return messages * lat + nbytes / bw if nbytes else 0.0
+
+
+def candidate_types(heads: int, world: int, inner: int | None) -> list[str]:
+    """Comm types that can run: a2a needs h % P == 0; a2a+p2p needs an inner size dividing h."""
+    out = ["p2p", "all_gather"]
+    if heads % world == 0:
+        out.append("a2a")
+    if inner and 1 < inner < world and world % inner == 0 and heads % inner == 0:
+        out.append("a2a+p2p")
+    return out
+
+
+def _kv_rep(h: int, h_kv: int, n: int) -> int:
+    g = h // h_kv
+    return next(e for e in range(1, g + 1) if g % e == 0 and (h_kv * e) % n == 0)
+
+
+def _ring(pb: Problem, m: Machine, world: int, flop_per_area: float, kv_bytes: float, dkv_bytes: float,
+          area_of, bw: float) -> tuple[float, float]:
+    """(fwd, bwd) seconds of a ring whose step t costs the slowest rank's ``area_of(rank, t)``."""
+    fwd = bwd = 0.0
+    for t in range(world):
+        cf, cb = max((_compute(m, *area_of(r, t), flop_per_area) for r in range(world)), key=lambda x: x[0])
+        last = t == world - 1
+        kv = 0.0 if last else _xfer(kv_bytes, bw, m.latency)
+        fwd += _both(m, cf, kv)
+        bwd += _both(m, cb, kv + (_xfer(dkv_bytes, bw, m.latency) if world > 1 else 0.0))
+    if world > 1:
+        bwd += _xfer(dkv_bytes, bw, m.latency)  # the last dK/dV hop home
+    return fwd, bwd
+
+
+def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | None = None) -> dict:
+    """Predicted seconds (fwd, bwd, total), bytes sent per rank and memory per rank for one layer."""
+    lay = get_layout(pb.layout)
+    b, h, hk, d, S = pb.batch, pb.heads, pb.kv_heads, pb.head_dim, pb.seq
+    c = S // world  # local chunk
+    q_bytes = b * h * c * d * pb.elem_bytes
+    kv_wire = 2 * b * hk * c * d * pb.w
+    kv_comp = 2 * b * hk * c * d * pb.elem_bytes
+    dkv32 = 2 * b * hk * c * d * 4
+    fpa = 4 * b * h * d  # flops per unit of (query, key) area, all heads
+    if comm_type == "p2p":
+        fwd, bwd = _ring(pb, m, world, fpa, kv_wire, dkv32,
+                         lambda r, t: _pair_area(lay, pb.causal, world, r, (r - t) % world, c), m.bw(world))
+        sent = (world - 1) * kv_wire + world * dkv32 * (world > 1) + (world - 1) * kv_wire
+    elif comm_type == "all_gather":
+        n = max(1, min(pb.pieces, hk))
+        cf, cb = max((_compute(m, *_add(_pair_area(lay, pb.causal, world, r, j, c) for j in range(world)), fpa)
+                      for r in range(world)), key=lambda x: x[0])
+        cf, cb = cf + (n - 1) * _compute(m, 0, world, fpa)[0], cb + (n - 1) * _compute(m, 0, world, fpa)[1]
+        bw = m.bw(world)
+        gather = _xfer((world - 1) * kv_wire, bw, m.latency, world - 1)
+        rs = _xfer((world - 1) * dkv32, bw, m.latency, world - 1)
+        fwd = gather / n + (n - 1) * _both(m, cf / n, gather / n) + cf / n
+        bwd = gather / n + (n - 1) * _both(m, cb / n, (gather + rs) / n) + _both(m, cb / n, rs / n) + rs / n
+        sent = 2 * (world - 1) * kv_wire + (world - 1) * dkv32
+    elif comm_type in ("a2a", "a2a+p2p"):
+        n = world if comm_type == "a2a" else inner
+        if not n or world % n or h % n:
+            raise ValueError(f"{comm_type} cannot run with P={world}, inner={inner}, h={h}")
+        outer = world // n
+        e = _kv_rep(h, hk, n)
+        frac = (n - 1) / n
+        bw = m.bw(n)
+        a2a = lambda nbytes: _xfer(frac * nbytes, bw, m.latency, n - 1)  # noqa: E731
+        kv_a2a_bytes = e * (kv_wire if comm_type == "a2a" else kv_comp)
+        dkv_a2a_bytes = e * (dkv32 if e > 1 else kv_comp)
+        fwd_comm = a2a(q_bytes) + a2a(kv_a2a_bytes) + a2a(q_bytes)
+        bwd_comm = a2a(q_bytes) + a2a(q_bytes) + a2a(dkv_a2a_bytes)
+        grouped = _GroupedAreas(lay, pb.causal, world, n, c)
+        # after the a2a every rank holds h/n heads of n shards: its ring step t covers the super-blocks
+        ring_f, ring_b = _ring(pb, m, outer, fpa / n, e * kv_wire, e * dkv32,
+                               lambda o, t: grouped(o, (o - t) % outer), m.bw(outer, stride=n))
+        fwd, bwd = fwd_comm + ring_f, bwd_comm + ring_b
+        sent = frac * (4 * q_bytes + kv_a2a_bytes + dkv_a2a_bytes)
+        if outer > 1:
+            sent += 2 * (outer - 1) * e * kv_wire + outer * e * dkv32
+    else:
+        raise ValueError(f"unknown comm type {comm_type!r}")
+    return {"comm_type": comm_type, "fwd_s": fwd, "bwd_s": bwd, "time_s": fwd + bwd, "bytes_per_rank": sent,
+            "activation_bytes": activation_bytes(pb, world),
+            "workspace_bytes": workspace_bytes(comm_type, pb, world, inner)}
+
+
+class _GroupedAreas:
+    """Area of super-block pairs (outer rank o, outer source j) of ``n`` base shards each; cached."""
+
+    def __init__(self, lay, causal: bool, world: int, n: int, c: int) -> None:
+        self.lay, self.causal, self.world, self.n, self.c = lay, causal, world, n, c
+        self.cache: dict[tuple[int, int], float] = {}
+
+    def __call__(self, o: int, j: int) -> float:
+        if (o, j) not in self.cache:
+            n = self.n
+            self.cache[(o, j)] = _add(_pair_area(self.lay, self.causal, self.world, o * n + a, j * n + bb, self.c)
+                                      for a in range(n) for bb in range(n))
+        return self.cache[(o, j)]
+
+
+def activation_bytes(pb: Problem, world: int) -> float:
+    """Per rank per layer: Q, O, K, V (compute dtype) + one K/V block in flight (wire): 12 C d for MHA bf16."""
+    c = pb.seq // world
+    return c * pb.head_dim * ((2 * pb.heads + 2 * pb.kv_heads) * pb.elem_bytes + 2 * pb.kv_heads * pb.w)
+
+
+def workspace_bytes(comm_type: str, pb: Problem, world: int, inner: int | None = None) -> float:
+    """Transient per-rank bytes at the backward peak beyond :func:`activation_bytes` (one layer at a time)."""
+    c, d, h, hk = pb.seq // world, pb.head_dim, pb.heads, pb.kv_heads
+    kv_w, kv_c = 2 * c * hk * d * pb.w * pb.batch, 2 * c * hk * d * pb.elem_bytes * pb.batch
+    dkv32, acc32 = 2 * c * hk * d * 4 * pb.batch, c * h * d * 4 * pb.batch
+    if comm_type == "p2p":
+        return kv_w + 2 * dkv32 + acc32  # second wire buffer, two dK/dV accumulators, fp32 dQ
+    if comm_type == "all_gather":
+        n = max(1, min(pb.pieces, hk))
+        return (2 * world * kv_w + world * kv_c + 2 * world * dkv32) / n + acc32
+    if comm_type in ("a2a", "a2a+p2p"):
+        n = world if comm_type == "a2a" else inner
+        e = _kv_rep(h, hk, n)
+        copies = 2 * c * h * d * pb.elem_bytes * pb.batch + e * kv_c  # head-sharded Q, O and K/V kept for bwd
+        return copies + e * (kv_w + 2 * dkv32) + acc32
+    raise ValueError(comm_type)
+
+
+#: tie-break among predictions within TIE of the best: the simpler exchange first
+PREFERENCE = ("p2p", "all_gather", "a2a", "a2a+p2p")
+TIE = 0.03
+
+
+def predict_all(pb: Problem, world: int, m: Machine, inner: int | None = None) -> list[dict]:
+    """Predictions for every comm type that can run; the first is the pick (:func:`pick`), then cheapest first."""
+    rows = sorted((predict(t, pb, world, m, inner) for t in candidate_types(pb.heads, world, inner)),
+                  key=lambda r: (r["time_s"], PREFERENCE.index(r["comm_type"])))
+    best = pick(rows)
+    return [best] + [r for r in rows if r is not best]
+
+
+def pick(rows: list[dict]) -> dict:
+    """The cheapest prediction, except that a simpler type (``PREFERENCE``) predicted within ``TIE``
+    (3%) of it wins: the model cannot rank near-ties, and the simpler exchange has fewer moving parts."""
+    fastest = min(r["time_s"] for r in rows)
+    close = [r for r in rows if r["time_s"] <= fastest * (1 + TIE)]
+    return min(close, key=lambda r: PREFERENCE.index(r["comm_type"]))
+
+
+def fits(pb: Problem, world: int, layers: int, comm_type: str, memory: float, reserved: float = 0.0,
+         inner: int | None = None) -> bool:
+    return layers * activation_bytes(pb, world) + workspace_bytes(comm_type, pb, world, inner) + reserved <= memory
+
+
+def smallest_cp(pb: Problem, layers: int, memory: float, reserved: float = 0.0, max_cp: int = 4096,
+                comm_type: str = "p2p") -> int | None:
+    """The smallest power-of-two CP size whose per-rank attention memory fits in ``memory`` bytes."""
+    p = 1
+    need = get_layout(pb.layout).local_multiple()
+    while p <= max_cp:
+        if pb.seq % (p * need) == 0 and fits(pb, p, layers, comm_type, memory, reserved):
+            return p
+        p *= 2
+    return None
+
+
+def wire_bytes_per_elem(comm_dtype: str | None, elem_bytes: int, head_dim: int, group_tokens: int = 64) -> float:
+    """K/V wire bytes per element: fp8 is 1 byte plus one fp32 scale per ``group_tokens`` tokens x head."""
+    if comm_dtype in (None, "none"):
+        return float(elem_bytes)
+    if comm_dtype in ("bf16", "fp16"):
+        return 2.0
+    if comm_dtype in ("fp32",):
+        return 4.0
+    if comm_dtype.startswith("fp8"):
+        return 1.0 + 4.0 / (group_tokens * head_dim)
+    raise ValueError(comm_dtype)
+

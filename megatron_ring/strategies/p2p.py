@@ -1,0 +1,13 @@
+"""``p2p``: the ring (the engine itself). K/V blocks travel rank to rank, overlapped with compute."""
+from __future__ import annotations
+
+import torch
+
+from ..engine import RingAttentionFunction, RingPlan, head_groups
+
+__all__ = ["run"]
+
+
+def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
+        hierarchical_groups=None) -> torch.Tensor:
+    return RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))

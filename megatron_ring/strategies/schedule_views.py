@@ -1,0 +1,102 @@
+"""Schedule views: the layout's block tasks re-addressed for strategies that hold several shards at once.
+
+Every strategy consumes the SAME schedule as the ring: ``layout.block_tasks(causal, P, rank, src, s)``
+says which (query rows, key rows) sub-blocks of (rank's queries, src's keys) are visible. A strategy
+that holds more than one shard in one tensor (gathered K/V, or the head-sharded full sequence of
+Ulysses) only needs those tasks shifted to where the shards sit in its tensors. The views below do
+exactly that and nothing else, so the ring engine (``engine.ring_forward``/``ring_backward``) runs them
+unchanged, and whatever the layout puts into a task (a mask, a window, document bounds) is carried over
+by ``dataclasses.replace`` untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..layouts import BlockTask, Layout
+from ..masks import schedule
+
+__all__ = ["GatheredView", "GroupedView"]
+
+
+def _shift(sl: slice, by: int) -> slice:
+    return slice(sl.start + by, sl.stop + by)
+
+
+def _moved(task: BlockTask, q_off: int, kv_off: int) -> BlockTask:
+    return dataclasses.replace(task, q=_shift(task.q, q_off), kv=_shift(task.kv, kv_off))
+
+
+class _View(Layout):
+    """A Layout-shaped object the engine consumes; ``positions`` etc. are the base layout's."""
+
+    def __init__(self, base: Layout) -> None:
+        self.base = base
+        self.name = f"{type(self).__name__}({base.name})"  # subclasses add their shape
+
+    def positions(self, seq_len: int, world: int, rank: int) -> torch.Tensor:
+        return self.base.positions(seq_len, world, rank)
+
+    def local_multiple(self) -> int:
+        return self.base.local_multiple()
+
+    def causal_tasks(self, world, rank, src, s):  # pragma: no cover - block_tasks is overridden
+        raise NotImplementedError
+
+
+class GatheredView(_View):
+    """Queries: this rank's shard (``s`` rows). Keys: all ``world`` shards concatenated (src-major).
+
+    Used with a world-size-1 plan: ``block_tasks(causal, 1, 0, 0, s)`` lists, for every source shard,
+    the base tasks (rank, src) with key rows moved to ``src * s``. Sources this rank cannot see under
+    the mask contribute no task (not computed).
+    """
+
+    def __init__(self, base: Layout, world: int, rank: int) -> None:
+        super().__init__(base)
+        self.world, self.rank = world, rank
+        self.name = f"GatheredView({base.name},{world},{rank})"
+
+    def block_tasks(self, causal, world, rank, src, s):
+        assert world == 1, "GatheredView is consumed by a world-size-1 plan"
+        return tuple(_moved(t, 0, j * s) for j in range(self.world)
+                     for t in self.base.block_tasks(causal, self.world, self.rank, j, s))
+
+    def masked_tasks(self, rule, world, rank, src, s):
+        """Documents / windows: the base layout's masked schedule (:func:`..masks.schedule`), moved alike."""
+        assert world == 1, "GatheredView is consumed by a world-size-1 plan"
+        return tuple(_moved(t, 0, j * s) for j in range(self.world)
+                     for t in schedule(self.base, rule, self.world, self.rank, j, s))
+
+
+class GroupedView(_View):
+    """Super-blocks of ``inner`` consecutive shards (Ulysses' head-sharded sequence, a2a+p2p's outer ring).
+
+    Outer rank ``o`` holds shards ``o*inner .. o*inner+inner-1`` (global ranks of the base layout) one
+    after another; ``block_tasks(causal, outer_world, o, o_src, inner*s)`` is the union over
+    (query shard, key shard) pairs of the base tasks, each moved to its shard's offsets.
+    """
+
+    def __init__(self, base: Layout, inner: int) -> None:
+        super().__init__(base)
+        self.inner = inner
+        self.name = f"GroupedView({base.name},{inner})"
+
+    def block_tasks(self, causal, world, rank, src, s):
+        n = self.inner
+        if s % n:
+            raise ValueError(f"super-block of {s} rows is not {n} shards")
+        c = s // n
+        total = world * n
+        return tuple(_moved(t, i * c, j * c)
+                     for i in range(n) for j in range(n)
+                     for t in self.base.block_tasks(causal, total, rank * n + i, src * n + j, c))
+
+    def masked_tasks(self, rule, world, rank, src, s):
+        """Documents / windows: the base layout's masked schedule (:func:`..masks.schedule`), moved alike."""
+        n = self.inner
+        c = s // n
+        return tuple(_moved(t, i * c, j * c)
+                     for i in range(n) for j in range(n)
+                     for t in schedule(self.base, rule, world * n, rank * n + i, src * n + j, c))

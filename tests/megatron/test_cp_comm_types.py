@@ -1,0 +1,65 @@
+"""Every ``--cp-comm-type`` (and a mixed per-layer list) inside Megatron-Core matches Megatron's CP = 1.
+
+Same model, reference and tolerances as test_cp_equivalence (GQA 4 heads / 2 groups, RoPE, zigzag,
+fp32; loss |diff| <= 2e-5, gradients rtol 1e-4 / atol 1e-6), 2 steps each. CP = 2: p2p, all_gather,
+a2a, auto, and the per-layer list [a2a, all_gather]. CP = 4 (h_kv = 2 < 4: a2a replicates K/V heads):
+a2a, a2a+p2p over hierarchical sizes 2 x 2, auto with those groups, and the list [a2a+p2p, p2p].
+"""
+from __future__ import annotations
+
+import pytest
+
+import strategy_workers as SW
+from conftest import reference
+from test_cp_equivalence import GRAD_TOL, LOSS_ATOL, STEPS
+
+import megatron_workers as W
+import torch
+
+CASES = {
+    2: [("p2p", "p2p", None), ("all_gather", "all_gather", None), ("a2a", "a2a", None), ("auto", "auto", None),
+        ("mixed", ["a2a", "all_gather"], None)],
+    4: [("a2a", "a2a", None), ("a2a+p2p", "a2a+p2p", (2, 2)), ("auto", "auto", (2, 2)),
+        ("mixed", ["a2a+p2p", "p2p"], (2, 2))],
+}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_comm_type_matches_megatron_cp1(run, cp):
+    ref = reference(STEPS, 1)
+    res = run(SW.comm_type_worker, cp, W.MODEL, cp, CASES[cp], STEPS)
+    for label, _, _ in CASES[cp]:
+        got = res[0][label]
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= LOSS_ATOL, f"{label}: step {step} loss {a} vs reference {b}"
+        for r in res[1:]:
+            assert r[label]["losses"] == pytest.approx(got["losses"], abs=1e-6)
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, **GRAD_TOL, msg=lambda m: f"{label} {name}: {m}")
+
+
+def test_a2a_p2p_needs_hierarchical_sizes():
+    from megatron_ring.megatron import ContextParallelConfigError, RingConfig
+
+    for sizes in (None, (4,), (2, 2, 2)):
+        with pytest.raises(ContextParallelConfigError, match="--hierarchical-context-parallel-sizes"):
+            RingConfig(context_parallel_size=8 if sizes == (2, 2, 2) else 4, cp_comm_type=["p2p", "a2a+p2p"],
+                       hierarchical_context_parallel_sizes=sizes)
+
+
+def test_per_layer_types_follow_megatron_convention():
+    from megatron_ring.megatron import ContextParallelConfigError, RingConfig
+    from megatron_ring.megatron.comm_types import layer_comm_type
+
+    ring = RingConfig(context_parallel_size=2, cp_comm_type=["a2a", "all_gather", "auto"])
+    assert [ring.comm_type_for_layer(i) for i in (1, 2, 3)] == ["a2a", "all_gather", "auto"]
+
+    class Cfg:
+        cp_comm_type = None
+    assert layer_comm_type(Cfg, 2, None, ring) == "all_gather"
+    Cfg.cp_comm_type = ["p2p", "a2a", "auto"]
+    assert layer_comm_type(Cfg, 3, None, None) == "auto"  # list index = layer number - 1
+    with pytest.raises(ContextParallelConfigError, match="--cp-comm-type"):
+        layer_comm_type(Cfg, 1, None, ring)  # model config and ring config disagree
+    with pytest.raises(ContextParallelConfigError, match="--cp-comm-type"):
+        RingConfig(context_parallel_size=2, cp_comm_type="ulysses")

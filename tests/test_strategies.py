@@ -1,0 +1,148 @@
+"""Every comm type vs an independent float64 full-sequence reference: outputs AND dq/dk/dv.
+
+One set of P gloo processes per P runs the whole matrix for every comm type the size allows:
+layouts x causal x heads (MHA, GQA, MQA; for a2a also h_kv < P and h_kv % P != 0, where K/V heads are
+replicated) x fp32/bf16. a2a+p2p runs at P=4 (2x2) and P=8 (2x4, 4x2) over hierarchical groups built
+the Megatron way (inner = consecutive ranks). Tolerance as in test_ring_attention: at most FACTOR x the
+error of one-process SDPA in the same dtype plus a small floor (the ring test's case runner and bounds).
+"""
+import itertools
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from megatron_ring import ring_attention, shard_sequence
+from megatron_ring.strategies import make_hierarchical_groups
+from reference import attention_reference, outputs_and_grads
+from test_ring_attention import FACTOR, FLOOR, _case_errors
+
+
+
+def _heads(world):
+    """(h, h_kv, d, fmt): MHA, GQA, MQA, and h_kv < P / h_kv % P != 0 where P > 1."""
+    base = [(2 * world, 2 * world, 16, "bshd"), (2 * world, world, 16, "sbhd"), (world, 1, 16, "bshd")]
+    if world > 2:
+        base.append((2 * world, 2, 16, "sbhd"))  # h_kv < P: a2a replicates K/V heads
+    if world == 3:
+        base.append((6, 2, 16, "bshd"))  # h_kv % P != 0 with h_kv < P, h/P not a multiple of h/h_kv
+    return base
+
+
+def hierarchical(world, inner):
+    """Megatron's convention: inner = consecutive ranks, outer = same inner index (every rank builds all)."""
+    return make_hierarchical_groups(inner)
+
+
+def _types(world):
+    types = [("p2p", None), ("all_gather", None), ("a2a", None), ("auto", None)]
+    splits = {4: [2], 8: [2, 4]}.get(world, [])
+    return types + [("a2a+p2p", inner) for inner in splits]
+
+
+def _matrix_worker(rank, world):
+    results = []
+    hier = {inner: hierarchical(world, inner) for _, inner in _types(world) if inner}
+    cases = itertools.product(_types(world), ("contiguous", "zigzag", "striped"), (False, True), _heads(world),
+                              (torch.float32, torch.bfloat16))
+    for i, ((ct, inner), layout, causal, heads, dtype) in enumerate(cases):
+        if ct == "a2a" and heads[0] % world:
+            continue
+        if world == 8 and (layout, dtype) != ("zigzag", torch.float32) and ct not in ("a2a+p2p",):
+            continue  # P=8: the full matrix for a2a+p2p, one layout/dtype for the others (time)
+        label = f"{ct}{'/' + str(inner) + 'x' + str(world // inner) if inner else ''}"
+        for name, err, sdpa_err in _case_errors(world, layout, causal, heads, dtype, 100 + i, comm_type=ct,
+                                                hierarchical_groups=hier.get(inner)):
+            results.append((label, layout, causal, heads, str(dtype), name, err, sdpa_err))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_every_comm_type_matches_full_attention(world):
+    per_rank = run_distributed(_matrix_worker, world, timeout=600)
+    failures, seen = [], set()
+    for rows in per_rank:
+        for label, layout, causal, heads, dtype, name, err, sdpa_err in rows:
+            seen.add(label)
+            bound = FACTOR * sdpa_err + FLOOR[getattr(torch, dtype.split(".")[1])]
+            if not err <= bound:
+                failures.append(f"{label} {layout} causal={causal} heads={heads} {dtype} {name}: "
+                                f"{err:.3g} > bound {bound:.3g} (sdpa {sdpa_err:.3g})")
+    assert not failures, "\n".join(failures[:20])
+    want = {"p2p", "all_gather", "a2a", "auto"} | ({"a2a+p2p/2x2"} if world == 4 else set()) | (
+        {"a2a+p2p/2x4", "a2a+p2p/4x2"} if world == 8 else set())
+    assert want <= seen, sorted(seen)
+
+
+def _wire_worker(rank, world):
+    """Wire codecs on every type: all_gather quantises exactly the blocks p2p does (same per-head,
+    per-64-token scales; own block as is), so its outputs/gradients equal p2p's. a2a (a rank's own shard is
+    exact, but it computes every query shard) and a2a+p2p (super-blocks quantised on the outer ring)
+    are compared by their error against float64."""
+    hier = hierarchical(world, 2)
+    out = []
+    for wire in ("bf16", "fp8"):
+        g = torch.Generator().manual_seed(3)
+        b, s, h, h_kv, d = 1, 64, 4, 2, 16
+        q, k, v, dout = (torch.randn(b, s * world, n, d, generator=g) for n in (h, h_kv, h_kv, h))
+        ref = outputs_and_grads(lambda *t: attention_reference(*t, True), q.double(), k.double(), v.double(),
+                                dout.double())
+        local = [shard_sequence(t, 1, layout="zigzag") for t in (q, k, v, dout)]
+        res = {}
+        for ct in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+            res[ct] = outputs_and_grads(lambda *t: ring_attention(*t, causal=True, comm_dtype=wire, comm_type=ct,
+                                                                  hierarchical_groups=hier), *local)
+        for ct in ("all_gather",):
+            out.append((wire, ct, "vs p2p", max((x - y).abs().max().item() for x, y in zip(res[ct], res["p2p"]))))
+        for ct in ("p2p", "a2a", "a2a+p2p"):
+            out.append((wire, ct, "vs ref", max((x.double() - shard_sequence(r, 1, layout="zigzag")).abs().max().item()
+                                                for x, r in zip(res[ct], ref))))
+    return out
+
+
+def test_wire_codecs_apply_to_every_type():
+    rows = run_distributed(_wire_worker, 4, timeout=300)[0]
+    err = {(w, ct, what): e for w, ct, what, e in rows}
+    for wire in ("bf16", "fp8"):
+        assert err[(wire, "all_gather", "vs p2p")] < 1e-5, err
+        assert err[(wire, "p2p", "vs ref")] > 1e-4  # the wire format is really lossy (the test can fail)
+        for ct in ("a2a", "a2a+p2p"):
+            assert err[(wire, ct, "vs ref")] <= 1.5 * err[(wire, "p2p", "vs ref")], err
+
+
+def _bad_input_worker(rank, world):
+    """Each misuse must raise the same clear error on every rank (bounded: no hang)."""
+    hier = hierarchical(world, 2)
+    strided = make_hierarchical_groups(2)[::-1]  # (outer, inner): not built the Megatron way for a2a+p2p
+    q = torch.randn(1, 4, 6, 8)
+    kv = torch.randn(1, 4, 2, 8)
+    msgs = {}
+    cases = {
+        "a2a heads": lambda: ring_attention(q, kv, kv, comm_type="a2a"),  # 6 heads over 4 ranks
+        "a2a+p2p missing": lambda: ring_attention(q, kv, kv, comm_type="a2a+p2p"),
+        "a2a+p2p swapped": lambda: ring_attention(q, kv, kv, comm_type="a2a+p2p", hierarchical_groups=strided),
+        "a2a+p2p one group": lambda: ring_attention(q, kv, kv, comm_type="a2a+p2p", hierarchical_groups=hier[:1]),
+        "unknown": lambda: ring_attention(q, kv, kv, comm_type="ulysses"),
+        # a fresh shape: the consistency check runs once per new signature
+        "differs": lambda: ring_attention(q[:, :2], kv[:, :2], kv[:, :2], comm_type="all_gather" if rank == 1 else "p2p"),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            msgs[name] = "no error"
+        except ValueError as exc:
+            msgs[name] = str(exc)
+    return msgs
+
+
+def test_bad_strategy_input_fails_on_every_rank():
+    per_rank = run_distributed(_bad_input_worker, 4, timeout=120)
+    want = {"a2a heads": "not divisible", "a2a+p2p missing": "hierarchical_groups=(inner, outer)",
+            "a2a+p2p swapped": "not built the Megatron way", "a2a+p2p one group": "pair (inner, outer)",
+            "unknown": "unknown comm_type", "differs": "comm_type"}
+    for rank, msgs in enumerate(per_rank):
+        for name, text in want.items():
+            assert msgs[name] != "no error", (rank, name)
+            if name in ("a2a+p2p swapped",) and "see their error" in msgs[name]:
+                continue  # ranks whose own groups happen to pass name the failing ranks instead
+            assert text in msgs[name], (rank, name, msgs[name])
