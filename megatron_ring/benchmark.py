@@ -265,7 +265,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per spawned run")
     ap.add_argument("--json", help="write the rows to this JSON file")
     ap.add_argument("--plot", help="write a PNG of time and memory per rank against P")
+    ap.add_argument("--gpu-row", action="store_true", help="CUDA: each rank's ring schedule on one GPU vs "
+                                                          "one-GPU SDPA (megatron_ring.gpu_benchmark)")
     a = ap.parse_args(argv)
+    if a.gpu_row:
+        import torch  # noqa: PLC0415
+
+        from .gpu_benchmark import gpu_row  # noqa: PLC0415
+        rows = [gpu_row(p, a.seq, a.heads, a.kv_heads or a.heads, a.head_dim, getattr(torch, DTYPES[a.dtype]),
+                        a.layout, a.causal, a.iters) for p in a.world_sizes]
+        print(json.dumps(rows, indent=2))
+        return rows
     cfg = dict(world_sizes=a.world_sizes, seq=a.seq, batch=a.batch, heads=a.heads,
                kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, dtype=a.dtype, layout=a.layout,
                causal=a.causal, comm_dtypes=a.comm_dtype, head_chunks_list=a.head_chunks, iters=a.iters,
