@@ -69,7 +69,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             ``[t_local, h_kv, d]``, this rank's share of ONE packed stream of T tokens split by ``layout``
             like a sequence, e.g. ``shard_sequence(x, dim=0, layout=...)``).
         comm_dtype: wire dtype for K/V (None sends them as they are).
-        kernel: local block kernel: "auto", "flash_cpu", "math", "sdpa_cuda", "flash_attn".
+        kernel: local block kernel: "auto", "flash_cpu", "math", "sdpa_cuda", "flash_attn", "flash_cuda",
+            "cudnn", "te_fused" (``auto``: the fastest one that supports the case).
         check_consistency: verify (once per new shape signature) that every rank passes the same
             shapes/dtypes/options, raising on every rank otherwise.
         timeout_s: seconds to wait for a ring peer before raising RingPeerError naming it (default:

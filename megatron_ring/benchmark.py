@@ -276,7 +276,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--window", action="store_true", help="sliding windows S/16, S/4, S/2 vs full causal")
     ap.add_argument("--balance", action="store_true", help="causal work per rank (visible pairs) per layout "
                     "for realistic document-length mixes over S tokens (no timing)")
+    ap.add_argument("--gpu-row", action="store_true", help="CUDA: each rank's ring schedule on one GPU vs "
+                                                          "one-GPU SDPA (megatron_ring.gpu_benchmark)")
     a = ap.parse_args(argv)
+    if a.gpu_row:
+        import torch  # noqa: PLC0415
+
+        from .gpu_benchmark import gpu_row  # noqa: PLC0415
+        rows = [gpu_row(p, a.seq, a.heads, a.kv_heads or a.heads, a.head_dim, getattr(torch, DTYPES[a.dtype]),
+                        a.layout, a.causal, a.iters) for p in a.world_sizes]
+        print(json.dumps(rows, indent=2))
+        return rows
     if a.balance:
         from .bench_documents import format_rows, run_balance
 

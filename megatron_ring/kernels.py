@@ -4,7 +4,15 @@ All tensors are BHSD: ``q [b, h, sq, d]``, ``k, v [b, h_kv, sk, d]`` with ``h % 
 handled inside the kernel; K/V are never repeated on the wire). ``forward`` returns
 ``(out [b, h, sq, d] in q.dtype, lse [b, h, sq] float32, natural log)``; ``backward`` returns
 ``(dq, dk, dv)`` shaped like ``q, k, v``. ``causal`` is the top-left mask (key j visible to query i iff
-j <= i). Callers never pass a block with a fully masked query row (see ``layouts``).
+j <= i), ALSO when ``sq != sk``: a kernel whose library aligns a rectangular causal mask bottom-right
+(flash_attn; and the CUDA ops, to be safe) runs it as a square causal block plus a full block
+(:func:`causal_pieces`), so the alignment convention never reaches the library. Callers never pass a
+block with a fully masked query row (see ``layouts``).
+
+``supports(q, k)`` checks device, dtype, head dim and GPU architecture; ``auto`` takes the first kernel
+of ``_AUTO_ORDER`` (fastest first) that supports the case and so falls back instead of crashing. CUDA
+kernels follow torch's deterministic mode (``torch.are_deterministic_algorithms_enabled()``, which
+Megatron's ``--deterministic-mode`` turns on; also :func:`set_deterministic`).
 
 Masks (documents, windows; see :mod:`.masks`): a kernel with ``supports_mask = True`` also accepts the
 keyword ``mask=`` (a :class:`~megatron_ring.masks.BlockMask`, ``causal`` is then False). With a mask,
@@ -21,7 +29,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["BlockKernel", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel", "select_kernel", "KERNELS"]
+__all__ = ["BlockKernel", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel", "TorchFlashCudaKernel",
+           "CudnnKernel", "TEFusedKernel", "select_kernel", "KERNELS", "causal_pieces", "set_deterministic"]
 
 
 class BlockKernel(abc.ABC):
@@ -39,8 +48,68 @@ class BlockKernel(abc.ABC):
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` of this block given the GLOBAL ``out`` and ``lse`` of these query rows."""
 
-    def supports(self, q: torch.Tensor) -> bool:
+    def supports(self, q: torch.Tensor, k: torch.Tensor | None = None) -> bool:
         return True
+
+
+_deterministic: bool | None = None
+
+
+def set_deterministic(flag: bool | None) -> None:
+    """Force deterministic CUDA backward kernels on/off (None: follow torch's deterministic mode)."""
+    global _deterministic
+    _deterministic = flag
+
+
+def deterministic() -> bool:
+    return torch.are_deterministic_algorithms_enabled() if _deterministic is None else bool(_deterministic)
+
+
+def causal_pieces(sq: int, sk: int, causal: bool) -> list[tuple[slice, slice, bool]]:
+    """The top-left causal block ``[sq, sk]`` as (query rows, key cols, causal) pieces that are square
+    causal or full: alignment-free for every library. Non-causal or square: the block itself."""
+    if not causal or sq == sk:
+        return [(slice(0, sq), slice(0, sk), causal)]
+    if sq < sk:  # keys j >= sq are hidden from every query
+        return [(slice(0, sq), slice(0, sq), True)]
+    return [(slice(0, sk), slice(0, sk), True), (slice(sk, sq), slice(0, sk), False)]
+
+
+def _cuda_arch(q: torch.Tensor) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(q.device)
+
+
+class _SquareCausal(BlockKernel):
+    """Runs rectangular causal blocks as square-causal + full pieces (see :func:`causal_pieces`)."""
+
+    def forward(self, q, k, v, causal, scale):
+        pieces = causal_pieces(q.shape[2], k.shape[2], causal)
+        if len(pieces) == 1:
+            rows, cols, c = pieces[0]
+            if rows.stop == q.shape[2]:
+                return self._fwd(q, k[:, :, cols], v[:, :, cols], c, scale)
+        outs, lses = zip(*(self._fwd(q[:, :, r], k[:, :, c_], v[:, :, c_], c, scale) for r, c_, c in pieces))
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        pieces = causal_pieces(q.shape[2], k.shape[2], causal)
+        if len(pieces) == 1 and pieces[0][1].stop == k.shape[2]:
+            return self._bwd(dout, q, k, v, out, lse, causal, scale)
+        dq = torch.empty_like(q)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for r, c_, c in pieces:
+            a, b_, d = self._bwd(dout[:, :, r], q[:, :, r], k[:, :, c_], v[:, :, c_], out[:, :, r],
+                                 lse[:, :, r].contiguous(), c, scale)
+            dq[:, :, r] = a
+            dk[:, :, c_] += b_
+            dv[:, :, c_] += d
+        return dq, dk, dv
+
+    def _fwd(self, q, k, v, causal, scale):
+        raise NotImplementedError
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        raise NotImplementedError
 
 
 class MathKernel(BlockKernel):
@@ -95,7 +164,7 @@ class FlashCPUKernel(BlockKernel):
     name = "flash_cpu"
     supports_mask = True  # as a float additive mask in q's dtype
 
-    def supports(self, q):
+    def supports(self, q, k=None):
         return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16,
                                                       torch.float64)
 
@@ -134,24 +203,25 @@ def _sum_kv(dx: torch.Tensor, groups: int) -> torch.Tensor:
     return dx.view(b, h // groups, groups, s, d).sum(2)
 
 
-class CudaSDPAKernel(BlockKernel):
+class CudaSDPAKernel(_SquareCausal):
     """torch's memory-efficient CUDA SDPA op (returns the lse). GQA K/V are expanded locally only.
 
-    Not exercised on this project's CPU CI; see docs/multinode.md for how to validate it on GPUs.
+    Not exercised on this project's CPU CI; tests/gpu/ checks it on a GPU.
     """
 
     name = "sdpa_cuda"
 
-    def supports(self, q):
-        return q.device.type == "cuda"
+    def supports(self, q, k=None):
+        return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                and q.shape[-1] % 8 == 0 and q.shape[-1] <= 512)
 
-    def forward(self, q, k, v, causal, scale):
+    def _fwd(self, q, k, v, causal, scale):
         g = q.shape[1] // k.shape[1]
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, _repeat_kv(k, g), _repeat_kv(v, g), None, True, 0.0, causal, scale=scale)
         return out, lse[..., : q.shape[2]].float()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
         g = q.shape[1] // k.shape[1]
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
         sq = q.shape[2]
@@ -163,8 +233,11 @@ class CudaSDPAKernel(BlockKernel):
         return dq, _sum_kv(dk, g), _sum_kv(dv, g)
 
 
-class FlashAttnKernel(BlockKernel):
-    """The ``flash_attn`` package (imported lazily; CUDA only). Uses its BSHD layout internally."""
+class FlashAttnKernel(_SquareCausal):
+    """The ``flash_attn`` package (imported lazily; CUDA only). Uses its BSHD layout internally.
+
+    flash_attn aligns a rectangular causal mask bottom-right; the square-causal split keeps the
+    top-left contract. Needs sm80+, fp16/bf16, head dim <= 256 and a multiple of 8."""
 
     name = "flash_attn"
 
@@ -177,8 +250,11 @@ class FlashAttnKernel(BlockKernel):
             self._mod = fa
         return self._mod
 
-    def supports(self, q):
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+    def supports(self, q, k=None):
+        d = q.shape[-1]
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+            return False
+        if _cuda_arch(q) < (8, 0):
             return False
         try:
             self._impl()
@@ -186,18 +262,145 @@ class FlashAttnKernel(BlockKernel):
             return False
         return True
 
-    def forward(self, q, k, v, causal, scale):
+    def _fwd(self, q, k, v, causal, scale):
         t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
         res = self._impl()._flash_attn_forward(t(q), t(k), t(v), 0.0, scale, causal=causal,
                                                window_size_left=-1, window_size_right=-1,
                                                softcap=0.0, alibi_slopes=None, return_softmax=False)
         return res[0].transpose(1, 2), res[1].float()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
         t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
-        dq, dk, dv = (torch.empty_like(t(x)) for x in (q, k, v))
+        bshd = lambda x: x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3])  # noqa: E731 - no copy
+        dq, dk, dv = bshd(q), bshd(k), bshd(v)
         self._impl()._flash_attn_backward(t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), dq, dk, dv,
-                                          0.0, scale, causal, -1, -1, 0.0, None, False)
+                                          0.0, scale, causal, -1, -1, 0.0, None, deterministic())
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+class TorchFlashCudaKernel(_SquareCausal):
+    """torch's own CUDA flash kernel (``aten._scaled_dot_product_flash_attention``): sm80+, fp16/bf16,
+    head dim <= 256 and a multiple of 8. GQA K/V are expanded locally only."""
+
+    name = "flash_cuda"
+
+    def supports(self, q, k=None):
+        d = q.shape[-1]
+        return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0
+                and d <= 256 and _cuda_arch(q) >= (8, 0) and not deterministic())
+
+    def _fwd(self, q, k, v, causal, scale):
+        g = q.shape[1] // k.shape[1]
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, _repeat_kv(k, g), _repeat_kv(v, g), 0.0, causal, False, scale=scale)
+        return res[0], res[1].float()
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        g = q.shape[1] // k.shape[1]
+        sq, sk = q.shape[2], k.shape[2]
+        empty = torch.empty(0, dtype=torch.int64, device=q.device)
+        seed = torch.zeros(2, dtype=torch.int64, device=q.device)  # dropout 0: the RNG state is unused
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, _repeat_kv(k, g), _repeat_kv(v, g), out, lse, empty, empty, sq, sk, 0.0, causal,
+            seed, empty, scale=scale)
+        return dq, _sum_kv(dk, g), _sum_kv(dv, g)
+
+
+class CudnnKernel(_SquareCausal):
+    """cuDNN attention (``aten._scaled_dot_product_cudnn_attention``): sm80+, fp16/bf16, head dim <= 128
+    and a multiple of 8 (cuDNN's fused flash path). GQA K/V are expanded locally only."""
+
+    name = "cudnn"
+
+    def supports(self, q, k=None):
+        d = q.shape[-1]
+        return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0
+                and d <= 128 and _cuda_arch(q) >= (8, 0) and torch.backends.cudnn.is_available()
+                and not deterministic())
+
+    def _fwd(self, q, k, v, causal, scale):
+        g = q.shape[1] // k.shape[1]
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, _repeat_kv(k, g), _repeat_kv(v, g), None, True, 0.0, causal, False, scale=scale)
+        return res[0], res[1].reshape(q.shape[:3]).float()
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        g = q.shape[1] // k.shape[1]
+        sq, sk = q.shape[2], k.shape[2]
+        empty = q.new_empty(0)
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, _repeat_kv(k, g), _repeat_kv(v, g), out, lse.reshape(*lse.shape, 1).contiguous(),
+            zero, zero, empty, empty, empty, sq, sk, 0.0, causal, scale=scale)
+        return dq, _sum_kv(dk, g), _sum_kv(dv, g)
+
+
+class TEFusedKernel(_SquareCausal):
+    """TransformerEngine's fused attention (imported lazily, only when TransformerEngine is installed).
+
+    TransformerEngine's low-level API moves between releases, so this kernel verifies itself once per
+    (device, dtype, head dim) against :class:`MathKernel` on a small block (forward and lse) and is
+    reported unsupported -- ``auto`` falls back -- if the call fails or disagrees."""
+
+    name = "te_fused"
+
+    def __init__(self) -> None:
+        self._fa = None
+        self._verified: dict[tuple, bool] = {}
+
+    def _impl(self):
+        if self._fa is None:
+            from transformer_engine.pytorch.cpp_extensions import fused_attn as fa  # noqa: PLC0415
+            self._fa = fa
+        return self._fa
+
+    def supports(self, q, k=None):
+        d = q.shape[-1]
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+            return False
+        key = (q.device, q.dtype, d)
+        if key not in self._verified:
+            self._verified[key] = self._self_check(q)
+        return self._verified[key]
+
+    def _self_check(self, q) -> bool:
+        try:
+            self._impl()
+            x = torch.randn(1, 2, 64, q.shape[-1], device=q.device, dtype=q.dtype)
+            out, lse = self._fwd(x, x, x, True, 0.125)
+            ref_out, ref_lse = MathKernel().forward(x, x, x, True, 0.125)
+            return bool(torch.allclose(out.float(), ref_out.float(), atol=2e-2)
+                        and torch.allclose(lse, ref_lse, atol=2e-2))
+        except Exception:  # noqa: BLE001 - missing, or an API this code does not match: not available
+            return False
+
+    def _args(self, q, k, causal):
+        b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+        cu = lambda s: torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)  # noqa: E731
+        return dict(max_seqlen_q=sq, max_seqlen_kv=sk, cu_seqlens_q=cu(sq), cu_seqlens_kv=cu(sk),
+                    qkv_layout="bshd_bshd_bshd", attn_mask_type="causal" if causal else "no_mask")
+
+    def _fwd(self, q, k, v, causal, scale):
+        fa = self._impl()
+        t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
+        kw = self._args(q, k, causal)
+        out, aux = fa.fused_attn_fwd(True, kw.pop("max_seqlen_q"), kw.pop("max_seqlen_kv"),
+                                     kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_kv"), t(q), t(k), t(v),
+                                     q.dtype, fa.FusedAttnBackend["F16_arbitrary_seqlen"],
+                                     attn_scale=scale, dropout=0.0, **kw)
+        self._aux = aux
+        return out.transpose(1, 2), aux[0].reshape(q.shape[:3]).float()
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        fa = self._impl()
+        t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
+        kw = self._args(q, k, causal)
+        aux = [lse.reshape(*lse.shape, 1).contiguous()] + list(self._aux[1:])
+        dq, dk, dv, *_ = fa.fused_attn_bwd(kw.pop("max_seqlen_q"), kw.pop("max_seqlen_kv"),
+                                           kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_kv"), t(q), t(k), t(v),
+                                           t(out), t(dout), q.dtype, dout.dtype, aux,
+                                           fa.FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale,
+                                           dropout=0.0, deterministic=deterministic(), **kw)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -206,10 +409,15 @@ KERNELS: dict[str, Callable[[], BlockKernel]] = {
     "math": MathKernel,
     "sdpa_cuda": CudaSDPAKernel,
     "flash_attn": FlashAttnKernel,
+    "flash_cuda": TorchFlashCudaKernel,
+    "cudnn": CudnnKernel,
+    "te_fused": TEFusedKernel,
 }
-_AUTO_ORDER = ("flash_attn", "sdpa_cuda", "flash_cpu", "math")
+# Fastest first (designed from the libraries' published figures, not measured here: no GPU). The math
+# kernel supports everything, so `auto` always finds one.
+_AUTO_ORDER = ("cudnn", "flash_attn", "te_fused", "flash_cuda", "sdpa_cuda", "flash_cpu", "math")
 _instances: dict[str, BlockKernel] = {}
-_auto_choice: dict[tuple[str, torch.dtype], BlockKernel] = {}
+_auto_choice: dict[tuple, BlockKernel] = {}
 
 
 def _instance(name: str) -> BlockKernel:
@@ -219,7 +427,8 @@ def _instance(name: str) -> BlockKernel:
 
 
 def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto") -> BlockKernel:
-    """The kernel for ``q``'s device/dtype: ``"auto"`` picks once per (device type, dtype) and caches."""
+    """The kernel for ``q``: ``"auto"`` picks the first kernel of ``_AUTO_ORDER`` that supports the case,
+    once per (device, dtype, head dim, deterministic mode), and caches it."""
     if isinstance(kernel, BlockKernel):
         return kernel
     if kernel != "auto":
@@ -230,7 +439,7 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto") -> BlockK
             raise ValueError(f"kernel {kernel!r} does not support {q.dtype} tensors on {q.device.type}; "
                              "use kernel='auto' or kernel='math'")
         return chosen
-    key = (q.device.type, q.dtype)
+    key = (q.device, q.dtype, q.shape[-1], deterministic())
     if key not in _auto_choice:
         _auto_choice[key] = next(k for k in map(_instance, _AUTO_ORDER) if k.supports(q))
     return _auto_choice[key]

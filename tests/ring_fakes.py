@@ -2,12 +2,14 @@
 and fake Work objects that behave like gloo's (blocking wait) or NCCL's (one coalesced Work whose
 ``wait()`` returns at once and whose completion is only visible through ``is_completed()``)."""
 import threading
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ring.comm import Ring
+from megatron_ring.comm import Exchange, Ring
+from megatron_ring.streams import SideStream
 
 
 @pytest.fixture
@@ -73,3 +75,61 @@ class NcclLikeWork:
         if self._exc is not None:
             raise self._exc
         return self._done.is_set()
+
+
+class ThreadRing(Ring):
+    """P ranks of one ring as P threads of this process: exchanges go through in-memory queues, so the
+    whole engine (forward and backward rings, codecs, status element) runs without processes."""
+
+    def __init__(self, queues, world, rank):
+        self.group = None
+        self.world, self.rank = world, rank
+        self.next_global, self.prev_global, self.my_global = (rank + 1) % world, (rank - 1) % world, rank
+        self.members = list(range(world))
+        self.timeout = None
+        self.stream = SideStream(torch.device("cpu"))
+        self.coalesced = self.watchdog_deadline = False
+        self.failure = None
+        self.bytes_sent = Counter()
+        self._queues = queues  # {(rank, channel): queue.Queue}
+
+    @staticmethod
+    def make(world):
+        import queue
+        from megatron_ring.comm import CHANNEL_TAGS
+        qs = {(r, ch): queue.Queue() for r in range(world) for ch in CHANNEL_TAGS}
+        return [ThreadRing(qs, world, r) for r in range(world)]
+
+    def exchange(self, send, recv, channel, step):
+        self._queues[(self.next_global, channel)].put(send.clone())
+        self.bytes_sent[channel] += send.numel() * send.element_size()
+        box = self._queues[(self.rank, channel)]
+
+        class _Recv:
+            def wait(self, *_):
+                recv.copy_(box.get(timeout=120))
+                return True
+
+            def is_completed(self):
+                return True
+
+        return Exchange(self, [((("receiving from", self.prev_global),), [_Recv()])], channel, step)
+
+
+def run_threads(fn, world):
+    """``fn(rank, ring)`` on ``world`` threads sharing one ThreadRing; per-rank results or exceptions."""
+    rings = ThreadRing.make(world)
+    results = [None] * world
+
+    def body(r):
+        try:
+            results[r] = fn(r, rings[r])
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            results[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results

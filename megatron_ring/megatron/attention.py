@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 import megatron_ring
+from megatron_ring.kernels import set_deterministic
 
 from . import comm_types
 from .config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
@@ -79,6 +80,8 @@ class RingDotProductAttention(MegatronModule):
         self.window = _window(config, layer_number)
         self._documents = DocumentsFromMask()
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
+        if getattr(config, "deterministic_mode", False):  # --deterministic-mode: deterministic CUDA backward
+            set_deterministic(True)
         # a model built with a process-group collection names its CP group: honour it (checked in _ring)
         self._pg_cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if is_context_parallel_initialized():

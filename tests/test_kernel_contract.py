@@ -1,0 +1,86 @@
+"""The block-kernel contract on CPU: causal means top-left also for sq != sk, and kernels whose library
+aligns bottom-right only ever see square causal or full blocks; supports() makes `auto` fall back."""
+import pytest
+import torch
+
+from megatron_ring import kernels as K
+
+
+class _SquareOnlyMath(K._SquareCausal):
+    """A library stand-in that refuses rectangular causal blocks (as if it aligned them bottom-right)."""
+
+    name = "square_only"
+    seen = []
+
+    def _fwd(self, q, k, v, causal, scale):
+        assert not causal or q.shape[2] == k.shape[2], "a rectangular causal block reached the library"
+        self.seen.append((q.shape[2], k.shape[2], causal))
+        return K.MathKernel().forward(q, k, v, causal, scale)
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        assert not causal or q.shape[2] == k.shape[2]
+        return K.MathKernel().backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _reference(q, k, v, causal, scale):
+    """float64 attention with the top-left causal mask (key j visible to query i iff j <= i)."""
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], 1))
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    s = s * scale
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v.double().repeat_interleave(q.shape[1] // k.shape[1], 1))
+    return out, lse
+
+
+@pytest.mark.parametrize("sq, sk", [(8, 8), (5, 12), (12, 5), (1, 7), (7, 1)])
+@pytest.mark.parametrize("kernel", [K.MathKernel(), K.FlashCPUKernel(), _SquareOnlyMath()], ids=lambda k: k.name)
+def test_causal_is_top_left_for_every_shape(kernel, sq, sk):
+    torch.manual_seed(sq * 31 + sk)
+    q = torch.randn(2, 4, sq, 16, requires_grad=True)
+    k = torch.randn(2, 2, sk, 16, requires_grad=True)
+    v = torch.randn(2, 2, sk, 16, requires_grad=True)
+    out, lse = kernel.forward(q, k, v, True, 0.25)
+    ref_out, ref_lse = _reference(q, k, v, True, 0.25)
+    # the math kernel accumulates in fp32 whatever the input dtype: fp32 tolerances against float64
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-4)
+    dout = torch.randn_like(ref_out)
+    grads = kernel.backward(dout.float(), q.detach(), k.detach(), v.detach(), ref_out.float().detach(),
+                            ref_lse.float().detach(), True, 0.25)
+    ref = torch.autograd.grad(ref_out, (q, k, v), dout)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g.double(), r.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_causal_pieces_cover_exactly_the_visible_keys():
+    for sq in range(1, 9):
+        for sk in range(1, 9):
+            mask = torch.zeros(sq, sk, dtype=torch.bool)
+            for rows, cols, causal in K.causal_pieces(sq, sk, True):
+                block = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
+                if causal:
+                    assert block.shape[0] == block.shape[1]
+                    block = block.tril()
+                assert not (mask[rows, cols] & block).any()
+                mask[rows, cols] |= block
+            assert torch.equal(mask, torch.ones(sq, sk, dtype=torch.bool).tril()), (sq, sk)
+
+
+def test_cuda_kernels_decline_cpu_tensors_and_auto_falls_back():
+    q = torch.randn(1, 2, 8, 16)
+    for name in ("sdpa_cuda", "flash_attn", "flash_cuda", "cudnn", "te_fused"):
+        assert not K.KERNELS[name]().supports(q), name
+        with pytest.raises(ValueError, match="does not support"):
+            K.select_kernel(q, name)
+    assert K.select_kernel(q).name == "flash_cpu"
+    assert K.select_kernel(q.to(torch.float16)).name in ("flash_cpu", "math")
+
+
+def test_deterministic_mode_follows_torch_and_can_be_forced():
+    assert K.deterministic() == torch.are_deterministic_algorithms_enabled()
+    K.set_deterministic(True)
+    try:
+        assert K.deterministic()
+    finally:
+        K.set_deterministic(None)
