@@ -64,7 +64,6 @@ def _train(model, m, steps, shard, reduce) -> dict[str, Any]:
         else:
             losses.append(reduce(tok, mb["loss_mask"]))
         if step == 0:
-            grads0 = model
             grads0 = W._full_grads(model, _tp_group()) if reduce is not None else \
                 {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
