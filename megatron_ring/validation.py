@@ -124,8 +124,6 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: 
                          f"sequence length ({qkv_format})")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
-    if v.shape[3] != q.shape[3]:
-        raise ValueError(f"v must have q's head dim {q.shape[3]}, got {v.shape[3]}")
     h, h_kv = q.shape[2], k.shape[2]
     if h_kv == 0 or h % h_kv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv}) for GQA/MQA; "
