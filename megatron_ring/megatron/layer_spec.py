@@ -28,12 +28,11 @@ def get_gpt_layer_ring_spec(
 
         spec = get_gpt_layer_ring_spec(normalization="RMSNorm")   # was get_gpt_layer_local_spec(...)
 
-    Multi-latent attention is not supported (its V head size differs from Q/K's).
+    ``multi_latent_attention=True`` builds Megatron's ``MLASelfAttention`` layer (V's head dim differs
+    from Q/K's; the ring packs K and V into one wire buffer all the same) with ring core attention.
     """
-    if multi_latent_attention:
-        raise NotImplementedError("get_gpt_layer_ring_spec does not support multi_latent_attention")
     spec = get_gpt_layer_local_spec(
-        num_experts, moe_grouped_gemm, qk_layernorm, False, fp8, moe_use_legacy_grouped_gemm,
-        normalization, qk_l2_norm, **kwargs)
+        num_experts, moe_grouped_gemm, qk_layernorm, bool(multi_latent_attention), fp8,
+        moe_use_legacy_grouped_gemm, normalization, qk_l2_norm, **kwargs)
     spec.submodules.self_attention.submodules.core_attention = RingDotProductAttention
     return spec
