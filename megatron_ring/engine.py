@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import breakdown
 from .block_extras import DropoutKernel, DropoutSpec, fold_sink, sink_grad
 from .codec import KVCodec, KVSpec
 from .comm import Exchange, Ring
@@ -107,25 +108,29 @@ class _KVStream:
         """K, V visiting at ``step`` (the local tensors at step 0, decoded wire data after)."""
         if step == 0:
             return self.k, self.v
-        return self.plan.codec.decode(self.bufs[step % 2], self.spec)
+        with breakdown.timed(step, "decode"):
+            return self.plan.codec.decode(self.bufs[step % 2], self.spec)
 
-    def finish(self) -> None:
+    def finish(self, step: int = 0) -> None:
         """Wait for the exchange started in this step."""
         if self.pending is not None:
-            self.pending.wait()
+            with breakdown.timed(step, "wait"):
+                self.pending.wait()
             self.pending = None
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward. Returns ``(out [b,h,s,d] float32, lse [b,h,s] float32)``."""
-    kv = _KVStream(plan, k, v, "fwd_kv")
+    breakdown.set_phase("fwd")
+    with breakdown.timed(0, "copies"):
+        kv = _KVStream(plan, k, v, "fwd_kv")
     acc: list[torch.Tensor] = []  # [out, lse] once the first block result exists
     steps = plan.steps(q.shape[2])
     for step in range(steps):
         kv.start(step, steps)
         _forward_step(q, *kv.block(step), plan, step, acc)
-        kv.finish()
+        kv.finish(step)
     if not acc:  # no local query sees any key (all padding, or masked away): out 0, lse -inf
         _new_acc(q, v, acc)
     return acc[0], acc[1]
@@ -142,13 +147,15 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
     """Fold one visiting block into ``acc``; a function so its temporaries die before the next step."""
     b, h, s, _ = q.shape
     for task in plan.tasks(step, s):
-        out, lse = plan.forward_block(task, q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv], step)
+        with breakdown.timed(step, "kernel"):
+            out, lse = plan.forward_block(task, q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv], step)
         if not acc and task.q == slice(0, s):  # first result covering every row: adopt it
             acc += [out.float(), lse.float()]
             continue
         if not acc:
             _new_acc(q, vt, acc)
-        merge_into(acc[0][:, :, task.q], acc[1][:, :, task.q], out, lse)
+        with breakdown.timed(step, "merge"):
+            merge_into(acc[0][:, :, task.q], acc[1][:, :, task.q], out, lse)
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -160,7 +167,9 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """
     s = q.shape[2]
     world = plan.ring.world
-    kv = _KVStream(plan, k, v, "bwd_kv")
+    breakdown.set_phase("bwd")
+    with breakdown.timed(0, "copies"):
+        kv = _KVStream(plan, k, v, "bwd_kv")
     dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
     nk = k.numel()
     # dK/dV accumulators travel as one fp32 buffer: [dK.flatten(), dV.flatten()]
@@ -173,18 +182,23 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         kv.start(step, steps)
         acc = dkv[step % 2]
         _backward_step(dout, q, *kv.block(step), out, lse, plan, step, dq,
-                       lambda: dkv_pending.wait() if dkv_pending is not None else None,
+                       lambda: _wait(dkv_pending, step),
                        _view_like(acc[:nk], k), _view_like(acc[nk:], v))
         if world > 1:  # pass it on; after the last step this hop returns each block to its owner
             dkv_pending = plan.ring.exchange(acc, dkv[(step + 1) % 2], "bwd_dkv", step)
-        kv.finish()
+        kv.finish(step)
     for step in range(steps, world):  # a shortened ring: carry the accumulators home, nothing to add
-        dkv_pending.wait()
+        _wait(dkv_pending, step)
         dkv_pending = plan.ring.exchange(dkv[step % 2], dkv[(step + 1) % 2], "bwd_dkv", step)
-    if dkv_pending is not None:
-        dkv_pending.wait()
+    _wait(dkv_pending, world)
     mine = dkv[world % len(dkv)]  # P=1: the local accumulator; else where the last hop landed
     return dq, _view_like(mine[:nk], k), _view_like(mine[nk:], v)
+
+
+def _wait(pending: Exchange | None, step: int) -> None:
+    if pending is not None:
+        with breakdown.timed(step, "wait"):
+            pending.wait()
 
 
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
@@ -195,16 +209,19 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     partial = []
     for task in plan.tasks(step, q.shape[2]):
         rows = task.q
-        dq_b, dk_b, dv_b = plan.backward_block(
-            task, dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
-            out[:, :, rows], lse[:, :, rows].contiguous(), step)
-        dq[:, :, rows] += dq_b
+        with breakdown.timed(step, "kernel"):
+            dq_b, dk_b, dv_b = plan.backward_block(
+                task, dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
+                out[:, :, rows], lse[:, :, rows].contiguous(), step)
+        with breakdown.timed(step, "copies"):
+            dq[:, :, rows] += dq_b
         del dq_b
         partial.append((task.kv, dk_b, dv_b))
     wait_for_acc()
-    for cols, dk_b, dv_b in partial:
-        dk_acc[:, :, cols] += dk_b
-        dv_acc[:, :, cols] += dv_b
+    with breakdown.timed(step, "copies"):
+        for cols, dk_b, dv_b in partial:
+            dk_acc[:, :, cols] += dk_b
+            dv_acc[:, :, cols] += dv_b
 
 
 def _view_like(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
