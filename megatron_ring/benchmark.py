@@ -270,7 +270,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--window", action="store_true", help="sliding windows S/16, S/4, S/2 vs full causal")
     ap.add_argument("--breakdown", action="store_true",
                     help="per ring step: time in kernel, merge, decode, copies, waits (megatron_ring.bench_breakdown)")
+    ap.add_argument("--features", action="store_true",
+                    help="cost of MLA head dims (padding), sinks, dropout per block (megatron_ring.bench_features)")
     a = ap.parse_args(argv)
+    if a.features:
+        from . import bench_features as bf
+
+        print(f"# features: S={a.seq} H={a.heads} fp32 causal={a.causal}; one process, 1 thread, ring_attention "
+              f"P=1 fwd+bwd, medians of {a.iters}", flush=True)
+        rows = bf.run_features(a.seq, a.heads, a.iters, a.causal)
+        print(bf.format_features(rows), flush=True)
+        return rows
     if a.docs or a.window:
         return _documents_main(a)
     if a.breakdown:

@@ -168,3 +168,15 @@ def test_bad_feature_arguments_name_the_fix():
         ring_attention(q, q, q, softmax_offset=torch.zeros(3))
     with pytest.raises(ValueError, match="softmax_offset"):
         ring_attention(q, q, q, softmax_offset=float("nan"))
+
+
+def test_breakdown_records_every_phase_and_is_off_by_default():
+    from megatron_ring import breakdown
+
+    q = torch.randn(1, 32, 2, 8, requires_grad=True)
+    with breakdown.record() as rec:
+        ring_attention(q, q, q, causal=True, ring=LoopbackRing(2, 0, q.device)).backward(torch.ones(1, 32, 2, 8))
+    cats = {(phase, cat) for phase, _, cat in rec}
+    assert {("fwd", "kernel"), ("fwd", "merge"), ("bwd", "kernel"), ("bwd", "copies")} <= cats, cats
+    assert all(v >= 0 for v in rec.values())
+    assert breakdown.timed(0, "kernel") is breakdown.timed(1, "merge")  # the shared no-op when not recording
