@@ -106,8 +106,17 @@ def keep_mask(seed: int, rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Ten
     r = _fmix((torch.as_tensor(rows, dtype=torch.int64, device=dev) * 0x9E3779B1 + s32) & _M32)
     hq = _fmix(r[:, None] ^ (qpos.to(torch.int64)[None, :] & _M32))            # [rows, sq]
     hk = _fmix((kpos.to(torch.int64) * 0x27D4EB2F + 0x165667B1) & _M32)          # [sk]
-    h = _fmix(hq[:, :, None] ^ hk[None, None, :])
-    return (h >> 8) >= int(round(p * (1 << 24)))
+    h = torch.bitwise_xor(hq[:, :, None], hk[None, None, :])
+    _fmix_(h, torch.empty_like(h))  # the [rows, sq, sk] pass: in place, one scratch buffer
+    return h.bitwise_right_shift_(8) >= int(round(p * (1 << 24)))
+
+
+def _fmix_(x: torch.Tensor, t: torch.Tensor) -> None:
+    """:func:`_fmix` in place (``t``: scratch of x's shape)."""
+    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, None)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=t))
+        if mul is not None:
+            x.mul_(mul).bitwise_and_(_M32)
 
 
 @dataclass(frozen=True)
