@@ -118,11 +118,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if ring.world > 1 and ring.group is not None and check_consistency:
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
                              comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks,
-                             cu_seqlens=cu_seqlens, window=window)
+                             cu_seqlens=cu_seqlens, window=window,
+                             extras=(dropout_p, dropout_seed, _offset_kind(softmax_offset)))
         check_same_across_ranks(sig, ring.group, q.device, {
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
             "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name,
-            "cu_seqlens": cu_seqlens, "window": window})
+            "cu_seqlens": cu_seqlens, "window": window,
+            "dropout/softmax_offset": (dropout_p, dropout_seed, _offset_kind(softmax_offset))})
     if codec_error is not None:
         raise codec_error
     thd = qkv_format == "thd"
@@ -159,6 +161,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
     out = out.squeeze(0) if thd else out
     return out if out.is_contiguous() else out.contiguous()  # e.g. q was a non-dense view
+
+
+def _offset_kind(offset: Any) -> Any:
+    """What every rank must agree on about ``softmax_offset`` (a tensor's values may differ: its shape)."""
+    return ("tensor", tuple(offset.shape)) if isinstance(offset, torch.Tensor) else offset
 
 
 def _sink(offset: Any, qh: torch.Tensor) -> torch.Tensor | None:

@@ -180,3 +180,17 @@ def test_breakdown_records_every_phase_and_is_off_by_default():
     assert {("fwd", "kernel"), ("fwd", "merge"), ("bwd", "kernel"), ("bwd", "copies")} <= cats, cats
     assert all(v >= 0 for v in rec.values())
     assert breakdown.timed(0, "kernel") is breakdown.timed(1, "merge")  # the shared no-op when not recording
+
+
+def _mismatch_worker(rank, world):
+    q = torch.randn(1, 8, 2, 4)
+    try:
+        ring_attention(q, q, q, dropout_p=0.1, dropout_seed=rank)  # seeds differ across ranks
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_dropout_seed_differing_across_ranks_is_caught():
+    for msg in run_distributed(_mismatch_worker, 2, timeout=120):
+        assert "dropout/softmax_offset" in msg, msg
