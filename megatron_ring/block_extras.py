@@ -166,7 +166,7 @@ class DropoutKernel(BlockKernel):
         return p, lse
 
     def _keep(self, q, qpos, kpos):
-        return self.spec.keep(q.shape[0], q.shape[1], qpos, kpos)
+        return self.spec.keep(q.shape[0], q.shape[1], qpos.to(q.device), kpos.to(q.device))
 
     def forward(self, q, k, v, causal, scale, mask=None, qpos=None, kpos=None):
         b, h, sq, _ = q.shape

@@ -143,7 +143,7 @@ class RingDotProductAttention(MegatronModule):
             window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed)
         offset = ring_softmax_offset(self.config, self.softmax_offset)
         p_drop = self.attention_dropout_p if self.training else 0.0
-        seed = dropout_seed(self.layer_number, query.device) if p_drop else None
+        seed = dropout_seed_base = dropout_seed(self.layer_number, query.device) if p_drop else None
         if packed_seq_params is not None:  # THD: query [t, np, hn] (Megatron squeezed the batch dim)
             if query.dim() == 4:
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
@@ -156,8 +156,11 @@ class RingDotProductAttention(MegatronModule):
         if docs is None:
             out = run(query, key, value, "sbhd")
         else:
-            out = torch.stack([run(query[:, i], key[:, i], value[:, i], "thd", torch.tensor(cu))
-                               for i, cu in enumerate(docs)], 1)
+            rows = []
+            for i, cu in enumerate(docs):  # one packed stream per batch row: its own dropout seed
+                seed = None if p_drop == 0.0 else (dropout_seed_base + 0x9E3779B97F4A7C15 * (i + 1)) % (1 << 63)
+                rows.append(run(query[:, i], key[:, i], value[:, i], "thd", torch.tensor(cu)))
+            out = torch.stack(rows, 1)
         return out.view(out.size(0), out.size(1), self.hidden_size_per_partition)
 
 
