@@ -173,3 +173,29 @@ def ring_worker(rank: int, world: int, layouts: list[str], steps: int, cases=CAS
             from megatron.core import parallel_state as ps
             ps.destroy_model_parallel()
     return out if rank == 0 else {}
+
+
+def eval_worker(rank: int, world: int) -> dict:
+    """Outputs of the dropout model: train vs eval mode, and two train-mode calls."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megatron_ring.megatron import megatron_cpu
+
+    with megatron_cpu():
+        ps.initialize_model_parallel(1, 1)
+        try:
+            batch = W.make_batch(BASE, 0, 2)
+            tensor_parallel.model_parallel_cuda_manual_seed(BASE["seed"], force_reset_rng=True)
+            model = _build("dropout", 1, ring=True)
+            outs = []
+            for train in (True, True, False, False):
+                model.train(train)
+                with torch.no_grad():
+                    outs.append(model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]))
+            return dict(train_vs_eval=not torch.allclose(outs[0], outs[2]),
+                        train_vs_train=not torch.allclose(outs[0], outs[1]),
+                        eval_vs_eval=torch.equal(outs[2], outs[3]))
+        finally:
+            ps.destroy_model_parallel()

@@ -59,31 +59,5 @@ def test_dropout_is_active_in_training_only():
     """Negative control for the dropout equality above: in training mode the dropout model's output
     differs from eval mode and from call to call (the seed advances with Megatron's RNG state); in eval
     mode there is no dropout (two calls agree exactly)."""
-    res = run_distributed(_eval_worker, 1, timeout=RUN_TIMEOUT)[0]
+    res = run_distributed(FW.eval_worker, 1, timeout=RUN_TIMEOUT)[0]
     assert res == dict(train_vs_eval=True, train_vs_train=True, eval_vs_eval=True), res
-
-
-def _eval_worker(rank, world):
-    torch.set_num_threads(1)
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    import megatron_workers as W
-    from megatron_ring.megatron import megatron_cpu
-
-    with megatron_cpu():
-        ps.initialize_model_parallel(1, 1)
-        try:
-            batch = W.make_batch(FW.BASE, 0, 2)
-            tensor_parallel.model_parallel_cuda_manual_seed(FW.BASE["seed"], force_reset_rng=True)
-            model = FW._build("dropout", 1, ring=True)
-            outs = []
-            for train in (True, True, False, False):
-                model.train(train)
-                with torch.no_grad():
-                    outs.append(model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]))
-            return dict(train_vs_eval=not torch.allclose(outs[0], outs[2]),
-                        train_vs_train=not torch.allclose(outs[0], outs[1]),
-                        eval_vs_eval=torch.equal(outs[2], outs[3]))
-        finally:
-            ps.destroy_model_parallel()
