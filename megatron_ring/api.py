@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .block_extras import NATIVE_HEAD_DIM_KERNELS, DropoutSpec, HeadDimPadKernel
 from .codec import make_codec
 from .comm import LoopbackRing, Ring
 from .engine import RingAttentionFunction, RingPlan, head_groups
@@ -53,7 +54,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    check_consistency: bool = True, timeout_s: float | None = None,
                    head_chunks: int = 1, ring: Ring | None = None, cu_seqlens: Any = None,
                    window: tuple[int, int] | None = None, comm_type: str = "p2p",
-                   hierarchical_groups: Any = None) -> torch.Tensor:
+                   hierarchical_groups: Any = None, softmax_offset: Any = None,
+                   dropout_p: float = 0.0, dropout_seed: int | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -87,6 +89,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         window: ``(left, right)``: query at global position i sees keys j with
             ``i - left <= j <= i + right`` (``-1``: unbounded on that side), combined with ``causal``
             and documents. A query that sees no key gets output 0 and zero gradients.
+        softmax_offset: attention sinks (megatron-core's ``softmax_type`` "off-by-one"/"learnable"): a
+            float (the same extra logit for every head; ``0.0`` is off-by-one) or a tensor ``[h]`` of
+            per-head logits (learnable: it receives a gradient). The extra logit is a virtual key with
+            value 0 in the softmax denominator only, folded into the log-sum-exp merge. The gradient
+            a rank gets for the tensor covers ITS OWN queries only: summing it over the CP group (as
+            Megatron's data-parallel x CP gradient all-reduce does) gives the full gradient.
+        dropout_p: attention dropout probability (on the softmax probabilities, kept ones scaled by
+            ``1/(1-p)``). The keep/drop decision of (query, key, head, batch row) is a counter-based
+            hash of ``(dropout_seed, batch row * h + head, GLOBAL query position, GLOBAL key position)``:
+            the same in forward and backward (and any recompute with the same seed), and independent
+            of the CP size and layout. Uses an fp32 matmul block kernel (slower than flash).
+        dropout_seed: int, required when ``dropout_p > 0``; the same on every rank of the group.
+        v: may have a different head dim than q/k (multi-latent attention); the output has v's.
         ring: advanced: a prepared :class:`~megatron_ring.comm.Ring` (e.g. ``LoopbackRing`` for
             compute-only timing); overrides ``group``.
         comm_type: the exchange: "p2p" (the ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
@@ -113,11 +128,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if ring.world > 1 and ring.group is not None and check_consistency:
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
                              comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks,
-                             cu_seqlens=cu_seqlens, window=window, comm_type=comm_type)
+                             cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
+                             extras=(dropout_p, dropout_seed, _offset_kind(softmax_offset)))
         check_same_across_ranks(sig, ring.group, q.device, {"comm_type": comm_type,
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
             "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name,
-            "cu_seqlens": cu_seqlens, "window": window})
+            "cu_seqlens": cu_seqlens, "window": window,
+            "dropout/softmax_offset": (dropout_p, dropout_seed, _offset_kind(softmax_offset))})
     if codec_error is not None:
         raise codec_error
     thd = qkv_format == "thd"
@@ -148,21 +165,62 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     to_bhsd = (lambda t: t.transpose(1, 2)) if qkv_format == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
     qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
     mask = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
+    block_kernel = refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, select_kernel, qh, kernel,
+                                        steps=ring_steps)
+    if vh.shape[-1] != qh.shape[-1] and block_kernel.name not in NATIVE_HEAD_DIM_KERNELS:
+        block_kernel = HeadDimPadKernel(block_kernel)  # MLA: exact zero padding of the kernel's operands
     plan = RingPlan(ring=ring, layout=lay, causal=bool(causal), scale=float(scale),
-                    kernel=refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, select_kernel, qh,
-                                                kernel, steps=ring_steps),
-                    codec=codec, mask=None if mask.plain else mask)
+                    kernel=block_kernel, codec=codec, mask=None if mask.plain else mask,
+                    dropout=_dropout_spec(dropout_p, dropout_seed, qh, q.shape[s_dim] * ring.world))
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
         raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
+    sink = _sink(softmax_offset, qh)
     if comm_type == "p2p":
-        out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))
+        out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks), sink)
     else:  # the other exchange patterns (megatron_ring/strategies), same plan and schedule
+        if sink is not None or plan.dropout is not None:
+            raise ValueError(f"softmax_offset and dropout_p > 0 run on comm_type='p2p' only (got "
+                             f"comm_type={comm_type!r}); use comm_type='p2p' for these layers")
         from .strategies import run_strategy
         out = run_strategy(comm_type, qh, kh, vh, plan, head_chunks=head_chunks,
                            hierarchical_groups=hierarchical_groups)
     out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
     out = out.squeeze(0) if thd else out
     return out if out.is_contiguous() else out.contiguous()  # e.g. q was a non-dense view
+
+
+def _offset_kind(offset: Any) -> Any:
+    """What every rank must agree on about ``softmax_offset`` (a tensor's values may differ: its shape)."""
+    return ("tensor", tuple(offset.shape)) if isinstance(offset, torch.Tensor) else offset
+
+
+def _sink(offset: Any, qh: torch.Tensor) -> torch.Tensor | None:
+    """``softmax_offset`` as an fp32 ``[h]`` tensor (keeping the autograd link of a learnable one)."""
+    if offset is None:
+        return None
+    h = qh.shape[1]
+    if isinstance(offset, torch.Tensor):
+        if offset.shape not in ((h,), (1, h, 1, 1)) or not offset.is_floating_point():
+            raise ValueError(f"softmax_offset tensor must be floating point with shape [h] = [{h}] (one logit "
+                             f"per query head of this rank), got {offset.dtype} {tuple(offset.shape)}")
+        if offset.device != qh.device:
+            raise ValueError(f"softmax_offset is on {offset.device} but q is on {qh.device}")
+        return offset.reshape(h).float()
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ValueError(f"softmax_offset must be None, a finite float (0.0: off-by-one) or a tensor [h], "
+                         f"got {offset!r}")
+    return torch.full((h,), float(offset), dtype=torch.float32, device=qh.device)
+
+
+def _dropout_spec(p: Any, seed: Any, qh: torch.Tensor, seq_len: int) -> DropoutSpec | None:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {p!r}")
+    if p == 0.0:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"dropout_p={p} needs dropout_seed (an int, the same on every rank of the group; "
+                         f"vary it per step and layer), got {seed!r}")
+    return DropoutSpec(float(p), int(seed), heads=qh.shape[1], seq_len=seq_len)
 
 
 def _attention_mask(causal: bool, cu_seqlens: Any, window: Any, total: int) -> AttentionMask:

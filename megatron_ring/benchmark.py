@@ -278,7 +278,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     "for realistic document-length mixes over S tokens (no timing)")
     ap.add_argument("--gpu-row", action="store_true", help="CUDA: each rank's ring schedule on one GPU vs "
                                                           "one-GPU SDPA (megatron_ring.gpu_benchmark)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per ring step: time in kernel, merge, decode, copies, waits (megatron_ring.bench_breakdown)")
+    ap.add_argument("--features", action="store_true",
+                    help="cost of MLA head dims (padding), sinks, dropout per block (megatron_ring.bench_features)")
     a = ap.parse_args(argv)
+    if a.features:
+        from . import bench_features as bf
+
+        print(f"# features: S={a.seq} H={a.heads} fp32 causal={a.causal}; one process, 1 thread, ring_attention "
+              f"P=1 fwd+bwd, medians of {a.iters}", flush=True)
+        rows = bf.run_features(a.seq, a.heads, a.iters, a.causal)
+        print(bf.format_features(rows), flush=True)
+        return rows
     if a.gpu_row:
         import torch  # noqa: PLC0415
 
@@ -295,6 +307,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return rows
     if a.docs or a.window:
         return _documents_main(a)
+    if a.breakdown:
+        return _breakdown_main(a)
     cfg = dict(world_sizes=a.world_sizes, seq=a.seq, batch=a.batch, heads=a.heads,
                kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, dtype=a.dtype, layout=a.layout,
                causal=a.causal, comm_dtypes=a.comm_dtype, head_chunks_list=a.head_chunks, iters=a.iters,
@@ -314,6 +328,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             json.dump(rows, f, indent=2)
     if a.plot:
         plot(rows, a.plot)
+    return rows
+
+
+def _breakdown_main(a) -> list[dict[str, Any]]:
+    from . import bench_breakdown as bb
+
+    cfg = dict(seq=a.seq, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim,
+               dtype_name=DTYPES[a.dtype], layout=a.layout, causal=a.causal, iters=a.iters, timeout=a.timeout,
+               comm_dtype=None if a.comm_dtype[0] == "none" else a.comm_dtype[0])
+    print(f"# breakdown: S={a.seq} B={a.batch} H={a.heads} D={a.head_dim} {a.dtype} {a.layout} causal={a.causal} "
+          f"wire={a.comm_dtype[0]}; P processes x 1 thread; {a.iters} calls", flush=True)
+    rows = []
+    for world in a.world_sizes:
+        res = bb.run_breakdown(cfg, world)
+        print(bb.format_breakdown(res), flush=True)
+        rows.append(res)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
     return rows
 
 

@@ -16,10 +16,12 @@ while step t+1 computes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from . import breakdown
+from .block_extras import DropoutKernel, DropoutSpec, fold_sink, sink_grad
 from .codec import KVCodec, KVSpec
 from .comm import Exchange, Ring
 from .kernels import BlockKernel, MathKernel
@@ -42,6 +44,7 @@ class RingPlan:
     kernel: BlockKernel
     codec: KVCodec
     mask: AttentionMask | None = None  # documents / window (None: the layout's causal or full structure)
+    dropout: DropoutSpec | None = None  # attention dropout by global positions (see block_extras)
 
     def tasks(self, step: int, s: int):
         src = (self.ring.rank - step) % self.ring.world
@@ -53,13 +56,26 @@ class RingPlan:
         """Ring steps to run: fewer than P when no rank needs the K/V of the farther ranks (windows)."""
         return self.ring.world if self.mask is None else needed_steps(self.layout, self.mask, self.ring.world, s)
 
-    def forward_block(self, task, q, k, v):
+    def positions(self, task, step: int) -> dict:
+        """Global query/key positions of a task (for position-keyed dropout)."""
+        world, rank = self.ring.world, self.ring.rank
+        pos = lambda r: self.layout.positions(self.dropout.seq_len, world, r)  # noqa: E731
+        return {"qpos": pos(rank)[task.q], "kpos": pos((rank - step) % world)[task.kv]}
+
+    def forward_block(self, task, q, k, v, step: int | None = None):
+        if self.dropout is not None:
+            return DropoutKernel(self.dropout).forward(q, k, v, task.causal, self.scale,
+                                                       mask=getattr(task, "mask", None), **self.positions(task, step))
         mask = getattr(task, "mask", None)
         if mask is None:
             return self.kernel.forward(q, k, v, task.causal, self.scale)
         return _mask_kernel(self.kernel).forward(q, k, v, False, self.scale, mask=mask)
 
-    def backward_block(self, task, dout, q, k, v, out, lse):
+    def backward_block(self, task, dout, q, k, v, out, lse, step: int | None = None):
+        if self.dropout is not None:
+            return DropoutKernel(self.dropout).backward(dout, q, k, v, out, lse, task.causal, self.scale,
+                                                        mask=getattr(task, "mask", None),
+                                                        **self.positions(task, step))
         mask = getattr(task, "mask", None)
         if mask is None:
             return self.kernel.backward(dout, q, k, v, out, lse, task.causal, self.scale)
@@ -96,25 +112,29 @@ class _KVStream:
             return self.k, self.v
         buf = self.bufs[step % 2]
         self.status.received((self.plan.ring.rank - step) % self.plan.ring.world, buf)
-        return self.plan.codec.decode(buf[:-1], self.spec)
+        with breakdown.timed(step, "decode"):
+            return self.plan.codec.decode(buf[:-1], self.spec)
 
-    def finish(self) -> None:
+    def finish(self, step: int = 0) -> None:
         """Wait for the exchange started in this step."""
         if self.pending is not None:
-            self.pending.wait()
+            with breakdown.timed(step, "wait"):
+                self.pending.wait()
             self.pending = None
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward. Returns ``(out [b,h,s,d] float32, lse [b,h,s] float32)``."""
-    kv = _KVStream(plan, k, v, "fwd_kv")
+    breakdown.set_phase("fwd")
+    with breakdown.timed(0, "copies"):
+        kv = _KVStream(plan, k, v, "fwd_kv")
     acc: list[torch.Tensor] = []  # [out, lse] once the first block result exists
     steps = plan.steps(q.shape[2])
     for step in range(steps):
         kv.start(step, steps)
         _forward_step(q, *kv.block(step), plan, step, acc)
-        kv.finish()
+        kv.finish(step)
     if plan.ring.world > 1:
         kv.status.settle(plan)  # every rank raises if any rank's K/V (or input) was refused
     if not acc:  # no local query sees any key (all padding, or masked away): out 0, lse -inf
@@ -133,13 +153,15 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
     """Fold one visiting block into ``acc``; a function so its temporaries die before the next step."""
     b, h, s, _ = q.shape
     for task in plan.tasks(step, s):
-        out, lse = plan.forward_block(task, q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv])
+        with breakdown.timed(step, "kernel"):
+            out, lse = plan.forward_block(task, q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv], step)
         if not acc and task.q == slice(0, s):  # first result covering every row: adopt it
             acc += [out.float(), lse.float()]
             continue
         if not acc:
             _new_acc(q, vt, acc)
-        merge_into(acc[0][:, :, task.q], acc[1][:, :, task.q], out, lse)
+        with breakdown.timed(step, "merge"):
+            merge_into(acc[0][:, :, task.q], acc[1][:, :, task.q], out, lse)
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -152,7 +174,9 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     check_pending(plan)
     s = q.shape[2]
     world = plan.ring.world
-    kv = _KVStream(plan, k, v, "bwd_kv")
+    breakdown.set_phase("bwd")
+    with breakdown.timed(0, "copies"):
+        kv = _KVStream(plan, k, v, "bwd_kv")
     dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
     nk = k.numel()
     # dK/dV accumulators travel as one fp32 buffer: [dK.flatten(), dV.flatten()]
@@ -165,18 +189,23 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         kv.start(step, steps)
         acc = dkv[step % 2]
         _backward_step(dout, q, *kv.block(step), out, lse, plan, step, dq,
-                       lambda: dkv_pending.wait() if dkv_pending is not None else None,
+                       lambda: _wait(dkv_pending, step),
                        _view_like(acc[:nk], k), _view_like(acc[nk:], v))
         if world > 1:  # pass it on; after the last step this hop returns each block to its owner
             dkv_pending = plan.ring.exchange(acc, dkv[(step + 1) % 2], "bwd_dkv", step)
-        kv.finish()
+        kv.finish(step)
     for step in range(steps, world):  # a shortened ring: carry the accumulators home, nothing to add
-        dkv_pending.wait()
+        _wait(dkv_pending, step)
         dkv_pending = plan.ring.exchange(dkv[step % 2], dkv[(step + 1) % 2], "bwd_dkv", step)
-    if dkv_pending is not None:
-        dkv_pending.wait()
+    _wait(dkv_pending, world)
     mine = dkv[world % len(dkv)]  # P=1: the local accumulator; else where the last hop landed
     return dq, _view_like(mine[:nk], k), _view_like(mine[nk:], v)
+
+
+def _wait(pending: Exchange | None, step: int) -> None:
+    if pending is not None:
+        with breakdown.timed(step, "wait"):
+            pending.wait()
 
 
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
@@ -187,16 +216,19 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     partial = []
     for task in plan.tasks(step, q.shape[2]):
         rows = task.q
-        dq_b, dk_b, dv_b = plan.backward_block(
-            task, dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
-            out[:, :, rows], lse[:, :, rows].contiguous())
-        dq[:, :, rows] += dq_b
+        with breakdown.timed(step, "kernel"):
+            dq_b, dk_b, dv_b = plan.backward_block(
+                task, dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
+                out[:, :, rows], lse[:, :, rows].contiguous(), step)
+        with breakdown.timed(step, "copies"):
+            dq[:, :, rows] += dq_b
         del dq_b
         partial.append((task.kv, dk_b, dv_b))
     wait_for_acc()
-    for cols, dk_b, dv_b in partial:
-        dk_acc[:, :, cols] += dk_b
-        dv_acc[:, :, cols] += dv_b
+    with breakdown.timed(step, "copies"):
+        for cols, dk_b, dv_b in partial:
+            dk_acc[:, :, cols] += dk_b
+            dv_acc[:, :, cols] += dv_b
 
 
 def _view_like(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -226,42 +258,58 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
-                heads: list[slice]) -> torch.Tensor:
+                heads: list[slice], sink: torch.Tensor | None = None) -> torch.Tensor:
+        """``sink``: optional fp32 ``[h]`` softmax offsets (attention sinks), folded into the lse."""
         g = q.shape[1] // k.shape[1]
         if len(heads) == 1:
             acc, lse = ring_forward(q, k, v, plan)
+            if sink is not None:
+                fold_sink(acc, lse, sink)
             out = _as_result(acc, q)
         else:
-            out = torch.empty_like(q)
+            out = q.new_empty((*q.shape[:3], v.shape[-1]))
             lse = q.new_empty(q.shape[:3], dtype=torch.float32)
             for hs in heads:
                 qs = slice(hs.start * g, hs.stop * g)
-                acc, lse_part = ring_forward(q[:, qs], k[:, hs], v[:, hs], plan)
+                acc, lse_part = ring_forward(q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs))
+                if sink is not None:
+                    fold_sink(acc, lse_part, sink[qs])
                 out[:, qs].copy_(acc)
                 lse[:, qs].copy_(lse_part)
                 del acc, lse_part
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan, ctx.heads = plan, heads
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         if dout.stride() != out.stride():
             dout = torch.empty_like(out).copy_(dout)
+        extra = [None] * (len(ctx.needs_input_grad) - 3)  # plan, heads[, sink]
+        if sink is not None and ctx.needs_input_grad[5]:
+            extra[2] = sink_grad(dout, out, lse, sink).to(sink.dtype)
         if len(ctx.heads) == 1:
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
             return (_as_result(dq, q), _as_result(dk, k, any_strides=True),
-                    _as_result(dv, v, any_strides=True), None, None)
+                    _as_result(dv, v, any_strides=True), *extra)
         g = q.shape[1] // k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for hs in ctx.heads:
             qs = slice(hs.start * g, hs.stop * g)
-            parts = ring_backward(dout[:, qs], q[:, qs], k[:, hs], v[:, hs], out[:, qs], lse[:, qs], ctx.plan)
+            parts = ring_backward(dout[:, qs], q[:, qs], k[:, hs], v[:, hs], out[:, qs], lse[:, qs],
+                                  _for_heads(ctx.plan, qs))
             for whole, part, sl in zip((dq, dk, dv), parts, (qs, hs, hs)):
                 whole[:, sl].copy_(part)
             del parts
-        return dq, dk, dv, None, None
+        return (dq, dk, dv, *extra)
+
+
+def _for_heads(plan: RingPlan, qs: slice) -> RingPlan:
+    """The plan for the query heads ``qs`` of a head-chunked call (dropout keys on global heads)."""
+    if plan.dropout is None:
+        return plan
+    return replace(plan, dropout=plan.dropout.shifted(plan.dropout.head_offset + qs.start))
 
 
 def _as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False) -> torch.Tensor:
@@ -271,4 +319,16 @@ def _as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False)
     """
     if acc.dtype == like.dtype and (any_strides or acc.stride() == like.stride()):
         return acc
-    return torch.empty_like(like).copy_(acc)
+    if acc.shape == like.shape:
+        return torch.empty_like(like).copy_(acc)
+    return torch.empty_strided(acc.shape, _strides_like(acc, like), dtype=like.dtype,  # out with v's head dim
+                               device=like.device).copy_(acc)
+
+
+def _strides_like(acc: torch.Tensor, like: torch.Tensor) -> list[int]:
+    """Dense strides for ``acc``'s shape in ``like``'s memory order."""
+    order = sorted(range(like.ndim), key=lambda i: like.stride(i), reverse=True)
+    strides, step = [0] * like.ndim, 1
+    for i in reversed(order):
+        strides[i], step = step, step * acc.shape[i]
+    return strides

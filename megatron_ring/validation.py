@@ -24,7 +24,7 @@ _SIGNATURE_FIELDS = (
     "k.shape[0]", "k.shape[1]", "k.shape[2]", "k.shape[3]",
     "v.shape[0]", "v.shape[1]", "v.shape[2]", "v.shape[3]",
     "q.dtype", "k.dtype", "v.dtype", "device type", "causal", "layout", "qkv_format", "comm_dtype",
-    "softmax_scale", "head_chunks", "cu_seqlens", "window", "comm_type",
+    "softmax_scale", "head_chunks", "cu_seqlens", "window", "comm_type", "dropout/softmax_offset",
 )
 
 
@@ -40,7 +40,7 @@ def _shape4(t: torch.Tensor) -> list[int]:
 def call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, layout: Any,
                    qkv_format: Any, comm_dtype: Any, softmax_scale: float | None,
                    head_chunks: Any = 1, cu_seqlens: Any = None, window: Any = None,
-                   comm_type: Any = "p2p") -> tuple[int, ...]:
+                   comm_type: Any = "p2p", extras: Any = None) -> tuple[int, ...]:
     """The integers every rank of the group must agree on (see ``_SIGNATURE_FIELDS``)."""
     scale_bits = struct.unpack("<q", struct.pack("<d", float(softmax_scale)))[0] if softmax_scale else 0
     layout_name = getattr(layout, "name", layout)
@@ -48,7 +48,7 @@ def call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
             _code(v.dtype), _code(q.device.type), int(bool(causal)), _code(layout_name),
             _code(qkv_format), _code(comm_dtype), scale_bits,
             head_chunks if isinstance(head_chunks, int) else _code(head_chunks), _code(_listed(cu_seqlens)),
-            _code(_listed(window)), _code(comm_type))
+            _code(_listed(window)), _code(comm_type), _code(extras))
 
 
 def _listed(x: Any) -> Any:
@@ -127,8 +127,6 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: 
                          f"sequence length ({qkv_format})")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
-    if v.shape[3] != q.shape[3]:
-        raise ValueError(f"v must have q's head dim {q.shape[3]}, got {v.shape[3]}")
     h, h_kv = q.shape[2], k.shape[2]
     if h_kv == 0 or h % h_kv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv}) for GQA/MQA; "

@@ -21,6 +21,7 @@ from megatron_ring.kernels import set_deterministic
 from . import comm_types
 from .config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
 from .documents import DocumentsFromMask, packed_cu_seqlens
+from .extras import dropout_seed, make_softmax_offset, ring_softmax_offset
 from .provider import get_ring_state, is_context_parallel_initialized
 
 __all__ = ["RingDotProductAttention"]
@@ -46,7 +47,10 @@ class RingDotProductAttention(MegatronModule):
     Supported masks: ``causal`` and ``no_mask``; documents from ``packed_seq_params`` (THD, global
     ``cu_seqlens``) or, with ``causal``, from an ``attention_mask`` that is causal within documents
     (``--reset-attention-mask``; see :mod:`.documents`); ``config.window_size`` (sliding window).
-    Attention dropout must be 0.
+    Multi-latent attention (``k_channels != v_channels``, passed by Megatron's ``MLASelfAttention``),
+    ``config.softmax_type`` "off-by-one" / "learnable" (attention sinks; the learnable ``softmax_offset``
+    parameter is named and initialised like Megatron's), and ``attention_dropout > 0`` in training mode
+    (positional dropout: the same mask at every CP size and layout; see :mod:`.extras`).
     """
 
     def __init__(
@@ -59,6 +63,8 @@ class RingDotProductAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         self.config: TransformerConfig = config
@@ -67,16 +73,13 @@ class RingDotProductAttention(MegatronModule):
         self.attention_type = attention_type
 
         p_drop = config.attention_dropout if attention_dropout is None else attention_dropout
-        if p_drop:
-            raise ContextParallelConfigError(
-                "--attention-dropout", f"RingDotProductAttention does not support attention dropout yet "
-                                       f"(got {p_drop}); set attention_dropout=0 (--attention-dropout 0)")
+        if not 0.0 <= float(p_drop) < 1.0:
+            raise ContextParallelConfigError("--attention-dropout", f"must be in [0, 1), got {p_drop}")
+        self.attention_dropout_p = float(p_drop)  # applied in training mode only (see extras.dropout_seed)
         if attention_type != "self":
             raise NotImplementedError(f"RingDotProductAttention supports self-attention only, got "
                                       f"attention_type={attention_type!r}")
         self._cp_comm_type_arg = cp_comm_type  # resolved per layer by comm_types.layer_comm_type
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported; use 'vanilla'")
         self.window = _window(config, layer_number)
         self._documents = DocumentsFromMask()
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
@@ -94,10 +97,13 @@ class RingDotProductAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.pg_collection = pg_collection
         tp = pg_collection.tp.size()
-        projection_size = config.kv_channels * config.num_attention_heads
-        self.hidden_size_per_partition = divide(projection_size, tp)
-        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        # MLA passes k_channels (Q/K head dim) and v_channels (V head dim, which sets the output size)
+        k_ch = config.kv_channels if k_channels is None else k_channels
+        v_ch = config.kv_channels if v_channels is None else v_channels
+        self.hidden_size_per_partition = divide(v_ch * config.num_attention_heads, tp)
+        self.hidden_size_per_attention_head = k_ch
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
+        self.softmax_offset = make_softmax_offset(config, self.num_attention_heads_per_partition)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
         # Megatron's query-key layer scaling divides the scale by layer_number and multiplies it back
         # inside the softmax: mathematically the plain scale, which is what the ring uses.
@@ -164,7 +170,10 @@ class RingDotProductAttention(MegatronModule):
         run = lambda q, k, v, fmt, cu=None: megatron_ring.ring_attention(  # noqa: E731
             q, k, v, group=group, causal=causal, layout=cfg.layout, softmax_scale=self.softmax_scale,
             qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
-            window=self.window, **self._comm_type())
+            window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed, **self._comm_type())
+        offset = ring_softmax_offset(self.config, self.softmax_offset)
+        p_drop = self.attention_dropout_p if self.training else 0.0
+        seed = dropout_seed_base = dropout_seed(self.layer_number, query.device) if p_drop else None
         if packed_seq_params is not None:  # THD: query [t, np, hn] (Megatron squeezed the batch dim)
             if query.dim() == 4:
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
@@ -177,8 +186,11 @@ class RingDotProductAttention(MegatronModule):
         if docs is None:
             out = run(query, key, value, "sbhd")
         else:
-            out = torch.stack([run(query[:, i], key[:, i], value[:, i], "thd", torch.tensor(cu))
-                               for i, cu in enumerate(docs)], 1)
+            rows = []
+            for i, cu in enumerate(docs):  # one packed stream per batch row: its own dropout seed
+                seed = None if p_drop == 0.0 else (dropout_seed_base + 0x9E3779B97F4A7C15 * (i + 1)) % (1 << 63)
+                rows.append(run(query[:, i], key[:, i], value[:, i], "thd", torch.tensor(cu)))
+            out = torch.stack(rows, 1)
         return out.view(out.size(0), out.size(1), self.hidden_size_per_partition)
 
 

@@ -156,10 +156,9 @@ class RingConfig:
                     f"{seq_length} is not divisible by {self.seq_multiple}, which --cp-layout {self.layout} "
                     f"needs with --context-parallel-size {cp}; pad it to a multiple of {self.seq_multiple}"
                     + ("" if self.layout != "zigzag" else " or use --cp-layout striped"))
-        if attention_dropout is not None and attention_dropout > 0:
+        if attention_dropout is not None and not 0.0 <= attention_dropout < 1.0:
             raise ContextParallelConfigError(
-                "--attention-dropout", f"ring attention does not support attention dropout yet (got "
-                                       f"{attention_dropout}); set --attention-dropout 0")
+                "--attention-dropout", f"must be a probability in [0, 1), got {attention_dropout}")
         if num_layers is not None and len(self.cp_comm_type) not in (1, num_layers):
             raise ContextParallelConfigError(
                 "--cp-comm-type", f"give one value or one per layer ({num_layers}), got {len(self.cp_comm_type)}")

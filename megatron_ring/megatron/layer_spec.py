@@ -40,13 +40,13 @@ def get_gpt_layer_ring_spec(
 
     Arguments are passed by keyword on every supported megatron-core; one a release lacks
     (``moe_use_legacy_grouped_gemm`` after 0.16) is accepted at its default and refused otherwise.
-    Multi-latent attention is not supported (its V head size differs from Q/K's).
+    ``multi_latent_attention=True`` builds Megatron's ``MLASelfAttention`` layer (V's head dim differs
+    from Q/K's; the ring packs K and V into one wire buffer all the same) with ring core attention.
     """
-    if multi_latent_attention:
-        raise NotImplementedError("get_gpt_layer_ring_spec does not support multi_latent_attention")
     spec = compat.gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
-        multi_latent_attention=False, fp8=fp8, moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm,
+        multi_latent_attention=bool(multi_latent_attention), fp8=fp8,
+        moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm,
         normalization=normalization, qk_l2_norm=qk_l2_norm, **kwargs)
     spec.submodules.self_attention.submodules.core_attention = RingDotProductAttention
     return spec
@@ -60,10 +60,6 @@ def _is_self_attention(spec: ModuleSpec) -> bool:
         and hasattr(spec.submodules, "core_attention")
 
 
-def _is_mla(spec: ModuleSpec) -> bool:
-    return isinstance(spec.module, type) and "MLA" in spec.module.__name__
-
-
 def with_ring_attention(spec: Any, core_attention: type = RingDotProductAttention) -> Any:
     """A copy of ``spec`` (``ModuleSpec``, ``TransformerBlockSubmodules``, MTP block spec, or a list of
     them) in which every self-attention's ``core_attention`` is ``core_attention`` (ring attention).
@@ -71,7 +67,7 @@ def with_ring_attention(spec: Any, core_attention: type = RingDotProductAttentio
     Walks the whole spec tree: ``ModuleSpec.submodules`` dataclasses, ``layer_specs`` lists, nested
     specs (MTP layers hold a transformer-layer spec). Everything that is not a self-attention core
     attention is kept as is — TransformerEngine linears/norms, MoE experts, cross attention. The input
-    is not modified. Multi-latent attention (MLA) is refused (its value head size differs from Q/K's).
+    is not modified. Multi-latent attention (MLA) layers get ring attention too (V's head dim may differ).
 
     Raises ``ValueError`` when the tree holds no self-attention (nothing would change: never silent).
     """
@@ -97,9 +93,6 @@ def _swap(node: Any, core: type, count: list[int], memo: dict[int, Any]) -> Any:
     elif isinstance(node, ModuleSpec):
         new = copy.copy(node)
         if _is_self_attention(node):
-            if _is_mla(node):
-                raise NotImplementedError(f"ring attention does not support multi-latent attention "
-                                          f"({node.module.__name__}): its value head size differs from Q/K's")
             new.submodules = copy.copy(node.submodules)
             new.submodules.core_attention = core
             count[0] += 1

@@ -220,7 +220,7 @@ def bad_config_worker(rank: int, world: int, case: str) -> dict[str, Any]:
                 elif case == "cp_comm_type":
                     config_from_args(parse(["--context-parallel-size", "2", "--cp-comm-type", "ulysses"]))
                 elif case == "attention_dropout":
-                    config_from_args(parse(["--context-parallel-size", "2", "--attention-dropout", "0.1"]))
+                    config_from_args(parse(["--context-parallel-size", "2", "--attention-dropout", "1.5"]))
                 elif case == "layout_differs_across_ranks":
                     layout = "striped" if rank == 1 else "zigzag"
                     initialize_context_parallel(RingConfig(context_parallel_size=world, layout=layout))

@@ -1,0 +1,196 @@
+"""MLA head dims, attention sinks and positional dropout vs an independent float64 reference.
+
+One set of gloo processes per P in {1, 2, 3, 4} runs the whole matrix: every layout, causal and not,
+bshd / sbhd / thd (documents + window), MLA head dims (d_qk != d_v, both ways), sinks (off-by-one
+float and learnable per-head tensor, whose gradient is summed over the group), dropout (alone, with
+sinks, with head_chunks=2, with documents), fp32 and bf16 wire/compute. Outputs AND dq/dk/dv (and the
+sink gradient) are compared with the float64 reference; with dropout, CP=P is also compared with the
+same call at CP=1 (a loopback ring in the same process): they agree to fp32 rounding.
+
+Tolerances (max abs error / max(1, max |reference|)): fp32 2e-5, bf16 2e-2 (reference fed the same
+bf16-rounded inputs). A wrong mask, sink or dropout decision gives O(0.1..1) errors.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from feature_reference import feature_reference
+from megatron_ring import ring_attention, shard_sequence
+from megatron_ring.block_extras import keep_mask
+from megatron_ring.comm import LoopbackRing
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+# (name, dqk, dv, h, h_kv, sink, dropout, head_chunks, fmt, docs, dtype, comm_dtype)
+CASES = [
+    ("mla 12/8", 12, 8, 4, 2, None, 0.0, 1, "bshd", False, torch.float32, None),
+    ("mla 8/12 sbhd", 8, 12, 4, 4, None, 0.0, 1, "sbhd", False, torch.float32, None),
+    ("mla bf16 fp8 wire", 12, 8, 4, 1, None, 0.0, 1, "bshd", False, torch.bfloat16, "fp8"),
+    ("mla bf16 wire", 12, 8, 4, 2, None, 0.0, 2, "bshd", False, torch.float32, "bf16"),
+    ("sink off-by-one", 8, 8, 4, 2, 0.0, 0.0, 1, "bshd", False, torch.float32, None),
+    ("sink learnable mla", 12, 8, 4, 2, "learn", 0.0, 2, "sbhd", False, torch.float32, None),
+    ("sink learnable docs", 8, 8, 4, 4, "learn", 0.0, 1, "thd", True, torch.float32, None),
+    ("sink bf16", 8, 8, 4, 2, "learn", 0.0, 1, "bshd", False, torch.bfloat16, None),
+    ("dropout", 8, 8, 4, 2, None, 0.3, 1, "bshd", False, torch.float32, None),
+    ("dropout sink chunks mla", 12, 8, 4, 2, "learn", 0.2, 2, "sbhd", False, torch.float32, None),
+    ("dropout docs+window", 8, 8, 4, 1, None, 0.25, 1, "thd", True, torch.float32, None),
+]
+
+
+def _global(case, world, seed):
+    name, dqk, dv, h, h_kv, sink, p, chunks, fmt, docs, dtype, wire = case
+    b = 1 if fmt == "thd" else 2
+    S = 8 * world
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, S, h, dqk, generator=g).to(dtype)
+    k = torch.randn(b, S, h_kv, dqk, generator=g).to(dtype)
+    v = torch.randn(b, S, h_kv, dv, generator=g).to(dtype)
+    dout = torch.randn(b, S, h, dv, generator=g).to(dtype)
+    sink_t = None
+    if sink == "learn":
+        sink_t = torch.randn(h, generator=g)
+    elif sink is not None:
+        sink_t = torch.full((h,), float(sink))
+    cu = sorted({0, 3, 4, min(11, S - 3), S - 2}) if docs else None
+    window = (5, 2) if docs and p else None
+    return q, k, v, dout, sink_t, cu, window, S
+
+
+def _tol(dtype, wire):
+    """fp8 (e4m3) wire: K/V rounded to ~2^-4 relative once; bf16 wire: ~2^-8."""
+    return {"fp8": 0.15, "bf16": 2e-2}.get(wire, TOL[dtype])
+
+
+def _to_fmt(x, fmt):  # x [b, S, ...] -> local layout of the format
+    return x.squeeze(0) if fmt == "thd" else (x.transpose(0, 1).contiguous() if fmt == "sbhd" else x)
+
+
+def _from_fmt(x, fmt):
+    return x.unsqueeze(0) if fmt == "thd" else (x.transpose(0, 1) if fmt == "sbhd" else x)
+
+
+def _run_ring(case, layout, causal, local, sink_t, cu, window, seed, ring=None):
+    name, dqk, dv, h, h_kv, sink, p, chunks, fmt, docs, dtype, wire = case
+    leaves = [t.detach().clone().requires_grad_() for t in local[:3]]
+    s_leaf = None
+    if sink == "learn":
+        s_leaf = sink_t.clone().requires_grad_()
+        offset = s_leaf
+    else:
+        offset = None if sink is None else float(sink)
+    out = ring_attention(*leaves, causal=causal, layout=layout, qkv_format=fmt, comm_dtype=wire,
+                         head_chunks=chunks, softmax_offset=offset, dropout_p=p, dropout_seed=seed,
+                         cu_seqlens=torch.tensor(cu) if cu is not None else None, window=window, ring=ring)
+    assert out.dtype == dtype and out.shape == (*local[0].shape[:-1], dv)
+    out.backward(local[3])
+    grads = [t.grad for t in leaves] + ([s_leaf.grad] if s_leaf is not None else [])
+    return out.detach(), grads
+
+
+def _worker(rank, world):
+    rows = []
+    for ci, case in enumerate(CASES):
+        name, dqk, dv, h, h_kv, sink, p, chunks, fmt, docs, dtype, wire = case
+        for li, layout in enumerate(("contiguous", "zigzag", "striped")):
+            for causal in (True, False):
+                seed = 1000 * ci + 10 * li + int(causal)
+                q, k, v, dout, sink_t, cu, window, S = _global(case, world, seed)
+                ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+                s_ref = sink_t.double().requires_grad_() if sink_t is not None else None
+                ref = feature_reference(*ref_leaves, causal=causal, cu=cu, window=window, sink=s_ref,
+                                        dropout_p=p, seed=seed)
+                ref.backward(dout.double())
+                refs = [ref.detach()] + [t.grad for t in ref_leaves] + (
+                    [s_ref.grad] if sink == "learn" else [])
+                sh = lambda x: _to_fmt(shard_sequence(x, 1, layout=layout), fmt)  # noqa: E731
+                local = [sh(t) for t in (q, k, v, dout)]
+                out, grads = _run_ring(case, layout, causal, local, sink_t, cu, window, seed)
+                if sink == "learn" and world > 1:
+                    dist.all_reduce(grads[3])  # each rank's sink gradient covers its own queries
+                got = [out] + grads
+                for what, a, r in zip(("out", "dq", "dk", "dv", "dsink"), got, refs):
+                    r_local = r if what == "dsink" else sh(r)
+                    err = (a.double() - r_local).abs().max().item() / max(1.0, r.abs().max().item())
+                    rows.append((name, layout, causal, what, "ref", err, _tol(dtype, wire)))
+                if p and world > 1:  # CP=P vs CP=1 (same seed, same call, loopback ring on the full data)
+                    full = [_to_fmt(t, fmt) for t in (q, k, v, dout)]
+                    out1, grads1 = _run_ring(case, layout, causal, full, sink_t, cu, window, seed,
+                                             ring=LoopbackRing(1, 0, q.device))
+                    for what, a, r in zip(("out", "dq", "dk", "dv", "dsink"), got, [out1] + grads1):
+                        r_local = r if what == "dsink" else _to_fmt(shard_sequence(_from_fmt(r, fmt), 1, layout=layout), fmt)
+                        err = (a.double() - r_local.double()).abs().max().item()
+                        rows.append((name, layout, causal, what, "cp1", err, 2e-6))
+    return rows
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_mla_sinks_dropout_match_reference(world):
+    worst = {}
+    for rows in run_distributed(_worker, world, timeout=600):
+        for name, layout, causal, what, vs, err, tol in rows:
+            key = (name, layout, causal, what, vs)
+            worst[key] = max(worst.get(key, 0.0), err)
+            tol_of = tol
+            assert not math.isnan(err), key
+            assert err <= tol_of, (key, err, tol_of)
+    assert len(worst) > 100
+
+
+def test_dropout_rate_and_independence():
+    """Drop rate within 5 sigma for p in {0.1, 0.5}; masks of neighbouring heads/rows/seeds independent."""
+    pos = torch.arange(512)
+    for p in (0.1, 0.5):
+        keep = keep_mask(1234, torch.arange(4), pos, pos, p)  # 4 x 512 x 512 = 1M decisions
+        n = keep.numel()
+        rate = 1.0 - keep.float().mean().item()
+        assert abs(rate - p) < 5 * math.sqrt(p * (1 - p) / n), (p, rate)
+        a, b = keep[0].flatten().float(), keep[1].flatten().float()
+        both = (a * b).mean().item()  # P(keep, keep) for two heads = (1-p)^2 if independent
+        assert abs(both - (1 - p) ** 2) < 5 * math.sqrt((1 - p) ** 2 / a.numel()), (p, both)
+        rows = keep[0].float().mean(1)  # per-query rates: no stuck rows
+        assert rows.min() > 1 - p - 0.15 and rows.max() < 1 - p + 0.15
+        other = keep_mask(1235, torch.arange(4), pos, pos, p)
+        agree = (other == keep).float().mean().item()
+        expect = p * p + (1 - p) ** 2
+        assert abs(agree - expect) < 0.01, (p, agree, expect)
+
+
+def test_bad_feature_arguments_name_the_fix():
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="dropout_seed"):
+        ring_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        ring_attention(q, q, q, dropout_p=1.0, dropout_seed=1)
+    with pytest.raises(ValueError, match=r"shape \[h\]"):
+        ring_attention(q, q, q, softmax_offset=torch.zeros(3))
+    with pytest.raises(ValueError, match="softmax_offset"):
+        ring_attention(q, q, q, softmax_offset=float("nan"))
+
+
+def test_breakdown_records_every_phase_and_is_off_by_default():
+    from megatron_ring import breakdown
+
+    q = torch.randn(1, 32, 2, 8, requires_grad=True)
+    with breakdown.record() as rec:
+        ring_attention(q, q, q, causal=True, ring=LoopbackRing(2, 0, q.device)).backward(torch.ones(1, 32, 2, 8))
+    cats = {(phase, cat) for phase, _, cat in rec}
+    assert {("fwd", "kernel"), ("fwd", "merge"), ("bwd", "kernel"), ("bwd", "copies")} <= cats, cats
+    assert all(v >= 0 for v in rec.values())
+    assert breakdown.timed(0, "kernel") is breakdown.timed(1, "merge")  # the shared no-op when not recording
+
+
+def _mismatch_worker(rank, world):
+    q = torch.randn(1, 8, 2, 4)
+    try:
+        ring_attention(q, q, q, dropout_p=0.1, dropout_seed=rank)  # seeds differ across ranks
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_dropout_seed_differing_across_ranks_is_caught():
+    for msg in run_distributed(_mismatch_worker, 2, timeout=120):
+        assert "dropout/softmax_offset" in msg, msg
