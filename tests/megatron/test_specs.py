@@ -94,8 +94,8 @@ def test_ring_spec_is_local_spec_with_only_core_attention_changed():
         _assert_only_core_attention_changed(local, ring, 1)
         # never an L2Norm slipped in through a shifted positional argument (0.19's qk_l2_norm)
         assert "L2Norm" not in {getattr(v, "__name__", "") for _, v in _leaves(ring)}
-    with pytest.raises(NotImplementedError, match="multi_latent_attention"):
-        get_gpt_layer_ring_spec(multi_latent_attention=True)
+    mla_local = compat.gpt_layer_local_spec(multi_latent_attention=True)
+    _assert_only_core_attention_changed(mla_local, get_gpt_layer_ring_spec(multi_latent_attention=True), 1)
 
 
 def test_keyword_a_release_lacks_is_refused_unless_default():
@@ -164,6 +164,5 @@ def test_with_ring_attention_refuses_what_it_cannot_do():
 
     with pytest.raises(ValueError, match="no self-attention"):
         with_ring_attention(ModuleSpec(module=MLP))
-    mla = S.get_gpt_layer_local_spec(multi_latent_attention=True)
-    with pytest.raises(NotImplementedError, match="multi-latent"):
-        with_ring_attention(mla)
+    mla = S.get_gpt_layer_local_spec(multi_latent_attention=True)  # MLA is supported: only core attention changes
+    _assert_only_core_attention_changed(mla, with_ring_attention(mla), 1)
