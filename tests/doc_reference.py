@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from feature_reference import visible
+
 
 def doc_attention_reference(q, k, v, cu, causal, window=None, scale=None):
     """``q [T, h, d]``, ``k, v [T, h_kv, d]`` (a packed stream), ``cu`` a list of boundaries."""
@@ -21,17 +23,7 @@ def doc_attention_reference(q, k, v, cu, causal, window=None, scale=None):
         qd = q[a:b].double().transpose(0, 1)
         kd = k[a:b].double().transpose(0, 1).repeat_interleave(g, 0)
         vd = v[a:b].double().transpose(0, 1).repeat_interleave(g, 0)
-        i = torch.arange(b - a)[:, None]
-        j = torch.arange(b - a)[None, :]
-        ok = torch.ones(b - a, b - a, dtype=torch.bool)
-        if causal:
-            ok &= j <= i
-        if window is not None:
-            left, right = window
-            if left >= 0:
-                ok &= j >= i - left
-            if right >= 0:
-                ok &= j <= i + right
+        ok = visible(b - a, causal, window=window)  # one document: causal and window only
         s = (qd @ kd.transpose(-1, -2) * scale).masked_fill(~ok, float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
