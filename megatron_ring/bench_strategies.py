@@ -49,7 +49,6 @@ def _inner(world: int) -> int | None:
 
 
 def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
 
     from megatron_ring import ring_attention

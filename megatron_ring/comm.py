@@ -158,14 +158,6 @@ class Ring:
         return Exchange(self, pending, channel, step)
 
 
-class _DoneWork:
-    def wait(self, *_: Any) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
 class LoopbackRing(Ring):
     """Same schedule, no network: "receives" a local copy of what it sends (compute-only timing)."""
 

@@ -110,6 +110,34 @@ def reference_worker(rank: int, world: int, m: dict, steps: int, dp: int) -> dic
 # ----------------------------------------------------------------------------------------------
 # ring: GPTModel with get_gpt_layer_ring_spec at (TP, CP)
 # ----------------------------------------------------------------------------------------------
+
+def train_ring(model, m: dict, steps: int) -> tuple[list[float], Any]:
+    """AdamW steps of ``model`` (ring attention at CP > 1) on the layout's share of each batch: the losses
+    (summed over CP, averaged over DP) and the full step-0 gradients."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ring.megatron import allreduce_gradients, get_batch_on_this_cp_rank, reduce_loss_over_cp
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=m["lr"], weight_decay=0.0)
+    losses, grads0 = [], None
+    b = m["micro_batch"]
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        full = make_batch(m, step, dp * b)
+        mine = get_batch_on_this_cp_rank({k: v[dp_rank * b:(dp_rank + 1) * b] for k, v in full.items()})
+        tok = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
+        red = reduce_loss_over_cp(tok, mine["loss_mask"])
+        red.loss.backward()
+        allreduce_gradients(model)
+        rep = red.reported.clone()
+        dist.all_reduce(rep, group=ps.get_data_parallel_group())
+        losses.append(float(rep) / dp)
+        if step == 0:
+            grads0 = _full_grads(model, ps.get_tensor_model_parallel_group())
+        opt.step()
+    return losses, grads0
+
 def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[str], steps: int,
                 negative_control: bool = False) -> dict[str, Any]:
     """For each layout: per-step reported loss and step-0 full gradients (returned by global rank 0).
@@ -133,24 +161,8 @@ def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[
                 tensor_parallel.model_parallel_cuda_manual_seed(m["seed"], force_reset_rng=True)
                 model = _build(m, tp, cp, ring=True)
                 dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-                dp_group = ps.get_data_parallel_group()
-                opt = torch.optim.AdamW(model.parameters(), lr=m["lr"], weight_decay=0.0)
-                losses, grads0 = [], None
                 b = m["micro_batch"]
-                for step in range(steps):
-                    opt.zero_grad(set_to_none=True)
-                    full = make_batch(m, step, dp * b)
-                    mine = get_batch_on_this_cp_rank({k: v[dp_rank * b:(dp_rank + 1) * b] for k, v in full.items()})
-                    tok = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
-                    red = reduce_loss_over_cp(tok, mine["loss_mask"])
-                    red.loss.backward()
-                    allreduce_gradients(model)
-                    rep = red.reported.clone()
-                    dist.all_reduce(rep, group=dp_group)
-                    losses.append(float(rep) / dp)
-                    if step == 0:
-                        grads0 = _full_grads(model, ps.get_tensor_model_parallel_group())
-                    opt.step()
+                losses, grads0 = train_ring(model, m, steps)
                 res: dict[str, Any] = dict(losses=losses)
                 if rank == 0:
                     res["grads"] = grads0

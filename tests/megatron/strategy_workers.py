@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import megatron_workers as W
 
@@ -17,9 +16,7 @@ def comm_type_worker(rank: int, world: int, m: dict, cp: int, cases: list[tuple]
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel,
-                                        get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu,
-                                        reduce_loss_over_cp)
+    from megatron_ring.megatron import RingConfig, destroy_context_parallel, initialize_context_parallel, megatron_cpu
 
     out: dict[str, Any] = {}
     with megatron_cpu():
@@ -30,24 +27,7 @@ def comm_type_worker(rank: int, world: int, m: dict, cp: int, cases: list[tuple]
                                             seq_length=m["seq"])
                 tensor_parallel.model_parallel_cuda_manual_seed(m["seed"], force_reset_rng=True)
                 model = W._build(m, 1, cp, ring=True)
-                opt = torch.optim.AdamW(model.parameters(), lr=m["lr"], weight_decay=0.0)
-                dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-                b = m["micro_batch"]
-                losses, grads0 = [], None
-                for step in range(steps):
-                    opt.zero_grad(set_to_none=True)
-                    full = W.make_batch(m, step, dp * b)
-                    mine = get_batch_on_this_cp_rank({k: v[dp_rank * b:(dp_rank + 1) * b] for k, v in full.items()})
-                    tok = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
-                    red = reduce_loss_over_cp(tok, mine["loss_mask"])
-                    red.loss.backward()
-                    allreduce_gradients(model)
-                    rep = red.reported.clone()
-                    dist.all_reduce(rep, group=ps.get_data_parallel_group())
-                    losses.append(float(rep) / dp)
-                    if step == 0:
-                        grads0 = W._full_grads(model, ps.get_tensor_model_parallel_group())
-                    opt.step()
+                losses, grads0 = W.train_ring(model, m, steps)
                 out[label] = dict(losses=losses, grads=grads0 if rank == 0 else None)
                 destroy_context_parallel()
             return out
