@@ -62,24 +62,23 @@ class RingPlan:
         pos = lambda r: self.layout.positions(self.dropout.seq_len, world, r)  # noqa: E731
         return {"qpos": pos(rank)[task.q], "kpos": pos((rank - step) % world)[task.kv]}
 
-    def forward_block(self, task, q, k, v, step: int | None = None):
-        if self.dropout is not None:
-            return DropoutKernel(self.dropout).forward(q, k, v, task.causal, self.scale,
-                                                       mask=getattr(task, "mask", None), **self.positions(task, step))
+    def _kernel_for(self, task, step: int | None):
+        """The kernel a task runs on, its ``causal`` flag and extra keywords: position-keyed dropout, an
+        explicit mask (on a kernel that takes masks, else the math kernel), or the plan's kernel."""
         mask = getattr(task, "mask", None)
+        if self.dropout is not None:
+            return DropoutKernel(self.dropout), task.causal, dict(mask=mask, **self.positions(task, step))
         if mask is None:
-            return self.kernel.forward(q, k, v, task.causal, self.scale)
-        return _mask_kernel(self.kernel).forward(q, k, v, False, self.scale, mask=mask)
+            return self.kernel, task.causal, {}
+        return _mask_kernel(self.kernel), False, {"mask": mask}
+
+    def forward_block(self, task, q, k, v, step: int | None = None):
+        kernel, causal, kw = self._kernel_for(task, step)
+        return kernel.forward(q, k, v, causal, self.scale, **kw)
 
     def backward_block(self, task, dout, q, k, v, out, lse, step: int | None = None):
-        if self.dropout is not None:
-            return DropoutKernel(self.dropout).backward(dout, q, k, v, out, lse, task.causal, self.scale,
-                                                        mask=getattr(task, "mask", None),
-                                                        **self.positions(task, step))
-        mask = getattr(task, "mask", None)
-        if mask is None:
-            return self.kernel.backward(dout, q, k, v, out, lse, task.causal, self.scale)
-        return _mask_kernel(self.kernel).backward(dout, q, k, v, out, lse, False, self.scale, mask=mask)
+        kernel, causal, kw = self._kernel_for(task, step)
+        return kernel.backward(dout, q, k, v, out, lse, causal, self.scale, **kw)
 
 
 def _mask_kernel(kernel: BlockKernel) -> BlockKernel:
