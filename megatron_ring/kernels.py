@@ -79,6 +79,14 @@ def _cuda_arch(q: torch.Tensor) -> tuple[int, int]:
     return torch.cuda.get_device_capability(q.device)
 
 
+def _fused_cuda_case(q: torch.Tensor, max_head_dim: int) -> bool:
+    """What the fused CUDA attention kernels share: sm80+, fp16/bf16, head dim a multiple of 8 and at most
+    ``max_head_dim``."""
+    d = q.shape[-1]
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0
+            and d <= max_head_dim and _cuda_arch(q) >= (8, 0))
+
+
 class _SquareCausal(BlockKernel):
     """Runs rectangular causal blocks as square-causal + full pieces (see :func:`causal_pieces`)."""
 
@@ -251,10 +259,7 @@ class FlashAttnKernel(_SquareCausal):
         return self._mod
 
     def supports(self, q, k=None):
-        d = q.shape[-1]
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
-            return False
-        if _cuda_arch(q) < (8, 0):
+        if not _fused_cuda_case(q, 256):
             return False
         try:
             self._impl()
@@ -285,9 +290,7 @@ class TorchFlashCudaKernel(_SquareCausal):
     name = "flash_cuda"
 
     def supports(self, q, k=None):
-        d = q.shape[-1]
-        return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0
-                and d <= 256 and _cuda_arch(q) >= (8, 0) and not deterministic())
+        return _fused_cuda_case(q, 256) and not deterministic()
 
     def _fwd(self, q, k, v, causal, scale):
         g = q.shape[1] // k.shape[1]
@@ -313,10 +316,7 @@ class CudnnKernel(_SquareCausal):
     name = "cudnn"
 
     def supports(self, q, k=None):
-        d = q.shape[-1]
-        return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0
-                and d <= 128 and _cuda_arch(q) >= (8, 0) and torch.backends.cudnn.is_available()
-                and not deterministic())
+        return _fused_cuda_case(q, 128) and torch.backends.cudnn.is_available() and not deterministic()
 
     def _fwd(self, q, k, v, causal, scale):
         g = q.shape[1] // k.shape[1]
@@ -355,10 +355,9 @@ class TEFusedKernel(_SquareCausal):
         return self._fa
 
     def supports(self, q, k=None):
-        d = q.shape[-1]
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+        if not _fused_cuda_case(q, 256):
             return False
-        key = (q.device, q.dtype, d)
+        key = (q.device, q.dtype, q.shape[-1])
         if key not in self._verified:
             self._verified[key] = self._self_check(q)
         return self._verified[key]
