@@ -11,7 +11,10 @@ iteration, the slowest rank (after a barrier): the forward, and forward+backward
   so ``overlap overhead = ring / compute-only - 1`` is the cost of communication that was not hidden;
 
 and in one process with P threads, torch's ``scaled_dot_product_attention`` on the full sequence
-(``single``). ``efficiency = single / ring`` (1.0: perfect scaling). Memory is the peak resident memory
+(``single``). ``efficiency = single / ring`` (1.0: perfect scaling). The compute limit is measured too:
+``T1`` is the same one-process SDPA with ONE thread, ``limit = T1 / min(P, cores)`` (P ranks cannot run
+faster than the work split over the cores they share), and ``ring / limit`` is how far the ring is from
+it (1.0: no overhead at all; ``limit eff = limit / ring``). Memory is the peak resident memory
 per process above its baseline after a tiny warm-up call (so the fixed cost of starting autograd, thread
 pools and the like is left out), with glibc told to return freed blocks at once; ``mem ratio`` is
 ``ring per rank / (single / P)`` (1.0: memory splits perfectly). ``--head-chunks`` runs the ring over
@@ -154,6 +157,10 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
 
     rows = []
+    t1 = None  # one process, ONE thread: the compute limit's numerator (measured once per run)
+    if cfg.get("limit", True):
+        t1 = statistics.median(run_on_ranks(_single_worker, 1, cfg, threads_per_rank=1, timeout=cfg["timeout"],
+                                            env=_ENV)[0]["fwd_bwd"])
     for world in cfg["world_sizes"]:
         single = run_on_ranks(_single_worker, 1, cfg, threads_per_rank=world, timeout=cfg["timeout"], env=_ENV)[0]
         for comm, chunks in itertools.product(cfg["comm_dtypes"], cfg["head_chunks_list"]):
@@ -181,6 +188,10 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
             row["efficiency_fwd_bwd"] = row["single_fwd_bwd_s"] / row["ring_fwd_bwd_s"]
             row["mem_ratio"] = row["ring_peak_mib_per_rank"] / (row["single_peak_mib"] / world)
             row["ring_over_single_fwd_bwd"] = row["ring_fwd_bwd_s"] / row["single_fwd_bwd_s"]
+            if t1 is not None:
+                cores = min(world, os.cpu_count() or 1)
+                row.update(single_1thread_fwd_bwd_s=t1, cores=cores, limit_fwd_bwd_s=t1 / cores)
+                row["ring_over_limit"] = row["ring_fwd_bwd_s"] / row["limit_fwd_bwd_s"]
             if world > 1:
                 row["compute_only_fwd_s"] = _slowest_rank_medians(per_rank, "compute-only", "fwd")
                 row["compute_only_fwd_bwd_s"] = _slowest_rank_medians(per_rank, "compute-only", "fwd_bwd")
@@ -196,7 +207,9 @@ _ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks via mmap: freed memor
 _COLUMNS = [("P", "P", "{}"), ("comm_dtype", "wire", "{}"), ("head_chunks", "chunks", "{}"),
             ("ring_fwd_s", "ring fwd s", "{:.3f}"),
             ("ring_fwd_bwd_s", "ring f+b s", "{:.3f}"), ("single_fwd_bwd_s", "1proc f+b s", "{:.3f}"),
-            ("efficiency_fwd_bwd", "efficiency", "{:.2f}"), ("compute_only_fwd_bwd_s", "comp-only f+b s", "{:.3f}"),
+            ("efficiency_fwd_bwd", "efficiency", "{:.2f}"), ("single_1thread_fwd_bwd_s", "T1 f+b s", "{:.3f}"),
+            ("limit_fwd_bwd_s", "limit s", "{:.3f}"), ("ring_over_limit", "ring/limit", "{:.3f}"),
+            ("compute_only_fwd_bwd_s", "comp-only f+b s", "{:.3f}"),
             ("overlap_overhead_fwd_bwd", "overlap ovh", "{:+.1%}"), ("ring_peak_mib_per_rank", "ring MiB/rank", "{:.0f}"),
             ("single_peak_mib", "1proc MiB", "{:.0f}"), ("mem_ratio", "mem ratio", "{:.2f}"),
             ("kv_bytes_per_step", "KV B/step", "{:,}"),
@@ -267,6 +280,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--memory", action="store_true", help="with --comm-type: also measure peak memory per type")
     ap.add_argument("--no-warmup", action="store_true", help="with --comm-type: skip the untimed warm-up call "
                     "of each type (auto's probe still runs first); for very long sequences")
+    ap.add_argument("--no-limit", action="store_true", help="skip the one-thread one-process run (T1) behind "
+                    "the compute-limit columns")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per spawned run")
     ap.add_argument("--json", help="write the rows to this JSON file")
@@ -312,7 +327,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cfg = dict(world_sizes=a.world_sizes, seq=a.seq, batch=a.batch, heads=a.heads,
                kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, dtype=a.dtype, layout=a.layout,
                causal=a.causal, comm_dtypes=a.comm_dtype, head_chunks_list=a.head_chunks, iters=a.iters,
-               timeout=a.timeout)
+               timeout=a.timeout, limit=not a.no_limit)
     print(f"# S={a.seq} B={a.batch} H={a.heads} H_kv={cfg['kv_heads']} D={a.head_dim} {a.dtype} "
           f"{a.layout} causal={a.causal}; ring: P processes x 1 thread; 1proc: 1 process x P threads; "
           f"medians of {a.iters} iterations (slowest rank)", flush=True)

@@ -12,7 +12,12 @@ results are merged in fp32 by log-sum-exp (:mod:`.merge`).
 Backward, K/V travel the same way and are prefetched likewise; next to them travels an fp32 dK/dV
 accumulator for the visiting block. Each rank adds its contribution and passes it on; after P steps plus
 one final hop the accumulator of every block is back on its owner. The accumulator hop of step t runs
-while step t+1 computes.
+while step t+1 computes. Nothing computes after the last step, so that step goes in two pieces of key
+rows: the first piece's rows travel home while the second piece computes, and only half of the final
+hop is left in the open (:func:`_home_pieces`).
+
+Wire and accumulator buffers come from :data:`~megatron_ring.buffers.POOL` and go back to it after the
+ring, so steps and calls reuse the same memory (no fresh pages per call on CPU).
 """
 from __future__ import annotations
 
@@ -21,11 +26,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import breakdown
+from .buffers import POOL
 from .block_extras import DropoutKernel, DropoutSpec, fold_sink, sink_grad
 from .codec import KVCodec, KVSpec
 from .comm import Exchange, Ring
 from .kernels import BlockKernel, MathKernel
-from .layouts import Layout
+from .layouts import BlockTask, Layout, split_kv
 from .masks import AttentionMask, needed_steps, schedule
 from .merge import merge_into
 from .ring_status import RingStatus, check_pending, status_buffers
@@ -121,6 +127,11 @@ class _KVStream:
                 self.pending.wait()
             self.pending = None
 
+    def release(self) -> None:
+        """Give the wire buffers back to the pool (the ring is over; nothing is in flight)."""
+        POOL.give(*self.bufs)
+        self.bufs = []
+
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +146,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         _forward_step(q, *kv.block(step), plan, step, acc)
         kv.finish(step)
     if plan.ring.world > 1:
+        kv.release()
         kv.status.settle(plan)  # every rank raises if any rank's K/V (or input) was refused
     if not acc:  # no local query sees any key (all padding, or masked away): out 0, lse -inf
         _new_acc(q, v, acc)
@@ -179,26 +191,77 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
     nk = k.numel()
     # dK/dV accumulators travel as one fp32 buffer: [dK.flatten(), dV.flatten()]
-    dkv = [q.new_zeros(nk + v.numel(), dtype=torch.float32)]
+    dkv = [POOL.take(nk + v.numel(), torch.float32, q.device).zero_()]
     if world > 1:
-        dkv.append(torch.empty_like(dkv[0]))
-    dkv_pending: Exchange | None = None
+        dkv.append(POOL.take(nk + v.numel(), torch.float32, q.device))
+    dkv_pending: list[Exchange] = []
     steps = plan.steps(s)
     for step in range(steps):
         kv.start(step, steps)
-        acc = dkv[step % 2]
-        _backward_step(dout, q, *kv.block(step), out, lse, plan, step, dq,
-                       lambda: _wait(dkv_pending, step),
-                       _view_like(acc[:nk], k), _view_like(acc[nk:], v))
-        if world > 1:  # pass it on; after the last step this hop returns each block to its owner
-            dkv_pending = plan.ring.exchange(acc, dkv[(step + 1) % 2], "bwd_dkv", step)
+        acc, nxt = dkv[step % len(dkv)], dkv[(step + 1) % len(dkv)]
+        kt, vt = kv.block(step)
+        tasks = plan.tasks(step, s)
+        pieces = (_home_pieces(tasks, k, v, s) if world > 1 and step == world - 1
+                  else [(tasks, [(0, acc.numel())] if world > 1 else [])])
+        arrived = _Arrival(dkv_pending, step)
+        dkv_pending = []
+        for part, ranges in pieces:
+            _backward_step(dout, q, kt, vt, out, lse, plan, step, dq, arrived,
+                           _view_like(acc[:nk], k), _view_like(acc[nk:], v), part)
+            # pass it on; after the last step these hops return each block to its owner
+            for a, b in ranges:
+                arrived()  # (a piece without tasks: its rows are only forwarded)
+                dkv_pending.append(plan.ring.exchange(acc[a:b], nxt[a:b], "bwd_dkv", step))
         kv.finish(step)
     for step in range(steps, world):  # a shortened ring: carry the accumulators home, nothing to add
-        _wait(dkv_pending, step)
-        dkv_pending = plan.ring.exchange(dkv[step % 2], dkv[(step + 1) % 2], "bwd_dkv", step)
-    _wait(dkv_pending, world)
+        _Arrival(dkv_pending, step)()
+        dkv_pending = [plan.ring.exchange(dkv[step % 2], dkv[(step + 1) % 2], "bwd_dkv", step)]
+    _Arrival(dkv_pending, world)()
+    kv.release()
     mine = dkv[world % len(dkv)]  # P=1: the local accumulator; else where the last hop landed
+    POOL.give(*(buf for buf in dkv if buf is not mine))
     return dq, _view_like(mine[:nk], k), _view_like(mine[nk:], v)
+
+
+class _Arrival:
+    """Waits (once, when first called) for the dK/dV hops that bring this step's accumulator."""
+
+    def __init__(self, pending: list[Exchange], step: int) -> None:
+        self.pending, self.step = pending, step
+
+    def __call__(self) -> None:
+        for p in self.pending:
+            _wait(p, self.step)
+        self.pending = []
+
+
+def _home_pieces(tasks, k: torch.Tensor, v: torch.Tensor, s: int) -> list[tuple[list, list[tuple[int, int]]]]:
+    """The last backward step in two pieces of key rows, ``[0, s/2)`` then ``[s/2, s)``: each piece's
+    tasks and the ranges of the flat dK/dV buffer that hold its rows, so the first piece's rows travel
+    home while the second piece computes.
+
+    The final hop is always these four messages (dK and dV of each half; the same on every rank, as
+    they depend only on shapes). The compute is split only where that is exact and the rows are
+    contiguous in the buffer; otherwise (a batch dimension outside the sequence one, tasks with explicit
+    masks) the step computes in one piece and then sends the four messages."""
+    at, nk = s // 2, k.numel()
+    rk, rv = nk // s, v.numel() // s
+    lo_ranges = [r for r in ((0, at * rk), (nk, nk + at * rv)) if r[1] > r[0]]
+    hi_ranges = [(at * rk, nk), (nk + at * rv, nk + v.numel())]
+    if not (_rows_outermost(k) and _rows_outermost(v)) or any(type(t) is not BlockTask for t in tasks):
+        return [(list(tasks), lo_ranges + hi_ranges)]
+    lo, hi = [], []
+    for t in tasks:
+        a, b = split_kv(t, at)
+        lo += [a] if a is not None else []
+        hi += [b] if b is not None else []
+    return [(lo, lo_ranges), (hi, hi_ranges)]
+
+
+def _rows_outermost(x: torch.Tensor) -> bool:
+    """True when a row range of the BHSD view ``x`` is one contiguous range of its memory order."""
+    order = _memory_order(x)
+    return all(x.shape[i] == 1 for i in order[:order.index(2)])
 
 
 def _wait(pending: Exchange | None, step: int) -> None:
@@ -209,11 +272,11 @@ def _wait(pending: Exchange | None, step: int) -> None:
 
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, plan: RingPlan, step: int, dq: torch.Tensor,
-                   wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
-    """One visiting block's gradients: dQ into ``dq``; dK/dV into the travelling accumulator, after
+                   wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks) -> None:
+    """``tasks`` of one visiting block: dQ into ``dq``; dK/dV into the travelling accumulator, after
     ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute)."""
     partial = []
-    for task in plan.tasks(step, q.shape[2]):
+    for task in tasks:
         rows = task.q
         with breakdown.timed(step, "kernel"):
             dq_b, dk_b, dv_b = plan.backward_block(
@@ -235,9 +298,14 @@ def _view_like(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
     Gradients laid out like their inputs need no re-layout copy downstream (autograd, Megatron).
     """
-    order = sorted(range(like.ndim), key=lambda i: like.stride(i), reverse=True)
+    order = _memory_order(like)
     physical = flat.view([like.shape[i] for i in order])
     return physical.permute([order.index(i) for i in range(like.ndim)])
+
+
+def _memory_order(like: torch.Tensor) -> list[int]:
+    """``like``'s dimensions from outermost to innermost in memory."""
+    return sorted(range(like.ndim), key=lambda i: like.stride(i), reverse=True)
 
 
 def head_groups(h_kv: int, groups: int) -> list[slice]:

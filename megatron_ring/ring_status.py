@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .buffers import POOL
 from .codec import KVCodec, KVSpec, WireFiniteError
 
 __all__ = ["RingInputError", "RingStatus", "status_buffers", "check_pending", "refuse_on_every_rank"]
@@ -41,7 +42,7 @@ class RingInputError(ValueError):
 def status_buffers(codec: KVCodec, spec: KVSpec, count: int = 2) -> list[torch.Tensor]:
     """``count`` wire buffers with one status element after the codec's payload."""
     proto = codec.new_buffer(dataclasses.replace(spec, device=torch.device("meta")))
-    return [torch.empty(proto.numel() + 1, dtype=proto.dtype, device=spec.device) for _ in range(count)]
+    return [POOL.take(proto.numel() + 1, proto.dtype, spec.device) for _ in range(count)]
 
 
 def _reads_in_forward(codec: KVCodec, device: torch.device) -> bool:
