@@ -98,7 +98,7 @@ class _KVStream:
     def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str) -> None:
         self.plan, self.k, self.v, self.channel = plan, k, v, channel
         self.spec = KVSpec(tuple(k.shape), tuple(v.shape), k.dtype, k.device)
-        self.bufs: list[torch.Tensor] = []  # wire payload + one status element (see ring_status)
+        self.bufs: list[torch.Tensor | None] = []  # wire payload + one status element (see ring_status)
         self.status = RingStatus(plan.ring, plan.codec, k.device)
         if plan.ring.world > 1:
             self.bufs = status_buffers(plan.codec, self.spec)
@@ -110,6 +110,11 @@ class _KVStream:
         if step + 1 < steps:
             self.pending = self.plan.ring.exchange(self.bufs[step % 2], self.bufs[(step + 1) % 2],
                                                    self.channel, step)
+        elif self.channel == "bwd_kv" and len(self.bufs) == 2:
+            # nothing left to receive: free the idle buffer (not back to the pool) so the last step's
+            # kernel outputs can use its memory; it lowers the backward peak where the last step is the
+            # peak (P=2), for one fresh allocation per call
+            self.bufs[(step + 1) % 2] = None
 
     def block(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V visiting at ``step`` (the local tensors at step 0, decoded wire data after)."""
@@ -129,7 +134,7 @@ class _KVStream:
 
     def release(self) -> None:
         """Give the wire buffers back to the pool (the ring is over; nothing is in flight)."""
-        POOL.give(*self.bufs)
+        POOL.give(*(buf for buf in self.bufs if buf is not None))
         self.bufs = []
 
 
@@ -201,8 +206,13 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         acc, nxt = dkv[step % len(dkv)], dkv[(step + 1) % len(dkv)]
         kt, vt = kv.block(step)
         tasks = plan.tasks(step, s)
-        pieces = (_home_pieces(tasks, k, v, s) if world > 1 and step == world - 1
-                  else [(tasks, [(0, acc.numel())] if world > 1 else [])])
+        if world > 1 and step == world - 1:
+            pieces = _home_pieces(tasks, k, v, s)
+        elif world > 1 and step == 0:  # own block: no accumulator to wait for, so halves only shrink
+            parts = _split_tasks(tasks, s)  # the kernel outputs (about one K/V block less at the peak)
+            pieces = [(part, []) for part in parts[:-1]] + [(parts[-1], [(0, acc.numel())])]
+        else:
+            pieces = [(tasks, [(0, acc.numel())] if world > 1 else [])]
         arrived = _Arrival(dkv_pending, step)
         dkv_pending = []
         for part, ranges in pieces:
@@ -235,6 +245,20 @@ class _Arrival:
         self.pending = []
 
 
+def _split_tasks(tasks, s: int) -> list[list]:
+    """``tasks`` cut at key row ``s/2``: ``[tasks on rows < s/2, tasks on rows >= s/2]`` (exact for full
+    and top-left causal tasks, :func:`~megatron_ring.layouts.split_kv`); ``[tasks]`` when a task carries
+    an explicit mask."""
+    if any(type(t) is not BlockTask for t in tasks):
+        return [list(tasks)]
+    lo, hi = [], []
+    for t in tasks:
+        a, b = split_kv(t, s // 2)
+        lo += [a] if a is not None else []
+        hi += [b] if b is not None else []
+    return [lo, hi]
+
+
 def _home_pieces(tasks, k: torch.Tensor, v: torch.Tensor, s: int) -> list[tuple[list, list[tuple[int, int]]]]:
     """The last backward step in two pieces of key rows, ``[0, s/2)`` then ``[s/2, s)``: each piece's
     tasks and the ranges of the flat dK/dV buffer that hold its rows, so the first piece's rows travel
@@ -248,14 +272,10 @@ def _home_pieces(tasks, k: torch.Tensor, v: torch.Tensor, s: int) -> list[tuple[
     rk, rv = nk // s, v.numel() // s
     lo_ranges = [r for r in ((0, at * rk), (nk, nk + at * rv)) if r[1] > r[0]]
     hi_ranges = [(at * rk, nk), (nk + at * rv, nk + v.numel())]
-    if not (_rows_outermost(k) and _rows_outermost(v)) or any(type(t) is not BlockTask for t in tasks):
+    parts = _split_tasks(tasks, s)
+    if len(parts) == 1 or not (_rows_outermost(k) and _rows_outermost(v)):
         return [(list(tasks), lo_ranges + hi_ranges)]
-    lo, hi = [], []
-    for t in tasks:
-        a, b = split_kv(t, at)
-        lo += [a] if a is not None else []
-        hi += [b] if b is not None else []
-    return [(lo, lo_ranges), (hi, hi_ranges)]
+    return [(parts[0], lo_ranges), (parts[1], hi_ranges)]
 
 
 def _rows_outermost(x: torch.Tensor) -> bool:

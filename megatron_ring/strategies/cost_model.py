@@ -144,7 +144,8 @@ def _ring(pb: Problem, m: Machine, world: int, flop_per_area: float, kv_bytes: f
         fwd += _both(m, cf, kv)
         bwd += _both(m, cb, kv + (_xfer(dkv_bytes, bw, m.latency) if world > 1 else 0.0))
     if world > 1:
-        bwd += _xfer(dkv_bytes, bw, m.latency)  # the last dK/dV hop home
+        # the last dK/dV hop home: its first half travels while the last step's second half computes
+        bwd += _xfer(dkv_bytes / 2, bw, m.latency, 2)
     return fwd, bwd
 
 
