@@ -110,7 +110,9 @@ def precheck_kv(plan: RingPlan, codec: KVCodec, k: torch.Tensor, v: torch.Tensor
     from ..codec import KVSpec  # noqa: PLC0415
 
     before = status.error
-    encode_or_record(plan, codec, k, v, codec.new_buffer(KVSpec(tuple(k.shape), tuple(v.shape), k.dtype, k.device)))
+    with torch.no_grad():
+        encode_or_record(plan, codec, k, v, codec.new_buffer(KVSpec(tuple(k.shape), tuple(v.shape), k.dtype,
+                                                                     k.device)))
     if status.error is not before:
         return torch.zeros_like(k), torch.zeros_like(v)
     return k, v
