@@ -91,6 +91,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     if rank == 0:
         pb = auto._problem(qh, kh, plan, 1)
         res["choice"] = next(iter(auto._choices.values()), None)
+        res["auto_measured"] = auto.last_choice.get("measured") or {}
         res["machine"] = vars(machine)
         preds = {ct: predict(ct, pb, world, machine, inner) for ct in types if ct != "auto"}
         res["predicted"] = {ct: p["time_s"] for ct, p in preds.items()}
@@ -132,7 +133,7 @@ def run_comm_types(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                "head_dim": cfg["head_dim"], "dtype": cfg["dtype"], "layout": cfg["layout"], "causal": cfg["causal"],
                "comm_dtype": cfg["comm_dtype"] or "none", "inner": _inner(world), "fwd_bwd_s": med,
                "predicted_s": r0["predicted"], "model_bytes_per_rank": r0["bytes"], "best": best,
-               "auto_choice": r0["choice"], "machine": r0["machine"]}
+               "auto_choice": r0["choice"], "auto_measured_s": r0["auto_measured"], "machine": r0["machine"]}
         if "auto" in med and best:
             row["auto_over_best"] = med["auto"] / med[best]
         if cfg.get("memory"):
@@ -163,3 +164,6 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         if "auto_over_best" in row:
             print(f"  best measured: {row['best']}; auto chose {row['auto_choice']}: {row['auto_over_best']:.3f} x best",
                   flush=True)
+        if row.get("auto_measured_s"):
+            print("  auto's near-tie measurement (fwd+bwd s, once): "
+                  + ", ".join(f"{ct} {t:.3f}" for ct, t in row["auto_measured_s"].items()), flush=True)

@@ -84,7 +84,7 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
         from .auto import choose  # noqa: PLC0415 - the probe and cost model load on first use
 
         usable = hierarchical_usable(plan, hierarchical_groups, required=False, device=qh.device)  # on every rank
-        comm_type = choose(qh, kh, plan, head_chunks, hierarchical_groups if usable else None)
+        comm_type = choose(qh, kh, plan, head_chunks, hierarchical_groups if usable else None, vh)
     if comm_type == "p2p":  # the ring carries its own status (ring_status)
         if refusal is not None:
             refuse_on_ring(plan, kh, vh, head_chunks)
