@@ -58,13 +58,19 @@ def test_slow_inter_node_links_favour_a2a_inside_nodes():
     assert best in ("a2a+p2p", "a2a"), predict_all(pb, 32, m, inner=8)
 
 
-def _auto_worker(rank, world):
+def _log_records() -> list:
+    """Messages logged on logger ``megatron_ring`` (INFO and up) from now on, in this process."""
     records = []
     handler = logging.Handler()
     handler.emit = lambda rec: records.append(rec.getMessage())
     log = logging.getLogger("megatron_ring")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    return records
+
+
+def _auto_worker(rank, world):
+    records = _log_records()
     # ranks see different machine numbers: the agreed (MIN/MAX) values must give one choice
     os.environ.update({"MEGATRON_RING_FLOPS": str(1e9 * (rank + 1)), "MEGATRON_RING_BWD_FLOPS": "1e9",
                        "MEGATRON_RING_BANDWIDTH": str(1e8 / (rank + 1)), "MEGATRON_RING_INTER_BANDWIDTH": "1e8",
@@ -106,12 +112,7 @@ def test_near_ties_are_measured_and_clear_wins_are_not(monkeypatch):
 
 
 def _measured_worker(rank, world):
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: records.append(rec.getMessage())
-    log = logging.getLogger("megatron_ring")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    records = _log_records()
     # equal machine numbers on every rank, every type compute-bound: a near-tie, measured (tiny sizes allowed)
     os.environ.update({"MEGATRON_RING_FLOPS": "1e6", "MEGATRON_RING_BWD_FLOPS": "1e6", "MEGATRON_RING_BANDWIDTH": "1e12",
                        "MEGATRON_RING_INTER_BANDWIDTH": "1e12", "MEGATRON_RING_LATENCY_S": "0",
