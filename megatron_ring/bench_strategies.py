@@ -136,6 +136,8 @@ def run_comm_types(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                "auto_choice": r0["choice"], "auto_measured_s": r0["auto_measured"], "machine": r0["machine"]}
         if "auto" in med and best:
             row["auto_over_best"] = med["auto"] / med[best]
+            if r0["choice"] in measured:  # the chosen type's own column: the same exchange, timed alongside
+                row["choice_over_best"] = measured[r0["choice"]] / med[best]
         if cfg.get("memory"):
             row["peak_mib_per_rank"] = {
                 ct: max(run_on_ranks(_memory_worker, world, cfg, ct, timeout=cfg["timeout"], env=_ENV))
@@ -162,8 +164,10 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
                   f"{(p / t) if p else float('nan'):>9.2f} | {(b or 0) / 1e6:>13.2f}"
                   + (f" | {mem:>8.0f}" if mem is not None else ""), flush=True)
         if "auto_over_best" in row:
-            print(f"  best measured: {row['best']}; auto chose {row['auto_choice']}: {row['auto_over_best']:.3f} x best",
-                  flush=True)
+            own = (f" (the {row['auto_choice']} column: {row['choice_over_best']:.3f} x best)"
+                   if "choice_over_best" in row else "")
+            print(f"  best measured: {row['best']}; auto chose {row['auto_choice']}: {row['auto_over_best']:.3f} x best"
+                  + own, flush=True)
         if row.get("auto_measured_s"):
             print("  auto's near-tie measurement (fwd+bwd s, once): "
                   + ", ".join(f"{ct} {t:.3f}" for ct, t in row["auto_measured_s"].items()), flush=True)
