@@ -1,9 +1,9 @@
 """Attention sinks, positional dropout and in-band refusal of bad input on EVERY comm type.
 
-Sinks/dropout: one set of 4 gloo processes runs, for all_gather, a2a (h=4: one head per rank) and a2a+p2p
-(2x2) (p2p: tests/test_model_features.py; auto runs one of these), a few cases (learnable sink with GQA; dropout with a sink; dropout with documents + window;
-head_chunks=2 and sbhd) on causal zigzag and non-causal striped, against the float64 reference of
-``tests/feature_reference.py`` (outputs, dq/dk/dv and the sink gradient summed over the group; fp32 2e-5,
+Sinks/dropout: one set of 4 gloo processes runs, for all_gather, a2a (h=4: one head per rank) and
+a2a+p2p (2x2) (p2p: tests/test_model_features.py; auto runs one of these), a few cases (learnable sink
+with GQA; dropout with a sink, MLA head dims and head_chunks=2 in sbhd; dropout with documents + window)
+on causal zigzag and non-causal striped, against the float64 reference of ``tests/feature_reference.py`` (outputs, dq/dk/dv and the sink gradient summed over the group; fp32 2e-5,
 bf16 2e-2), and with dropout also against the same call at CP=1 (a loopback ring in the same process):
 the keep/drop decisions are keyed on global heads and positions, so CP=4 with any comm type equals
 CP=1 up to fp32 summation order (<= 2e-6).
@@ -27,12 +27,12 @@ from megatron_ring.strategies import make_hierarchical_groups
 
 TYPES = ("all_gather", "a2a", "a2a+p2p", "auto")  # auto: the bad-input test (its choice is made on every rank)
 FEATURE_TYPES = TYPES[:3]
-# (name, h, h_kv, sink, dropout_p, head_chunks, fmt, docs, dtype)
+# (name, h, h_kv, sink, dropout_p, head_chunks, fmt, docs, dtype, (d_qk, d_v))
 CASES = [
-    ("sink learnable gqa", 4, 2, "learn", 0.0, 1, "bshd", False, torch.float32),
-    ("sink off-by-one bf16", 4, 2, 0.0, 0.0, 1, "bshd", False, torch.bfloat16),
-    ("dropout + sink, chunks sbhd", 4, 2, "learn", 0.2, 2, "sbhd", False, torch.float32),
-    ("dropout docs+window mqa", 4, 1, None, 0.25, 1, "thd", True, torch.float32),
+    ("sink learnable gqa", 4, 2, "learn", 0.0, 1, "bshd", False, torch.float32, (8, 8)),
+    ("sink off-by-one bf16", 4, 2, 0.0, 0.0, 1, "bshd", False, torch.bfloat16, (8, 8)),
+    ("dropout + sink, chunks sbhd, mla", 4, 2, "learn", 0.2, 2, "sbhd", False, torch.float32, (12, 8)),
+    ("dropout docs+window mqa", 4, 1, None, 0.25, 1, "thd", True, torch.float32, (8, 8)),
 ]
 LAYOUTS = (("zigzag", True), ("striped", False))
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -43,7 +43,7 @@ def _fmt(x, fmt):
 
 
 def _call(case, local, sink_t, cu, window, seed, layout, causal, **kw):
-    name, h, h_kv, sink, p, chunks, fmt, docs, dtype = case
+    name, h, h_kv, sink, p, chunks, fmt, docs, dtype, _ = case
     leaves = [t.detach().clone().requires_grad_() for t in local[:3]]
     s_leaf = sink_t.clone().requires_grad_() if sink == "learn" else None
     offset = s_leaf if s_leaf is not None else (None if sink is None else float(sink))
@@ -58,12 +58,13 @@ def _features_worker(rank, world):
     hier = make_hierarchical_groups(2)
     rows = []
     for ci, case in enumerate(CASES):
-        name, h, h_kv, sink, p, chunks, fmt, docs, dtype = case
+        name, h, h_kv, sink, p, chunks, fmt, docs, dtype, (dqk, dv) = case
         for li, (layout, causal) in enumerate(LAYOUTS):
             seed = 100 * ci + li
             g = torch.Generator().manual_seed(seed)
-            b, S, d = (1 if fmt == "thd" else 2), 8 * world, 8
-            q, k, v, dout = (torch.randn(b, S, n, d, generator=g).to(dtype) for n in (h, h_kv, h_kv, h))
+            b, S = (1 if fmt == "thd" else 2), 8 * world
+            q, k, v, dout = (torch.randn(b, S, n, d, generator=g).to(dtype)
+                             for n, d in ((h, dqk), (h_kv, dqk), (h_kv, dv), (h, dv)))
             sink_t = torch.randn(h, generator=g) if sink == "learn" else (
                 None if sink is None else torch.full((h,), float(sink)))
             cu = [0, 3, 4, 11, S - 2] if docs else None

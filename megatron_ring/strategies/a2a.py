@@ -130,16 +130,14 @@ class KVSeqToHead(torch.autograd.Function):
     def backward(ctx, dk, dv):
         a2a, rep = ctx.a2a, ctx.rep
         wire = torch.float32 if rep > 1 else dk.dtype  # copies of a head are summed in fp32
-        both = torch.cat([dk.to(wire), dv.to(wire)], dim=1)  # one message: [dK heads | dV heads]
-        back = _head_to_seq(both, a2a, "all-to-all of dK/dV")  # rank j's slice: [dK_j | dV_j]
-        b, _, s, d = back.shape
-        hkp = dk.shape[1]
-        back = back.view(b, a2a.world, 2, hkp, s, d)
-        hk = a2a.world * hkp
-        dk_s, dv_s = back[:, :, 0].reshape(b, hk, s, d), back[:, :, 1].reshape(b, hk, s, d)
+        d = dk.shape[-1]
+        both = torch.cat([dk.to(wire), dv.to(wire)], dim=-1)  # one message: [dK | dV] per head (MLA: d_v != d)
+        back = _head_to_seq(both, a2a, "all-to-all of dK/dV")  # [b, h_kv, s, d + d_v]
+        dk_s, dv_s = back[..., :d], back[..., d:]
         if rep > 1:
+            b, hk, s, _ = back.shape
             dk_s = dk_s.reshape(b, hk // rep, rep, s, d).sum(2).to(dk.dtype)
-            dv_s = dv_s.reshape(b, hk // rep, rep, s, d).sum(2).to(dv.dtype)
+            dv_s = dv_s.reshape(b, hk // rep, rep, s, dv.shape[-1]).sum(2).to(dv.dtype)
         return dk_s, dv_s, None, None, None, None
 
 
