@@ -154,3 +154,34 @@ def test_bad_input_on_one_rank_raises_on_every_rank_for_every_comm_type():
             else:
                 assert kind == "RingInputError" and f"global rank(s) {BAD} rejected" in msg, (ct, rank, kind, msg)
             assert res[(ct, "none")][:2] == ("ok", False), (ct, rank, res[(ct, "none")])
+
+
+def test_deferred_status_check_raises_at_the_start_of_backward():
+    """CUDA without a checking codec: the forward only launches the status gather; the layer's backward
+    waits for it and raises (the mechanism, on CPU tensors: no GPU here)."""
+    from megatron_ring.ring_status import RingInputError
+    from megatron_ring.strategies.status import _CheckInBackward
+
+    waited = []
+
+    class Status:
+        def _raise(self, codes):
+            if codes.any():
+                raise RingInputError("ring global rank(s) 2 rejected their input")
+
+    class Pending:
+        def wait(self):
+            waited.append(True)
+
+    for codes, fails in ((torch.zeros(4), False), (torch.tensor([0.0, 0, 2, 0]), True)):
+        x = torch.ones(3, requires_grad=True)
+        y = _CheckInBackward.apply(x, (Status(), Pending(), codes))
+        assert torch.equal(y, x) and not waited  # forward: identity, nothing waited for
+        if fails:
+            with pytest.raises(RingInputError, match="rank"):
+                y.sum().backward()
+        else:
+            y.sum().backward()
+            assert torch.equal(x.grad, torch.ones(3))
+        assert waited
+        waited.clear()
