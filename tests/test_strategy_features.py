@@ -9,7 +9,7 @@ the keep/drop decisions are keyed on global heads and positions, so CP=4 with an
 CP=1 up to fp32 summation order (<= 2e-6).
 
 Bad input: rank 2 alone has a NaN in K (fp8 wire, which refuses it) or a rank-local input error (a
-non-contiguous head dim): for every comm type every rank raises promptly (well under the ring timeout),
+non-contiguous head dim, or a kernel its device cannot run): for every comm type every rank raises promptly (well under the ring timeout),
 the others naming global rank 2, and the group stays usable afterwards.
 """
 import math
@@ -116,7 +116,7 @@ def _bad_input_worker(rank, world):
     hier = make_hierarchical_groups(2)
     results = {}
     for ct in TYPES:
-        for fault in ("nan", "stride", "none"):
+        for fault in ("nan", "stride", "kernel", "none"):
             torch.manual_seed(rank)
             q = torch.randn(1, 16, 4, 8)
             k, v = torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
@@ -126,9 +126,10 @@ def _bad_input_worker(rank, world):
                 k[0, 5, 1, 3] = float("nan")
             if rank == BAD and fault == "stride":
                 q = torch.randn(1, 16, 4, 16)[..., ::2]  # refused on this rank only
+            kernel = "sdpa_cuda" if rank == BAD and fault == "kernel" else "auto"  # this rank's device cannot run it
             start = time.monotonic()
             try:
-                out = ring_attention(q, k, v, **kw)
+                out = ring_attention(q, k, v, kernel=kernel, **kw)
                 res = ("ok", bool(torch.isnan(out).any()))
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 res = (type(exc).__name__, str(exc))
@@ -147,12 +148,13 @@ def test_bad_input_on_one_rank_raises_on_every_rank_for_every_comm_type():
                 assert "inf/NaN" in msg, (ct, msg)
             else:
                 assert f"global rank(s) {BAD} cannot be sent" in msg, (ct, rank, msg)
-            kind, msg, elapsed = res[(ct, "stride")]
-            assert elapsed < TIMEOUT_S / 2, (ct, rank, elapsed)
-            if rank == BAD:
-                assert kind == "ValueError", (ct, kind, msg)
-            else:
-                assert kind == "RingInputError" and f"global rank(s) {BAD} rejected" in msg, (ct, rank, kind, msg)
+            for fault in ("stride", "kernel"):  # refused by check_inputs / by select_kernel on rank 2 only
+                kind, msg, elapsed = res[(ct, fault)]
+                assert elapsed < TIMEOUT_S / 2, (ct, fault, rank, elapsed)
+                if rank == BAD:
+                    assert kind == "ValueError", (ct, fault, kind, msg)
+                else:
+                    assert kind == "RingInputError" and f"global rank(s) {BAD} rejected" in msg, (ct, rank, kind, msg)
             assert res[(ct, "none")][:2] == ("ok", False), (ct, rank, res[(ct, "none")])
 
 
