@@ -155,8 +155,21 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         mask_ = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
         return ring.world if mask_.plain else needed_steps(lay_, mask_, ring.world, q.shape[s_dim])
 
+    def strategy_mirror(exc: BaseException) -> None:  # comm types other than p2p (strategies/status.py)
+        from .strategies import mirror
+        try:
+            lay_ = get_layout(layout)
+            mask_ = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
+        except ValueError:  # every rank raises that before any exchange
+            raise exc from None
+        bhsd = (lambda t: t.transpose(1, 2)) if qkv_format == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
+        mirror(comm_type, exc, bhsd(q), bhsd(k), bhsd(v), lambda zq: RingPlan(
+            ring=ring, layout=lay_, causal=bool(causal), scale=zq.shape[-1] ** -0.5, kernel=select_kernel(zq, "auto"),
+            codec=codec, mask=None if mask_.plain else mask_), head_chunks, hierarchical_groups)
+
+    mirror = None if comm_type == "p2p" else strategy_mirror
     refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, check_inputs, q, k, v, qkv_format,
-                         steps=ring_steps)
+                         steps=ring_steps, mirror=mirror)
     lay = get_layout(layout)
     lay.check_local_len(q.shape[s_dim], ring.world)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -166,7 +179,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
     mask = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
     block_kernel = refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, select_kernel, qh, kernel,
-                                        steps=ring_steps)
+                                        steps=ring_steps, mirror=mirror)
     if vh.shape[-1] != qh.shape[-1] and block_kernel.name not in NATIVE_HEAD_DIM_KERNELS:
         block_kernel = HeadDimPadKernel(block_kernel)  # MLA: exact zero padding of the kernel's operands
     plan = RingPlan(ring=ring, layout=lay, causal=bool(causal), scale=float(scale),
@@ -177,13 +190,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     sink = _sink(softmax_offset, qh)
     if comm_type == "p2p":
         out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks), sink)
-    else:  # the other exchange patterns (megatron_ring/strategies), same plan and schedule
-        if sink is not None or plan.dropout is not None:
-            raise ValueError(f"softmax_offset and dropout_p > 0 run on comm_type='p2p' only (got "
-                             f"comm_type={comm_type!r}); use comm_type='p2p' for these layers")
+    else:  # the other exchange patterns (megatron_ring/strategies), same plan and schedule (sinks, dropout too)
         from .strategies import run_strategy
         out = run_strategy(comm_type, qh, kh, vh, plan, head_chunks=head_chunks,
-                           hierarchical_groups=hierarchical_groups)
+                           hierarchical_groups=hierarchical_groups, sink=sink)
     out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
     out = out.squeeze(0) if thd else out
     return out if out.is_contiguous() else out.contiguous()  # e.g. q was a non-dense view

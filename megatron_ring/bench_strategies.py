@@ -91,6 +91,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     if rank == 0:
         pb = auto._problem(qh, kh, plan, 1)
         res["choice"] = next(iter(auto._choices.values()), None)
+        res["auto_measured"] = auto.last_choice.get("measured") or {}
         res["machine"] = vars(machine)
         preds = {ct: predict(ct, pb, world, machine, inner) for ct in types if ct != "auto"}
         res["predicted"] = {ct: p["time_s"] for ct, p in preds.items()}
@@ -132,9 +133,11 @@ def run_comm_types(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                "head_dim": cfg["head_dim"], "dtype": cfg["dtype"], "layout": cfg["layout"], "causal": cfg["causal"],
                "comm_dtype": cfg["comm_dtype"] or "none", "inner": _inner(world), "fwd_bwd_s": med,
                "predicted_s": r0["predicted"], "model_bytes_per_rank": r0["bytes"], "best": best,
-               "auto_choice": r0["choice"], "machine": r0["machine"]}
+               "auto_choice": r0["choice"], "auto_measured_s": r0["auto_measured"], "machine": r0["machine"]}
         if "auto" in med and best:
             row["auto_over_best"] = med["auto"] / med[best]
+            if r0["choice"] in measured:  # the chosen type's own column: the same exchange, timed alongside
+                row["choice_over_best"] = measured[r0["choice"]] / med[best]
         if cfg.get("memory"):
             row["peak_mib_per_rank"] = {
                 ct: max(run_on_ranks(_memory_worker, world, cfg, ct, timeout=cfg["timeout"], env=_ENV))
@@ -161,5 +164,10 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
                   f"{(p / t) if p else float('nan'):>9.2f} | {(b or 0) / 1e6:>13.2f}"
                   + (f" | {mem:>8.0f}" if mem is not None else ""), flush=True)
         if "auto_over_best" in row:
-            print(f"  best measured: {row['best']}; auto chose {row['auto_choice']}: {row['auto_over_best']:.3f} x best",
-                  flush=True)
+            own = (f" (the {row['auto_choice']} column: {row['choice_over_best']:.3f} x best)"
+                   if "choice_over_best" in row else "")
+            print(f"  best measured: {row['best']}; auto chose {row['auto_choice']}: {row['auto_over_best']:.3f} x best"
+                  + own, flush=True)
+        if row.get("auto_measured_s"):
+            print("  auto's near-tie measurement (fwd+bwd s, once): "
+                  + ", ".join(f"{ct} {t:.3f}" for ct, t in row["auto_measured_s"].items()), flush=True)

@@ -120,15 +120,19 @@ def _raise_for(codes: list[float], ring: Any, codec: KVCodec) -> None:
 
 
 def refuse_on_every_rank(ring: Any, codec: KVCodec | None, k: torch.Tensor, v: torch.Tensor, qkv_format: str,
-                         head_chunks: Any, check, *args: Any, steps: Any = None) -> Any:
+                         head_chunks: Any, check, *args: Any, steps: Any = None, mirror: Any = None) -> Any:
     """``check(*args)``; if it raises ValueError on this rank only (after the cross-rank check), take part in
     the forward ring with status :data:`BAD_INPUT` first, so the other ranks raise too instead of waiting.
 
-    ``steps()`` gives the forward ring's length (fewer than P steps when a window shortens it); default P."""
+    ``steps()`` gives the forward ring's length (fewer than P steps when a window shortens it); default P.
+    ``mirror(exc)``: the other comm types' equivalent (``strategies.mirror``: their forward on zeros with a
+    failing status); it raises."""
     try:
         return check(*args)
     except ValueError as exc:
         if ring.world > 1 and ring.group is not None and codec is not None and k.ndim == v.ndim == 4:
+            if mirror is not None:
+                mirror(exc)
             try:
                 n = int(steps()) if steps is not None else ring.world
             except ValueError:  # the mask itself is invalid: every rank raises that before any exchange

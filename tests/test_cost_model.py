@@ -58,13 +58,19 @@ def test_slow_inter_node_links_favour_a2a_inside_nodes():
     assert best in ("a2a+p2p", "a2a"), predict_all(pb, 32, m, inner=8)
 
 
-def _auto_worker(rank, world):
+def _log_records() -> list:
+    """Messages logged on logger ``megatron_ring`` (INFO and up) from now on, in this process."""
     records = []
     handler = logging.Handler()
     handler.emit = lambda rec: records.append(rec.getMessage())
     log = logging.getLogger("megatron_ring")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    return records
+
+
+def _auto_worker(rank, world):
+    records = _log_records()
     # ranks see different machine numbers: the agreed (MIN/MAX) values must give one choice
     os.environ.update({"MEGATRON_RING_FLOPS": str(1e9 * (rank + 1)), "MEGATRON_RING_BWD_FLOPS": "1e9",
                        "MEGATRON_RING_BANDWIDTH": str(1e8 / (rank + 1)), "MEGATRON_RING_INTER_BANDWIDTH": "1e8",
@@ -88,3 +94,47 @@ def test_auto_agrees_across_ranks_and_logs_once():
     for _, records, _ in per_rank:
         chose = [r for r in records if "auto comm_type: chose" in r]
         assert len(chose) == 1 and "predicted" in chose[0] and "p2p" in chose[0]
+
+
+def test_near_ties_are_measured_and_clear_wins_are_not(monkeypatch):
+    from megatron_ring.strategies.auto import _fastest, to_measure
+
+    rows = [{"comm_type": "p2p", "time_s": 1.0}, {"comm_type": "a2a", "time_s": 1.1},
+            {"comm_type": "all_gather", "time_s": 2.0}]
+    assert to_measure(rows) == (["p2p", "a2a"], 2)  # within 30%: the model cannot rank them
+    assert to_measure([rows[0], rows[2]]) == ([], 0)  # a clear win: the model decides
+    assert to_measure([{**r, "time_s": r["time_s"] * 1e-3} for r in rows]) == ([], 0)  # too short to matter
+    assert to_measure([{**r, "time_s": r["time_s"] * 30} for r in rows]) == (["p2p", "a2a"], 1)  # budget: 1 round
+    assert to_measure([{**r, "time_s": r["time_s"] * 100} for r in rows]) == ([], 0)  # over the budget
+    monkeypatch.setenv("MEGATRON_RING_AUTO_MEASURE", "0")
+    assert to_measure(rows) == ([], 0)
+    assert _fastest({"p2p": 1.0, "a2a": 0.8}) == "a2a" and _fastest({"p2p": 1.0, "a2a": 0.99}) == "p2p"
+
+
+def _measured_worker(rank, world):
+    records = _log_records()
+    # equal machine numbers on every rank, every type compute-bound: a near-tie, measured (tiny sizes allowed)
+    os.environ.update({"MEGATRON_RING_FLOPS": "1e6", "MEGATRON_RING_BWD_FLOPS": "1e6", "MEGATRON_RING_BANDWIDTH": "1e12",
+                       "MEGATRON_RING_INTER_BANDWIDTH": "1e12", "MEGATRON_RING_LATENCY_S": "0",
+                       "MEGATRON_RING_CALL_OVERHEAD_S": "0", "MEGATRON_RING_AUTO_MEASURE_MIN_S": "0"})
+    from megatron_ring import ring_attention
+    from megatron_ring.strategies import auto
+
+    q = torch.randn(1, 16, 4, 8, requires_grad=True)
+    for _ in range(2):
+        ring_attention(q, q, q, comm_type="auto", causal=True).sum().backward()
+    with torch.no_grad():  # a new signature, chosen inside no_grad: the measurement still runs backward
+        ring_attention(q[:, :8], q[:, :8], q[:, :8], comm_type="auto")
+    return list(auto._choices.values()), auto.last_choice["measured"], records
+
+
+def test_auto_measures_near_ties_and_agrees():
+    per_rank = run_distributed(_measured_worker, 2, timeout=120)
+    choices = [c for c, _, _ in per_rank]
+    assert choices[0] == choices[1] and len(choices[0]) == 2
+    measured = [m for _, m, _ in per_rank]
+    assert measured[0] == measured[1] and {"p2p", "all_gather", "a2a"} <= set(measured[0]), measured
+    assert all(t > 0 for t in measured[0].values())
+    for _, _, records in per_rank:
+        chose = [r for r in records if "auto comm_type: chose" in r]
+        assert len(chose) == 2 and all("near-tie, measured" in r for r in chose), chose

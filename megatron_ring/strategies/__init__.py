@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..engine import RingPlan
 from . import a2a, a2a_p2p, all_gather, p2p
 from .a2a_p2p import make_hierarchical_groups
+from .status import StrategyStatus
 
 __all__ = ["STRATEGIES", "COMM_TYPES", "run_strategy", "check_comm_type", "make_hierarchical_groups"]
 
@@ -62,11 +63,16 @@ def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool
 
 
 def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
-                 head_chunks: int = 1, hierarchical_groups: Any = None) -> torch.Tensor:
-    """BHSD views in (as :class:`~megatron_ring.engine.RingAttentionFunction` takes them), output out."""
+                 head_chunks: int = 1, hierarchical_groups: Any = None, sink: torch.Tensor | None = None,
+                 refusal: BaseException | None = None) -> torch.Tensor:
+    """BHSD views in (as :class:`~megatron_ring.engine.RingAttentionFunction` takes them), output out.
+
+    ``sink``: fp32 ``[h]`` softmax offsets (attention sinks); dropout rides in ``plan.dropout``.
+    ``refusal``: this rank rejected its input (the tensors are zeros): run the forward's collectives
+    with a failing status so that every rank raises (:mod:`.status`), then raise ``refusal``."""
     check_comm_type(comm_type)
     ring = plan.ring
-    kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups)
+    kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups, sink=sink)
     if ring.world == 1:  # one rank: every exchange pattern is the local computation
         return p2p.run(qh, kh, vh, plan, **kw)
     if ring.group is None:
@@ -78,5 +84,33 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
         from .auto import choose  # noqa: PLC0415 - the probe and cost model load on first use
 
         usable = hierarchical_usable(plan, hierarchical_groups, required=False, device=qh.device)  # on every rank
-        comm_type = choose(qh, kh, plan, head_chunks, hierarchical_groups if usable else None)
-    return STRATEGIES[comm_type](qh, kh, vh, plan, **kw)
+        comm_type = choose(qh, kh, plan, head_chunks, hierarchical_groups if usable else None, vh)
+    if comm_type == "p2p":  # the ring carries its own status (ring_status)
+        if refusal is not None:
+            refuse_on_ring(plan, kh, vh, head_chunks)
+            raise refusal
+        return p2p.run(qh, kh, vh, plan, **kw)
+    status = plan.strategy_status = StrategyStatus(plan, refusal)
+    try:
+        out = STRATEGIES[comm_type](qh, kh, vh, plan, **kw)
+    finally:
+        plan.strategy_status = None
+    return status.settle(out)
+
+
+def refuse_on_ring(plan: RingPlan, kh: torch.Tensor, vh: torch.Tensor, head_chunks: int) -> None:
+    from ..ring_status import _refusal_ring  # noqa: PLC0415
+
+    k_bshd, v_bshd = kh.transpose(1, 2), vh.transpose(1, 2)  # BHSD views -> the bshd shapes it expects
+    _refusal_ring(plan.ring, plan.codec, k_bshd, v_bshd, "bshd", head_chunks, plan.steps(kh.shape[2]))
+
+
+def mirror(comm_type: str, exc: BaseException, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           plan_for, head_chunks: int, hierarchical_groups: Any) -> None:
+    """A rank that rejected its input runs the strategy forward on zeros (same collectives as the other
+    ranks) with a failing status, then raises ``exc`` (every other rank raises naming it)."""
+    zq, zk, zv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    with torch.no_grad():
+        run_strategy(comm_type, zq, zk, zv, plan_for(zq), head_chunks=head_chunks,
+                     hierarchical_groups=hierarchical_groups, refusal=exc)
+    raise exc

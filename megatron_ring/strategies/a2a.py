@@ -30,6 +30,7 @@ from ..comm import LoopbackRing, Ring
 from ..engine import RingAttentionFunction, RingPlan, head_groups
 from .collectives import all_to_all
 from .schedule_views import GroupedView
+from .status import encode_or_record, outer_ring
 
 __all__ = ["run", "run_grouped", "kv_replication", "check_heads"]
 
@@ -107,7 +108,7 @@ class KVSeqToHead(torch.autograd.Function):
     """K and V in ONE all-to-all in the codec's wire format (heads repeated ``rep`` times first)."""
 
     @staticmethod
-    def forward(ctx, k, v, a2a: _A2A, codec: KVCodec, rep: int):
+    def forward(ctx, k, v, a2a: _A2A, codec: KVCodec, rep: int, plan: RingPlan | None = None):
         ctx.a2a, ctx.rep = a2a, rep
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -118,7 +119,7 @@ class KVSeqToHead(torch.autograd.Function):
         send = one.new_empty(p, one.numel())
         for j in range(p):
             sl = slice(j * hk // p, (j + 1) * hk // p)
-            codec.encode(k[:, sl], v[:, sl], send[j])
+            encode_or_record(plan, codec, k[:, sl], v[:, sl], send[j])  # refused: every rank raises after fwd
         recv = a2a.exchange(send, "all-to-all of K/V")
         me = slice(a2a.rank * hk // p, (a2a.rank + 1) * hk // p)
         blocks = [(k[:, me], v[:, me]) if i == a2a.rank else codec.decode(recv[i], spec)
@@ -129,36 +130,44 @@ class KVSeqToHead(torch.autograd.Function):
     def backward(ctx, dk, dv):
         a2a, rep = ctx.a2a, ctx.rep
         wire = torch.float32 if rep > 1 else dk.dtype  # copies of a head are summed in fp32
-        both = torch.cat([dk.to(wire), dv.to(wire)], dim=1)  # one message: [dK heads | dV heads]
-        back = _head_to_seq(both, a2a, "all-to-all of dK/dV")  # rank j's slice: [dK_j | dV_j]
-        b, _, s, d = back.shape
-        hkp = dk.shape[1]
-        back = back.view(b, a2a.world, 2, hkp, s, d)
-        hk = a2a.world * hkp
-        dk_s, dv_s = back[:, :, 0].reshape(b, hk, s, d), back[:, :, 1].reshape(b, hk, s, d)
+        d = dk.shape[-1]
+        both = torch.cat([dk.to(wire), dv.to(wire)], dim=-1)  # one message: [dK | dV] per head (MLA: d_v != d)
+        back = _head_to_seq(both, a2a, "all-to-all of dK/dV")  # [b, h_kv, s, d + d_v]
+        dk_s, dv_s = back[..., :d], back[..., d:]
         if rep > 1:
+            b, hk, s, _ = back.shape
             dk_s = dk_s.reshape(b, hk // rep, rep, s, d).sum(2).to(dk.dtype)
-            dv_s = dv_s.reshape(b, hk // rep, rep, s, d).sum(2).to(dv.dtype)
-        return dk_s, dv_s, None, None, None
+            dv_s = dv_s.reshape(b, hk // rep, rep, s, dv.shape[-1]).sum(2).to(dv.dtype)
+        return dk_s, dv_s, None, None, None, None
 
 
 def run_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, inner: _A2A,
-                outer: Ring, a2a_codec: KVCodec, ring_codec: KVCodec, head_chunks: int) -> torch.Tensor:
-    """All-to-all over ``inner``, then the engine over ``outer`` with super-blocks of ``inner.world`` shards."""
+                outer: Ring, a2a_codec: KVCodec, ring_codec: KVCodec, head_chunks: int,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
+    """All-to-all over ``inner``, then the engine over ``outer`` with super-blocks of ``inner.world`` shards.
+
+    After the all-to-all this rank holds the query heads ``mine`` (inner rank j: ``[j h/n, (j+1) h/n)``):
+    the sink slice and the dropout head numbers follow that slice (the sink's gradient flows back to
+    those heads through the slice), and dropout keys on the super-blocks' global positions
+    (:meth:`GroupedView.positions`), so the keep/drop decisions are the ring's."""
     rep = kv_replication(qh.shape[1], kh.shape[1], inner.world)
+    hp = qh.shape[1] // inner.world
+    mine = slice(inner.rank * hp, (inner.rank + 1) * hp)
     q_h = SeqToHead.apply(qh, inner)
-    k_h, v_h = KVSeqToHead.apply(kh, vh, inner, a2a_codec, rep)
+    k_h, v_h = KVSeqToHead.apply(kh, vh, inner, a2a_codec, rep, plan)
+    drop = plan.dropout.shifted(plan.dropout.head_offset + mine.start) if plan.dropout is not None else None
     heads_plan = RingPlan(ring=outer, layout=GroupedView(plan.layout, inner.world), causal=plan.causal,
-                          scale=plan.scale, kernel=plan.kernel, codec=ring_codec, mask=plan.mask)
-    out_h = RingAttentionFunction.apply(q_h, k_h, v_h, heads_plan, head_groups(k_h.shape[1], head_chunks))
+                          scale=plan.scale, kernel=plan.kernel, codec=ring_codec, mask=plan.mask, dropout=drop)
+    out_h = outer_ring(q_h, k_h, v_h, heads_plan, head_groups(k_h.shape[1], head_chunks),
+                       sink[mine] if sink is not None else None, plan)
     return HeadToSeq.apply(out_h, inner)
 
 
 def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
-        hierarchical_groups=None) -> torch.Tensor:
+        hierarchical_groups=None, sink: torch.Tensor | None = None) -> torch.Tensor:
     ring = plan.ring
     check_heads(qh.shape[1], ring.world)
     timeout = None if ring.timeout is None else ring.timeout.total_seconds()
     return run_grouped(qh, kh, vh, plan, inner=_A2A(ring.group, ring.world, timeout),
                        outer=LoopbackRing(1, 0, qh.device), a2a_codec=plan.codec, ring_codec=IdentityCodec(),
-                       head_chunks=head_chunks)
+                       head_chunks=head_chunks, sink=sink)

@@ -19,6 +19,7 @@ from ..comm import Ring
 from ..engine import RingPlan
 from .a2a import _A2A, check_heads, run_grouped
 from .collectives import group_ranks
+from .status import precheck_kv
 
 __all__ = ["run", "check_hierarchical_groups", "make_hierarchical_groups", "HIER_HINT"]
 
@@ -78,7 +79,7 @@ def check_hierarchical_groups(group: Any, world: int, rank: int, hierarchical_gr
 
 
 def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
-        hierarchical_groups=None) -> torch.Tensor:
+        hierarchical_groups=None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Expects :func:`check_hierarchical_groups` to have passed on every rank (see ``strategies.run_strategy``)."""
     ring = plan.ring
     inner, outer = hierarchical_groups
@@ -88,5 +89,6 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
     key = (id(outer), qh.device, timeout)
     if key not in _outer_rings:
         _outer_rings[key] = Ring(outer, qh.device, timeout)
+    kh, vh = precheck_kv(plan, plan.codec, kh, vh)  # K/V the outer ring's codec refuses: zeros, recorded
     return run_grouped(qh, kh, vh, plan, inner=_A2A(inner, n, timeout), outer=_outer_rings[key],
-                       a2a_codec=IdentityCodec(), ring_codec=plan.codec, head_chunks=head_chunks)
+                       a2a_codec=IdentityCodec(), ring_codec=plan.codec, head_chunks=head_chunks, sink=sink)

@@ -16,18 +16,24 @@ from __future__ import annotations
 
 import torch
 
+from ..block_extras import fold_sink, sink_grad
 from ..codec import KVSpec
 from ..comm import LoopbackRing
 from ..engine import RingPlan, head_groups, ring_backward, ring_forward
 from .collectives import Pending, all_gather, reduce_scatter
-from .schedule_views import GatheredView
+from .schedule_views import GatheredPlan, GatheredView
+from .status import encode_or_record
 
 __all__ = ["run", "AllGatherAttention"]
 
 
-def _local_plan(plan: RingPlan, device: torch.device) -> RingPlan:
-    return RingPlan(ring=LoopbackRing(1, 0, device), layout=GatheredView(plan.layout, plan.ring.world, plan.ring.rank),
-                    causal=plan.causal, scale=plan.scale, kernel=plan.kernel, codec=plan.codec, mask=plan.mask)
+def _local_plan(plan: RingPlan, device: torch.device, qs: slice) -> RingPlan:
+    """The world-size-1 plan for the query heads ``qs`` against the gathered K/V (dropout keyed on the
+    global head numbers and the gathered keys' global positions)."""
+    drop = plan.dropout.shifted(plan.dropout.head_offset + qs.start) if plan.dropout is not None else None
+    return GatheredPlan(ring=LoopbackRing(1, 0, device), layout=GatheredView(plan.layout, plan.ring.world,
+                        plan.ring.rank), causal=plan.causal, scale=plan.scale, kernel=plan.kernel, codec=plan.codec,
+                        mask=plan.mask, dropout=drop)
 
 
 class _Gatherer:
@@ -44,7 +50,7 @@ class _Gatherer:
         k, v = self.k[:, hs], self.v[:, hs]
         spec = KVSpec(tuple(k.shape), tuple(v.shape), k.dtype, k.device)
         mine = codec.new_buffer(spec)
-        codec.encode(k, v, mine)
+        encode_or_record(self.plan, codec, k, v, mine)  # refused K/V: every rank raises after the forward
         everyone = mine.new_empty(ring.world * mine.numel())
         self.inflight[i] = (all_gather(everyone, mine, ring.group, _timeout(ring), self.what), everyone, spec)
 
@@ -67,29 +73,31 @@ class AllGatherAttention(torch.autograd.Function):
     """BHSD views in, q-shaped output; gradients shaped like the inputs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, pieces: list[slice]):
+    def forward(ctx, q, k, v, plan: RingPlan, pieces: list[slice], sink: torch.Tensor | None = None):
         g = q.shape[1] // k.shape[1]
-        local = _local_plan(plan, q.device)
-        out = torch.empty_like(q)
+        out = q.new_empty((*q.shape[:3], v.shape[-1]))
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         kv = _Gatherer(k, v, plan, pieces, "all_gather of K/V (forward)")
         for i, hs in enumerate(pieces):
             qs = slice(hs.start * g, hs.stop * g)
             k_all, v_all = kv.get(i)
-            acc, lse_part = ring_forward(q[:, qs], k_all, v_all, local)
+            acc, lse_part = ring_forward(q[:, qs], k_all, v_all, _local_plan(plan, q.device, qs))
+            if sink is not None:
+                fold_sink(acc, lse_part, sink[qs])
             out[:, qs].copy_(acc)
             lse[:, qs].copy_(lse_part)
             del acc, lse_part, k_all, v_all
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan, ctx.pieces = plan, pieces
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         plan, pieces = ctx.plan, ctx.pieces
         world, g, s = plan.ring.world, q.shape[1] // k.shape[1], q.shape[2]
-        local = _local_plan(plan, q.device)
+        dout = dout.contiguous()
+        dsink = sink_grad(dout, out, lse, sink).to(sink.dtype) if sink is not None and ctx.needs_input_grad[5] else None
         dq, dk, dv = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
         kv = _Gatherer(k, v, plan, pieces, "all_gather of K/V (backward)")
         scatters: list[tuple[Pending, torch.Tensor, slice]] = []
@@ -97,29 +105,33 @@ class AllGatherAttention(torch.autograd.Function):
             qs = slice(hs.start * g, hs.stop * g)
             k_all, v_all = kv.get(i)
             dq_p, dk_all, dv_all = ring_backward(dout[:, qs], q[:, qs], k_all, v_all, out[:, qs],
-                                                 lse[:, qs], local)
+                                                 lse[:, qs], _local_plan(plan, q.device, qs))
             dq[:, qs].copy_(dq_p)
             b, hk, _, d = dk_all.shape
+            dvd = dv_all.shape[-1]  # V's head dim (MLA: may differ from d)
             # rank-major [P, (dK_j, dV_j)] fp32 so that chunk j of the reduce-scatter goes to rank j
-            send = dk_all.new_empty(world, 2, b, hk, s, d)
-            send[:, 0].copy_(dk_all.reshape(b, hk, world, s, d).permute(2, 0, 1, 3, 4))
-            send[:, 1].copy_(dv_all.reshape(b, hk, world, s, d).permute(2, 0, 1, 3, 4))
+            n_k, n_v = b * hk * s * d, b * hk * s * dvd
+            send = dk_all.new_empty(world, n_k + n_v)
+            send[:, :n_k].view(world, b, hk, s, d).copy_(dk_all.reshape(b, hk, world, s, d).permute(2, 0, 1, 3, 4))
+            send[:, n_k:].view(world, b, hk, s, dvd).copy_(dv_all.reshape(b, hk, world, s, dvd).permute(2, 0, 1, 3, 4))
             del dq_p, dk_all, dv_all, k_all, v_all
-            mine = send.new_empty(2, b, hk, s, d)
+            mine = send.new_empty(n_k + n_v)
             scatters.append((reduce_scatter(mine.view(-1), send.view(-1), plan.ring.group, _timeout(plan.ring),
                                             "reduce-scatter of dK/dV"), mine, hs))
             if len(scatters) > 1:  # the previous piece's reduce-scatter ran during this piece's compute
                 _land(scatters.pop(0), dk, dv)
         for item in scatters:
             _land(item, dk, dv)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, dsink
 
 
 def _land(item, dk: torch.Tensor, dv: torch.Tensor) -> None:
     pending, mine, hs = item
     pending.wait()
-    dk[:, hs].copy_(mine[0])
-    dv[:, hs].copy_(mine[1])
+    part_k, part_v = dk[:, hs], dv[:, hs]
+    n_k = part_k.numel()
+    part_k.copy_(mine[:n_k].view(part_k.shape))
+    part_v.copy_(mine[n_k:].view(part_v.shape))
 
 
 def pieces_for(h_kv: int, head_chunks: int) -> list[slice]:
@@ -128,5 +140,5 @@ def pieces_for(h_kv: int, head_chunks: int) -> list[slice]:
 
 
 def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
-        hierarchical_groups=None) -> torch.Tensor:
-    return AllGatherAttention.apply(qh, kh, vh, plan, pieces_for(kh.shape[1], head_chunks))
+        hierarchical_groups=None, sink: torch.Tensor | None = None) -> torch.Tensor:
+    return AllGatherAttention.apply(qh, kh, vh, plan, pieces_for(kh.shape[1], head_chunks), sink)

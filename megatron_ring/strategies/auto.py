@@ -11,8 +11,22 @@ ranks would run different collectives and hang), so the numbers are agreed befor
 all-reduced with MIN and the latency with MAX over the group, and the choice depends only on them and on
 the call's shapes (which the consistency check has already made equal).
 
-The choice and the predicted costs of every candidate are logged once per signature at INFO level on
-logger ``megatron_ring``.
+Measured tie-break: the model ranks types well when their costs differ by more than its error (on GPU
+clusters: bytes vs compute), but not near-ties. Where every type is compute-bound (a CPU with gloo, where
+the types move a few MB against seconds of compute) its predictions sit within a few percent of each
+other while the measured times differ by 10-30% for reasons it does not model (kernel shapes, copies,
+how P processes share fewer cores). So when more than one candidate is predicted within ``BAND`` (30%)
+of the best and the best is predicted to take at least ``MEASURE_MIN_S`` (0.05 s: below that the choice
+hardly matters), and measuring them once fits in ``MEASURE_BUDGET_S`` (120 s of predicted time), ``auto``
+runs each of those candidates forward+backward on random tensors of the call's shapes, ``MEASURE_ROUNDS``
+(2; fewer if the budget allows only one) rounds interleaved, takes each one's best round, agrees on the times (MAX over the group) and picks
+the fastest measured (ties within 3% go to the simpler type). It costs a few calls' time once per
+signature. Environment: ``MEGATRON_RING_AUTO_MEASURE=0`` turns it off (model only);
+``MEGATRON_RING_AUTO_BAND``, ``MEGATRON_RING_AUTO_MEASURE_MIN_S``, ``MEGATRON_RING_AUTO_MEASURE_BUDGET_S``,
+``MEGATRON_RING_AUTO_MEASURE_ROUNDS`` tune it.
+
+The choice, the predicted costs of every candidate and the measured times (when measured) are logged
+once per signature at INFO level on logger ``megatron_ring``.
 """
 from __future__ import annotations
 
@@ -27,14 +41,15 @@ import torch.distributed as dist
 from ..codec import KVSpec
 from ..comm import Ring
 from ..engine import RingPlan
-from .cost_model import Machine, Problem, predict_all
+from .cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
 
-__all__ = ["choose", "set_machine", "machine_for", "probe_machine"]
+__all__ = ["choose", "set_machine", "machine_for", "probe_machine", "measure", "to_measure", "last_choice"]
 
 log = logging.getLogger("megatron_ring")
 
 _machines: dict[tuple, Machine] = {}
 _choices: dict[tuple, str] = {}
+last_choice: dict[str, Any] = {}  # the latest choice made: key, predicted, measured, choice (benchmark, tests)
 _ENV = {"flops": "MEGATRON_RING_FLOPS", "bwd_flops": "MEGATRON_RING_BWD_FLOPS",
         "bw_intra": "MEGATRON_RING_BANDWIDTH", "bw_inter": "MEGATRON_RING_INTER_BANDWIDTH",
         "latency": "MEGATRON_RING_LATENCY_S", "call_overhead": "MEGATRON_RING_CALL_OVERHEAD_S"}
@@ -160,7 +175,67 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: in
                    pieces=head_chunks if head_chunks > 1 else 2)
 
 
-def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int, hierarchical_groups: Any) -> str:
+BAND, MEASURE_MIN_S, MEASURE_BUDGET_S, MEASURE_ROUNDS = 0.3, 0.05, 120.0, 2
+
+
+def _setting(name: str, default: float) -> float:
+    raw = os.environ.get(f"MEGATRON_RING_AUTO_{name}")
+    return float(raw) if raw else default
+
+
+def to_measure(rows: list[dict]) -> tuple[list[str], int]:
+    """The candidates the model cannot tell apart and the rounds to time them (fewer when the budget is
+    tight); ``([], 0)`` when the model decides (see the module doc)."""
+    if os.environ.get("MEGATRON_RING_AUTO_MEASURE", "1") == "0":
+        return [], 0
+    best = min(r["time_s"] for r in rows)
+    near = [r for r in rows if r["time_s"] <= best * (1 + _setting("BAND", BAND))]
+    cost = sum(r["time_s"] for r in near)
+    rounds = min(int(_setting("MEASURE_ROUNDS", MEASURE_ROUNDS)), int(_setting("MEASURE_BUDGET_S", MEASURE_BUDGET_S)
+                                                                       // max(cost, 1e-12)))
+    if len(near) < 2 or rounds < 1 or best < _setting("MEASURE_MIN_S", MEASURE_MIN_S):
+        return [], 0
+    return [r["comm_type"] for r in near], rounds
+
+
+def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan,
+            head_chunks: int, hierarchical_groups: Any, rounds: int) -> dict[str, float]:
+    """Forward+backward seconds of each candidate on random tensors of the call's shapes (best of
+    ``rounds`` interleaved rounds, MAX over the group: the same numbers on every rank)."""
+    dev = qh.device
+    q, k, v = (torch.randn_like(t).requires_grad_() for t in (qh, kh, vh))  # the call's strides too
+    dout = torch.randn((*qh.shape[:3], vh.shape[-1]), dtype=qh.dtype, device=dev)
+    best = {ct: float("inf") for ct in candidates}
+    kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups)
+    with torch.enable_grad():  # also when the call itself runs without gradients
+        _rounds(candidates, q, k, v, dout, plan, kw, rounds, best)
+    agreed = torch.tensor([best[ct] for ct in candidates], dtype=torch.float64, device=dev)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=plan.ring.group)
+    return dict(zip(candidates, agreed.tolist()))
+
+
+def _rounds(candidates, q, k, v, dout, plan, kw, rounds, best) -> None:
+    from . import STRATEGIES  # noqa: PLC0415 - the registry imports this module lazily
+
+    for _ in range(rounds):
+        for ct in candidates:
+            dist.barrier(group=plan.ring.group)
+            _sync(q.device)
+            t0 = time.perf_counter()
+            STRATEGIES[ct](q, k, v, plan, **kw).backward(dout)
+            _sync(q.device)
+            best[ct] = min(best[ct], time.perf_counter() - t0)
+            q.grad = k.grad = v.grad = None
+
+
+def _fastest(times: dict[str, float]) -> str:
+    """The fastest measured, a simpler type (``PREFERENCE``) winning ties within ``TIE``."""
+    fastest = min(times.values())
+    return min((ct for ct, t in times.items() if t <= fastest * (1 + TIE)), key=PREFERENCE.index)
+
+
+def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int, hierarchical_groups: Any,
+           vh: torch.Tensor | None = None) -> str:
     """The comm type for this call (cached per signature and group); the same on every rank."""
     inner = outer = None
     if hierarchical_groups is not None:
@@ -174,10 +249,20 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
     pb = _problem(qh, kh, plan, head_chunks)
     rows = predict_all(pb, plan.ring.world, machine, inner)
     _choices[key] = rows[0]["comm_type"]
+    near, rounds = to_measure(rows)
+    measured = {}
+    if near:
+        measured = measure(near, qh, kh, vh if vh is not None else kh, plan, head_chunks, hierarchical_groups,
+                           rounds)
+        _choices[key] = _fastest(measured)
     log.info("megatron_ring auto comm_type: chose %s for S=%d b=%d h=%d h_kv=%d d=%d %s causal=%s wire=%s over %d "
-             "ranks%s; predicted fwd+bwd per call: %s (machine: F=%.3g flop/s, B=%.3g B/s, latency=%.3g s)",
+             "ranks%s; predicted fwd+bwd per call: %s (machine: F=%.3g flop/s, B=%.3g B/s, latency=%.3g s)%s",
              _choices[key], pb.seq, pb.batch, pb.heads, pb.kv_heads, pb.head_dim, pb.layout, pb.causal,
              plan.codec.name, plan.ring.world, f" (hierarchical {inner}x{plan.ring.world // inner})" if inner else "",
              ", ".join(f"{r['comm_type']} {r['time_s'] * 1e3:.3g} ms" for r in rows),
-             machine.flops, machine.bw_intra, machine.latency)
+             machine.flops, machine.bw_intra, machine.latency,
+             ("; near-tie, measured: " + ", ".join(f"{ct} {t * 1e3:.3g} ms" for ct, t in measured.items()))
+             if measured else "")
+    last_choice.update(key=key, predicted={r["comm_type"]: r["time_s"] for r in rows}, measured=measured,
+                       choice=_choices[key])
     return _choices[key]

@@ -9,5 +9,5 @@ __all__ = ["run"]
 
 
 def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
-        hierarchical_groups=None) -> torch.Tensor:
-    return RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks))
+        hierarchical_groups=None, sink: torch.Tensor | None = None) -> torch.Tensor:
+    return RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks), sink)

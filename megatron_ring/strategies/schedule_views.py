@@ -14,10 +14,11 @@ import dataclasses
 
 import torch
 
+from ..engine import RingPlan
 from ..layouts import BlockTask, Layout
 from ..masks import schedule
 
-__all__ = ["GatheredView", "GroupedView"]
+__all__ = ["GatheredView", "GroupedView", "GatheredPlan"]
 
 
 def _shift(sl: slice, by: int) -> slice:
@@ -58,6 +59,13 @@ class GatheredView(_View):
         self.world, self.rank = world, rank
         self.name = f"GatheredView({base.name},{world},{rank})"
 
+    def key_positions(self, seq_len: int) -> torch.Tensor:
+        """Global positions of the gathered keys (every shard, src-major); queries: ``positions``."""
+        return torch.cat([self.base.positions(seq_len, self.world, j) for j in range(self.world)])
+
+    def positions(self, seq_len: int, world: int, rank: int) -> torch.Tensor:
+        return self.base.positions(seq_len, self.world, self.rank)  # this rank's queries
+
     def block_tasks(self, causal, world, rank, src, s):
         assert world == 1, "GatheredView is consumed by a world-size-1 plan"
         return tuple(_moved(t, 0, j * s) for j in range(self.world)
@@ -83,6 +91,11 @@ class GroupedView(_View):
         self.inner = inner
         self.name = f"GroupedView({base.name},{inner})"
 
+    def positions(self, seq_len: int, world: int, rank: int) -> torch.Tensor:
+        """The super-block's global positions: base shards ``rank*inner ..`` one after another."""
+        n = self.inner
+        return torch.cat([self.base.positions(seq_len, world * n, rank * n + i) for i in range(n)])
+
     def block_tasks(self, causal, world, rank, src, s):
         n = self.inner
         if s % n:
@@ -100,3 +113,13 @@ class GroupedView(_View):
         return tuple(_moved(t, i * c, j * c)
                      for i in range(n) for j in range(n)
                      for t in schedule(self.base, rule, world * n, rank * n + i, src * n + j, c))
+
+
+@dataclasses.dataclass
+class GatheredPlan(RingPlan):
+    """The world-size-1 plan over a :class:`GatheredView`: its keys are every shard (position-keyed
+    dropout needs their true global positions, which differ from the queries')."""
+
+    def positions(self, task, step: int) -> dict:
+        view, n = self.layout, self.dropout.seq_len
+        return {"qpos": view.positions(n, 1, 0)[task.q], "kpos": view.key_positions(n)[task.kv]}

@@ -1,0 +1,189 @@
+"""Attention sinks, positional dropout and in-band refusal of bad input on EVERY comm type.
+
+Sinks/dropout: one set of 4 gloo processes runs, for all_gather, a2a (h=4: one head per rank) and
+a2a+p2p (2x2) (p2p: tests/test_model_features.py; auto runs one of these), a few cases (learnable sink
+with GQA; dropout with a sink, MLA head dims and head_chunks=2 in sbhd; dropout with documents + window)
+on causal zigzag and non-causal striped, against the float64 reference of ``tests/feature_reference.py`` (outputs, dq/dk/dv and the sink gradient summed over the group; fp32 2e-5,
+bf16 2e-2), and with dropout also against the same call at CP=1 (a loopback ring in the same process):
+the keep/drop decisions are keyed on global heads and positions, so CP=4 with any comm type equals
+CP=1 up to fp32 summation order (<= 2e-6).
+
+Bad input: rank 2 alone has a NaN in K (fp8 wire, which refuses it) or a rank-local input error (a
+non-contiguous head dim, or a kernel its device cannot run): for every comm type every rank raises promptly (well under the ring timeout),
+the others naming global rank 2, and the group stays usable afterwards.
+"""
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from feature_reference import feature_reference
+from megatron_ring import ring_attention, shard_sequence
+from megatron_ring.comm import LoopbackRing
+from megatron_ring.strategies import make_hierarchical_groups
+
+TYPES = ("all_gather", "a2a", "a2a+p2p", "auto")  # auto: the bad-input test (its choice is made on every rank)
+FEATURE_TYPES = TYPES[:3]
+# (name, h, h_kv, sink, dropout_p, head_chunks, fmt, docs, dtype, (d_qk, d_v))
+CASES = [
+    ("sink learnable gqa", 4, 2, "learn", 0.0, 1, "bshd", False, torch.float32, (8, 8)),
+    ("sink off-by-one bf16", 4, 2, 0.0, 0.0, 1, "bshd", False, torch.bfloat16, (8, 8)),
+    ("dropout + sink, chunks sbhd, mla", 4, 2, "learn", 0.2, 2, "sbhd", False, torch.float32, (12, 8)),
+    ("dropout docs+window mqa", 4, 1, None, 0.25, 1, "thd", True, torch.float32, (8, 8)),
+]
+LAYOUTS = (("zigzag", True), ("striped", False))
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _fmt(x, fmt):
+    return x.squeeze(0) if fmt == "thd" else (x.transpose(0, 1).contiguous() if fmt == "sbhd" else x)
+
+
+def _call(case, local, sink_t, cu, window, seed, layout, causal, **kw):
+    name, h, h_kv, sink, p, chunks, fmt, docs, dtype, _ = case
+    leaves = [t.detach().clone().requires_grad_() for t in local[:3]]
+    s_leaf = sink_t.clone().requires_grad_() if sink == "learn" else None
+    offset = s_leaf if s_leaf is not None else (None if sink is None else float(sink))
+    out = ring_attention(*leaves, causal=causal, layout=layout, qkv_format=fmt, head_chunks=chunks,
+                         softmax_offset=offset, dropout_p=p, dropout_seed=seed, window=window,
+                         cu_seqlens=torch.tensor(cu) if cu is not None else None, **kw)
+    out.backward(local[3])
+    return [out.detach()] + [t.grad for t in leaves] + ([s_leaf.grad] if s_leaf is not None else [])
+
+
+def _features_worker(rank, world):
+    hier = make_hierarchical_groups(2)
+    rows = []
+    for ci, case in enumerate(CASES):
+        name, h, h_kv, sink, p, chunks, fmt, docs, dtype, (dqk, dv) = case
+        for li, (layout, causal) in enumerate(LAYOUTS):
+            seed = 100 * ci + li
+            g = torch.Generator().manual_seed(seed)
+            b, S = (1 if fmt == "thd" else 2), 8 * world
+            q, k, v, dout = (torch.randn(b, S, n, d, generator=g).to(dtype)
+                             for n, d in ((h, dqk), (h_kv, dqk), (h_kv, dv), (h, dv)))
+            sink_t = torch.randn(h, generator=g) if sink == "learn" else (
+                None if sink is None else torch.full((h,), float(sink)))
+            cu = [0, 3, 4, 11, S - 2] if docs else None
+            window = (5, 2) if docs else None
+            ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+            s_ref = sink_t.double().requires_grad_() if sink_t is not None else None
+            ref = feature_reference(*ref_in, causal=causal, cu=cu, window=window, sink=s_ref, dropout_p=p, seed=seed)
+            ref.backward(dout.double())
+            refs = [ref.detach()] + [t.grad for t in ref_in] + ([s_ref.grad] if sink == "learn" else [])
+            sh = lambda x: _fmt(shard_sequence(x, 1, layout=layout), fmt)  # noqa: E731
+            local = [sh(t) for t in (q, k, v, dout)]
+            cp1 = None
+            if p:
+                cp1 = _call(case, [_fmt(t, fmt) for t in (q, k, v, dout)], sink_t, cu, window, seed, layout,
+                            causal, ring=LoopbackRing(1, 0, q.device))
+            for ct in FEATURE_TYPES:
+                got = _call(case, local, sink_t, cu, window, seed, layout, causal, comm_type=ct,
+                            hierarchical_groups=hier)
+                if sink == "learn":
+                    dist.all_reduce(got[4])  # each rank's sink gradient covers its own (query, head) pairs
+                for what, a, r in zip(("out", "dq", "dk", "dv", "dsink"), got, refs):
+                    r_local = r if what == "dsink" else sh(r)
+                    err = (a.double() - r_local).abs().max().item() / max(1.0, r.abs().max().item())
+                    rows.append((ct, name, layout, what, "ref", err, TOL[dtype]))
+                if cp1 is not None:
+                    for what, a, r in zip(("out", "dq", "dk", "dv"), got, cp1):
+                        full = r.unsqueeze(0) if fmt == "thd" else (r.transpose(0, 1) if fmt == "sbhd" else r)
+                        err = (a.double() - sh(full).double()).abs().max().item()
+                        rows.append((ct, name, layout, what, "cp1", err, 2e-6))
+    return rows
+
+
+def test_sinks_and_dropout_on_every_comm_type():
+    failures, seen = [], set()
+    for rows in run_distributed(_features_worker, 4, timeout=300):
+        for ct, name, layout, what, vs, err, tol in rows:
+            seen.add((ct, name, vs))
+            if math.isnan(err) or err > tol:
+                failures.append(f"{ct} {name} {layout} {what} vs {vs}: {err:.3g} > {tol}")
+    assert not failures, "\n".join(failures[:20])
+    assert {(ct, CASES[2][0], "cp1") for ct in FEATURE_TYPES} <= seen
+
+
+TIMEOUT_S = 20.0
+BAD = 2
+
+
+def _bad_input_worker(rank, world):
+    hier = make_hierarchical_groups(2)
+    results = {}
+    for ct in TYPES:
+        for fault in ("nan", "stride", "kernel", "none"):
+            torch.manual_seed(rank)
+            q = torch.randn(1, 16, 4, 8)
+            k, v = torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
+            kw = dict(causal=True, comm_dtype="fp8", comm_type=ct, hierarchical_groups=hier, timeout_s=TIMEOUT_S)
+            ring_attention(q, k, v, **kw)  # signature seen (the cross-rank check passes before the fault)
+            if rank == BAD and fault == "nan":
+                k[0, 5, 1, 3] = float("nan")
+            if rank == BAD and fault == "stride":
+                q = torch.randn(1, 16, 4, 16)[..., ::2]  # refused on this rank only
+            kernel = "sdpa_cuda" if rank == BAD and fault == "kernel" else "auto"  # this rank's device cannot run it
+            start = time.monotonic()
+            try:
+                out = ring_attention(q, k, v, kernel=kernel, **kw)
+                res = ("ok", bool(torch.isnan(out).any()))
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                res = (type(exc).__name__, str(exc))
+            results[(ct, fault)] = res + (time.monotonic() - start,)
+    return results
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank_for_every_comm_type():
+    per_rank = run_distributed(_bad_input_worker, 4, timeout=300)
+    for ct in TYPES:
+        for rank, res in enumerate(per_rank):
+            kind, msg, elapsed = res[(ct, "nan")]
+            assert elapsed < TIMEOUT_S / 2, (ct, rank, elapsed)
+            assert kind == "WireFiniteError", (ct, rank, kind, msg)
+            if rank == BAD:
+                assert "inf/NaN" in msg, (ct, msg)
+            else:
+                assert f"global rank(s) {BAD} cannot be sent" in msg, (ct, rank, msg)
+            for fault in ("stride", "kernel"):  # refused by check_inputs / by select_kernel on rank 2 only
+                kind, msg, elapsed = res[(ct, fault)]
+                assert elapsed < TIMEOUT_S / 2, (ct, fault, rank, elapsed)
+                if rank == BAD:
+                    assert kind == "ValueError", (ct, fault, kind, msg)
+                else:
+                    assert kind == "RingInputError" and f"global rank(s) {BAD} rejected" in msg, (ct, rank, kind, msg)
+            assert res[(ct, "none")][:2] == ("ok", False), (ct, rank, res[(ct, "none")])
+
+
+def test_deferred_status_check_raises_at_the_start_of_backward():
+    """CUDA without a checking codec: the forward only launches the status gather; the layer's backward
+    waits for it and raises (the mechanism, on CPU tensors: no GPU here)."""
+    from megatron_ring.ring_status import RingInputError
+    from megatron_ring.strategies.status import _CheckInBackward
+
+    waited = []
+
+    class Status:
+        def _raise(self, codes):
+            if codes.any():
+                raise RingInputError("ring global rank(s) 2 rejected their input")
+
+    class Pending:
+        def wait(self):
+            waited.append(True)
+
+    for codes, fails in ((torch.zeros(4), False), (torch.tensor([0.0, 0, 2, 0]), True)):
+        x = torch.ones(3, requires_grad=True)
+        y = _CheckInBackward.apply(x, (Status(), Pending(), codes))
+        assert torch.equal(y, x) and not waited  # forward: identity, nothing waited for
+        if fails:
+            with pytest.raises(RingInputError, match="rank"):
+                y.sum().backward()
+        else:
+            y.sum().backward()
+            assert torch.equal(x.grad, torch.ones(3))
+        assert waited
+        waited.clear()
