@@ -1,4 +1,5 @@
-"""Workers for the document-mask Megatron tests (``--reset-attention-mask`` batches, packed THD params).
+"""Workers for the document-mask Megatron tests (``--reset-attention-mask`` batches, packed THD params,
+a whole GPTModel fed packed batches with ``PackedSeqParams``).
 
 Reference: Megatron-Core's own GPTModel (local DotProductAttention, which applies the boolean
 ``attention_mask``) at TP = CP = 1 on one process, fed the same documents as a causal-within-document mask.
@@ -56,7 +57,8 @@ def _train(model, m, steps, shard, reduce) -> dict[str, Any]:
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         mb = shard(doc_batch(m, step, m["micro_batch"]))
-        tok = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
+        kw = {"packed_seq_params": mb["packed_seq_params"]} if "packed_seq_params" in mb else {}
+        tok = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"], **kw)
         if reduce is None:
             loss = (tok * mb["loss_mask"]).sum() / mb["loss_mask"].sum()
             loss.backward()
@@ -105,6 +107,57 @@ def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[
         finally:
             from megatron.core import parallel_state as ps
 
+            destroy_context_parallel()
+            ps.destroy_model_parallel()
+
+
+def as_packed(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A one-row ``doc_batch`` as Megatron's THD path gets it: no mask, ``PackedSeqParams`` with the GLOBAL
+    document boundaries (from the restarting position ids), ``max_seqlen`` set."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    pos = batch["position_ids"][0]
+    cu = torch.cat([torch.nonzero(pos == 0).flatten(), torch.tensor([pos.numel()])]).int()
+    longest = int((cu[1:] - cu[:-1]).max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)
+    return dict({k: v for k, v in batch.items() if k != "attention_mask"}, packed_seq_params=params)
+
+
+def packed_model_worker(rank: int, world: int, m: dict, configs: list[tuple[int, int, str]], steps: int) -> dict:
+    """GPTModel (ring spec, ``use_layout_rope``) on packed batches with ``PackedSeqParams`` at each
+    (TP, CP, layout) of ``configs``, all in these processes: losses and step-0 full gradients."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel,
+                                        get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu,
+                                        reduce_loss_over_cp)
+
+    def reduce(tok, loss_mask):
+        red = reduce_loss_over_cp(tok, loss_mask)
+        red.loss.backward()
+        allreduce_gradients(model)
+        return float(red.reported)
+
+    def shard(batch):
+        packed = as_packed(batch)
+        return dict(get_batch_on_this_cp_rank(packed), attention_mask=None)
+
+    out = {}
+    with megatron_cpu():
+        try:
+            for tp, cp, layout in configs:
+                initialize_context_parallel(RingConfig(context_parallel_size=cp, layout=layout),
+                                            tensor_model_parallel_size=tp, seq_length=m["seq"])
+                tensor_parallel.model_parallel_cuda_manual_seed(m["seed"], force_reset_rng=True)
+                model = W._build(m, tp, cp, ring=True)
+                res = _train(model, m, steps, shard, reduce)
+                out[f"tp{tp}cp{cp}-{layout}"] = res if rank == 0 else dict(losses=res["losses"])
+                destroy_context_parallel(destroy_model_parallel=True)
+            return out
+        finally:
             destroy_context_parallel()
             ps.destroy_model_parallel()
 
