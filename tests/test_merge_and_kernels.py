@@ -70,3 +70,28 @@ def test_select_kernel():
         select_kernel(q, "no_such_kernel")
     with pytest.raises(ValueError, match="does not support"):
         select_kernel(q, "sdpa_cuda")
+
+
+@pytest.mark.parametrize("inner", [MathKernel(), FlashCPUKernel()], ids=lambda k: k.name)
+def test_reversed_kernel_is_the_upper_triangle(inner):
+    """ReversedKernel(causal=True) computes key row >= query row (a window's lower edge), unmasked, in
+    forward and backward, vs float64 with that mask; GQA included."""
+    from megatron_ring.kernels import ReversedKernel
+
+    torch.manual_seed(2)
+    b, h, h_kv, n, d, scale = 2, 4, 2, 24, 16, 0.2
+    q = torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, h_kv, n, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * scale
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).tril(-1), float("-inf"))
+    ref_out, ref_lse = torch.softmax(s, -1) @ v.repeat_interleave(2, 1), torch.logsumexp(s, -1)
+    dout = torch.randn_like(ref_out)
+    ref_out.backward(dout)
+    kernel = ReversedKernel(inner)
+    q32, k32, v32 = (t.detach().float() for t in (q, k, v))
+    out, lse = kernel.forward(q32, k32, v32, True, scale)
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-5, rtol=1e-5)
+    grads = kernel.backward(dout.float(), q32, k32, v32, out, lse, True, scale)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got.double(), want, atol=5e-5, rtol=1e-4)
