@@ -111,19 +111,6 @@ def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[
             ps.destroy_model_parallel()
 
 
-def as_packed(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """A one-row ``doc_batch`` as Megatron's THD path gets it: no mask, ``PackedSeqParams`` with the GLOBAL
-    document boundaries (from the restarting position ids), ``max_seqlen`` set."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    pos = batch["position_ids"][0]
-    cu = torch.cat([torch.nonzero(pos == 0).flatten(), torch.tensor([pos.numel()])]).int()
-    longest = int((cu[1:] - cu[:-1]).max())
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                             max_seqlen_kv=longest)
-    return dict({k: v for k, v in batch.items() if k != "attention_mask"}, packed_seq_params=params)
-
-
 def packed_model_worker(rank: int, world: int, m: dict, configs: list[tuple[int, int, str]], steps: int) -> dict:
     """GPTModel (ring spec, ``use_layout_rope``) on packed batches with ``PackedSeqParams`` at each
     (TP, CP, layout) of ``configs``, all in these processes: losses and step-0 full gradients."""
@@ -134,6 +121,7 @@ def packed_model_worker(rank: int, world: int, m: dict, configs: list[tuple[int,
     from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel,
                                         get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu,
                                         reduce_loss_over_cp)
+    from megatron_ring.megatron.documents import packed_batch
 
     def reduce(tok, loss_mask):
         red = reduce_loss_over_cp(tok, loss_mask)
@@ -141,9 +129,8 @@ def packed_model_worker(rank: int, world: int, m: dict, configs: list[tuple[int,
         allreduce_gradients(model)
         return float(red.reported)
 
-    def shard(batch):
-        packed = as_packed(batch)
-        return dict(get_batch_on_this_cp_rank(packed), attention_mask=None)
+    def shard(batch):  # the --reset-attention-mask batch as Megatron's THD path gets it
+        return dict(get_batch_on_this_cp_rank(packed_batch(batch)), attention_mask=None)
 
     out = {}
     with megatron_cpu():
