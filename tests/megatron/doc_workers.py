@@ -79,41 +79,16 @@ def _tp_group():
 
 
 def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[str], steps: int) -> dict:
-    torch.set_num_threads(1)
-    from megatron.core import tensor_parallel
-
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel,
-                                        get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu,
-                                        reduce_loss_over_cp)
-
-    def reduce(tok, loss_mask):
-        red = reduce_loss_over_cp(tok, loss_mask)
-        red.loss.backward()
-        allreduce_gradients(model)
-        return float(red.reported)
-
-    out = {}
-    with megatron_cpu():
-        try:
-            for layout in layouts:
-                initialize_context_parallel(RingConfig(context_parallel_size=cp, layout=layout),
-                                            tensor_model_parallel_size=tp, seq_length=m["seq"])
-                tensor_parallel.model_parallel_cuda_manual_seed(m["seed"], force_reset_rng=True)
-                model = W._build(m, tp, cp, ring=True)
-                res = _train(model, m, steps, get_batch_on_this_cp_rank, reduce)
-                out[layout] = res if rank == 0 else dict(losses=res["losses"])
-                destroy_context_parallel()
-            return out
-        finally:
-            from megatron.core import parallel_state as ps
-
-            destroy_context_parallel()
-            ps.destroy_model_parallel()
+    """``--reset-attention-mask`` batches (the mask) at (TP, CP) for each layout, keyed by layout."""
+    res = ring_configs_worker(rank, world, m, [(tp, cp, layout) for layout in layouts], steps, packed=False)
+    return {key.split("-", 1)[1]: r for key, r in res.items()}
 
 
-def packed_model_worker(rank: int, world: int, m: dict, configs: list[tuple[int, int, str]], steps: int) -> dict:
-    """GPTModel (ring spec, ``use_layout_rope``) on packed batches with ``PackedSeqParams`` at each
-    (TP, CP, layout) of ``configs``, all in these processes: losses and step-0 full gradients."""
+def ring_configs_worker(rank: int, world: int, m: dict, configs: list[tuple[int, int, str]], steps: int,
+                        packed: bool) -> dict:
+    """GPTModel (ring spec, ``use_layout_rope``) at each (TP, CP, layout) of ``configs``, all in these
+    processes, keyed ``tp{tp}cp{cp}-{layout}``: losses and step-0 full gradients (rank 0). ``packed``: the
+    batch goes in as ONE packed stream with ``PackedSeqParams`` (Megatron's THD path) instead of the mask."""
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -129,7 +104,9 @@ def packed_model_worker(rank: int, world: int, m: dict, configs: list[tuple[int,
         allreduce_gradients(model)
         return float(red.reported)
 
-    def shard(batch):  # the --reset-attention-mask batch as Megatron's THD path gets it
+    def shard(batch):
+        if not packed:
+            return get_batch_on_this_cp_rank(batch)
         return dict(get_batch_on_this_cp_rank(packed_batch(batch)), attention_mask=None)
 
     out = {}

@@ -66,7 +66,7 @@ def test_packed_seq_params_gpt_model_matches_megatron_cp1(run):
     mask to the unpacked rows: loss and every gradient after one step."""
     ref = _reference(1)  # the two [1, 64] rows of doc_batch become one packed stream of 128 tokens
     configs = [(1, 4, "zigzag"), (1, 4, "striped"), (2, 2, "contiguous")]
-    got = run(D.packed_model_worker, 4, W.MODEL, configs, 1)
+    got = run(D.ring_configs_worker, 4, W.MODEL, configs, 1, True)
     assert sorted(got[0]) == sorted(f"tp{tp}cp{cp}-{lay}" for tp, cp, lay in configs)
     for name, res in got[0].items():
         assert abs(res["losses"][0] - ref["losses"][0]) <= 2e-5, (name, res["losses"], ref["losses"])
