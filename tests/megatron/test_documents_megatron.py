@@ -62,10 +62,10 @@ def test_reset_attention_mask_cp4_curve_matches_cp1(run):
 def test_packed_seq_params_gpt_model_matches_megatron_cp1(run):
     """A whole GPTModel fed packed batches (``documents.packed_batch``: one THD stream, ``PackedSeqParams``
     with global cu_seqlens, as Megatron builds them; RoPE per document at the layout's positions) at
-    CP = 4 and TP2 x CP2, every layout, vs Megatron's own CP = 1 model applying the same documents as a
+    CP = 4 (zigzag) and TP2 x CP2 (striped), vs Megatron's own CP = 1 model applying the same documents as a
     mask to the unpacked rows: loss and every gradient after one step."""
     ref = _reference(1)  # the two [1, 64] rows of doc_batch become one packed stream of 128 tokens
-    configs = [(1, 4, "zigzag"), (1, 4, "striped"), (2, 2, "contiguous")]
+    configs = [(1, 4, "zigzag"), (2, 2, "striped")]
     got = run(D.ring_configs_worker, 4, W.MODEL, configs, 1, True)
     assert sorted(got[0]) == sorted(f"tp{tp}cp{cp}-{lay}" for tp, cp, lay in configs)
     for name, res in got[0].items():
