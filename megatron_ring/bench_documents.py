@@ -166,6 +166,61 @@ def run_window(world: int, seq: int, cfg: dict[str, Any], timeout: float) -> lis
     return rows
 
 
+def run_window_compute(world: int, seq: int, cfg: dict[str, Any], reps: int = 5) -> list[dict[str, Any]]:
+    """Windows vs full causal, compute only, in THIS process (1 thread): every rank's forward+backward
+    block tasks over all its ring steps (the engine's kernel dispatch, no communication, no merge),
+    each variant timed ``reps`` times interleaved; ``ms`` is the slowest rank's minimum (the figure
+    least disturbed by other jobs on a shared machine)."""
+    import time
+
+    import torch
+
+    from megatron_ring import masks
+    from megatron_ring.engine import RingPlan
+    from megatron_ring.kernels import FlashCPUKernel
+    from megatron_ring.layouts import get_layout
+
+    torch.set_num_threads(1)
+    s, h, d = seq // world, cfg["heads"], cfg["head_dim"]
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, s, d, generator=g) for _ in range(4))
+    default, rows = masks.EDGE_POLICY, []
+    cases = (("full causal", None), ("S/2", seq // 2), ("S/4", seq // 4), ("S/16", seq // 16))
+    policies = cfg.get("policies") or [default]
+    try:
+        for layout in cfg.get("layouts") or ("zigzag", "contiguous", "striped"):
+            lay = get_layout(layout)
+            runs = [(name, w, None if w is None else pol) for name, w in cases
+                    for pol in ([None] if w is None else policies)]
+            best = [[float("inf")] * world for _ in runs]
+            calls = [0] * len(runs)
+            for _ in range(reps):
+                for i, (_, w, pol) in enumerate(runs):
+                    masks.EDGE_POLICY = pol or default
+                    rule = None if w is None else masks.AttentionMask(True, None, (w, 0))
+                    plan = RingPlan(ring=None, layout=lay, causal=True, scale=d ** -0.5, kernel=FlashCPUKernel(),
+                                    codec=None, mask=rule)
+                    steps = world if rule is None else masks.needed_steps(lay, rule, world, s)
+                    for r in range(world):
+                        tasks = [t for step in range(steps) for t in (
+                            lay.block_tasks(True, world, r, (r - step) % world, s) if rule is None
+                            else masks.schedule(lay, rule, world, r, (r - step) % world, s))]
+                        calls[i] = max(calls[i], len(tasks))
+                        t0 = time.perf_counter()
+                        for t in tasks:
+                            out, lse = plan.forward_block(t, q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv])
+                            plan.backward_block(t, dout[:, :, t.q], q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv],
+                                                out, lse.contiguous())
+                        best[i][r] = min(best[i][r], time.perf_counter() - t0)
+            full = max(best[0])
+            for (name, w, pol), b, c in zip(runs, best, calls):
+                rows.append(dict(case=name, layout=layout, P=world, window=w, policy=pol or "-",
+                                 compute_ms=1e3 * max(b), calls=c, vs_full=max(b) / full))
+    finally:
+        masks.EDGE_POLICY = default
+    return rows
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     keys = [k for k in rows[0] if k not in ()]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]

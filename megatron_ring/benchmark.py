@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="--window: how masked tile runs become kernel calls (masks.EDGE_POLICY); several: "
                          "timed side by side")
     ap.add_argument("--window-layouts", nargs="+", default=None, help="--window: layouts to time (default all)")
+    ap.add_argument("--window-compute", action="store_true",
+                    help="with --window: compute only, every rank's block tasks in one process (no ring)")
     ap.add_argument("--balance", action="store_true", help="causal work per rank (visible pairs) per layout "
                     "for realistic document-length mixes over S tokens (no timing)")
     ap.add_argument("--gpu-row", action="store_true", help="CUDA: each rank's ring schedule on one GPU vs "
@@ -366,7 +368,9 @@ def _documents_main(a) -> list[dict[str, Any]]:
     for world in a.world_sizes:
         if a.docs:
             rows += bd.run_docs(world, a.seq, a.docs, cfg, a.timeout)
-        if a.window:
+        if a.window and a.window_compute:
+            rows += bd.run_window_compute(world, a.seq, cfg, reps=a.iters)
+        elif a.window:
             rows += bd.run_window(world, a.seq, cfg, a.timeout)
     for kind in ("docs", "window"):
         sub = [r for r in rows if (kind in r) == (kind == "docs")] if kind == "docs" else \

@@ -156,7 +156,8 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
         for ka, kb in ktiles:
             kind = _classify(rule, qpos[qa:qb], qd[qa:qb], kpos[ka:kb], kd[ka:kb], pad)
             if kind == "mixed":
-                kind = _shape(rule.allowed(qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb]))
+                kind = _band_shape(rule, qpos[qa:qb], kpos[ka:kb]) or _shape(
+                    rule.allowed(qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb]))
             if kind == "none":
                 continue
             if row and row[-1][1] == ka and (merged or row[-1][2] == kind in ("full", "mixed")):  # extend the run
@@ -186,10 +187,39 @@ def _shape(ok: torch.Tensor) -> str:
     return "mixed"
 
 
+def _band_shape(rule: AttentionMask, qp: torch.Tensor, kp: torch.Tensor) -> str | None:
+    """:func:`_shape` without building the mask, for a window/causal rule without documents on a
+    square tile pair whose rows share one stride: visibility then depends only on (key row - query
+    row), a vector of ``2n - 1`` values. None when that does not apply."""
+    n = len(qp)
+    if rule.cu_seqlens is not None or len(kp) != n or n < 2:
+        return None
+    stride = int(qp[1] - qp[0])
+    if int(kp[1] - kp[0]) != stride or int(qp[-1] - qp[0]) != stride * (n - 1) \
+            or int(kp[-1] - kp[0]) != stride * (n - 1):
+        return None
+    dd = torch.arange(-(n - 1), n)
+    diff = int(kp[0] - qp[0]) + dd * stride  # key position - query position on each diagonal
+    vis = torch.ones(2 * n - 1, dtype=torch.bool)
+    if rule.causal:
+        vis &= diff <= 0
+    left, right = rule.window if rule.window is not None else (-1, -1)
+    if left >= 0:
+        vis &= diff >= -left
+    if right >= 0:
+        vis &= diff <= right
+    for kind, want in (("none", torch.zeros_like(vis)), ("full", torch.ones_like(vis)), ("causal", dd <= 0),
+                       ("reversed", dd >= 0), ("causal-1", dd <= -1), ("reversed-1", dd >= 1)):
+        if torch.equal(vis, want):
+            return kind
+    return "mixed"
+
+
 def _task(rule, qpos, qdoc, kpos, kdoc, q: slice, kv: slice, kind: str) -> BlockTask:
     if kind == "full":
         return BlockTask(q, kv, False)
-    kind = _shape(rule.allowed(qpos[q], qdoc[q], kpos[kv], kdoc[kv]))  # a merged run: look again
+    if kind == "mixed" or EDGE_POLICY == "merged":  # a merged run (or a mixed tile): look again
+        kind = _shape(rule.allowed(qpos[q], qdoc[q], kpos[kv], kdoc[kv]))
     if EDGE_POLICY == "merged" and kind != "causal":
         kind = "mixed"
     if kind.endswith("-1"):  # without the diagonal: the triangle of one row and key fewer
@@ -245,12 +275,31 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
         _CACHE.move_to_end(key)
         return hit
     seq = s * world
-    tasks = _tasks(rule, layout.positions(seq, world, rank), layout.positions(seq, world, src),
-                   tile or default_tile(s))
+    qpos, kpos = layout.positions(seq, world, rank), layout.positions(seq, world, src)
+    tasks = _tasks(rule, qpos, kpos, tile or _band_tile(rule, qpos, kpos, s) or default_tile(s))
     _CACHE[key] = tasks
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return tasks
+
+
+def _band_tile(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, s: int) -> int | None:
+    """For a window without documents ("split" policy): the largest tile (halving from the local length
+    down to :func:`default_tile`) at which every visible tile pair is full, causal or reversed, so the
+    band runs as a few big unmasked calls; None when no such tile exists (then the default tile)."""
+    if rule.cu_seqlens is not None or EDGE_POLICY != "split":
+        return None
+    tile, low = s, default_tile(s)
+    while tile >= low:
+        kt = _runs(kpos, tile)
+        if all(_classify(rule, qpos[qa:qb], torch.zeros(1), kpos[ka:kb], torch.zeros(1), 1) != "mixed"
+               or _band_shape(rule, qpos[qa:qb], kpos[ka:kb]) not in (None, "mixed")
+               for qa, qb in _runs(qpos, tile) for ka, kb in kt):
+            return tile
+        if tile % 2:
+            break
+        tile //= 2
+    return None
 
 
 def needed_steps(layout: Layout, rule: AttentionMask, world: int, s: int) -> int:
