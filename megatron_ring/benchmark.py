@@ -361,8 +361,10 @@ def _documents_main(a) -> list[dict[str, Any]]:
 
     cfg = dict(heads=a.heads, head_dim=a.head_dim, layout=a.layout, iters=a.iters, policies=a.edge_policy,
                layouts=a.window_layouts)
-    print(f"# S={a.seq} H={a.heads} D={a.head_dim} fp32 causal; P processes x 1 thread; fwd+bwd medians of "
-          f"{a.iters} (slowest rank); MiB sent per rank per fwd+bwd; calls = kernel calls per rank per fwd",
+    how = ("compute only: every rank's block tasks in this process x 1 thread, no ring; best of "
+           f"{a.iters} (slowest rank)" if a.window and a.window_compute else
+           f"P processes x 1 thread; fwd+bwd medians of {a.iters} (slowest rank); MiB sent per rank per fwd+bwd")
+    print(f"# S={a.seq} H={a.heads} D={a.head_dim} fp32 causal; {how}; calls = kernel calls per rank per fwd",
           flush=True)
     rows = []
     for world in a.world_sizes:
