@@ -42,6 +42,7 @@ from megatron_ring.megatron import (add_context_parallel_args, allreduce_gradien
                                     get_batch_on_this_cp_rank, get_gpt_layer_ring_spec,
                                     initialize_context_parallel, megatron_cpu, reduce_loss_over_cp,
                                     use_layout_rope)
+from megatron_ring.megatron.documents import packed_batch  # noqa: E402
 
 VOCAB = 256  # bytes
 
@@ -70,8 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     p.add_argument("--pack-documents", action="store_true",
                    help="pack documents of random lengths (corpus slices ending in an EOD byte 0) into each "
-                        "row; attention stays inside documents (--reset-attention-mask style mask, position "
-                        "ids restart per document); CP=1 uses Megatron's attention with the same mask")
+                        "row; attention stays inside documents. Ring attention gets the micro-batch as one "
+                        "packed THD stream with PackedSeqParams (global cu_seqlens; RoPE restarts per "
+                        "document); Megatron's local attention (CP=1) gets the same documents as a "
+                        "--reset-attention-mask style mask (position ids restart per document)")
+    p.add_argument("--pack-as-mask", action="store_true",
+                   help="with --pack-documents and ring attention: feed the mask instead of PackedSeqParams")
     p.add_argument("--mean-doc-length", type=int, default=128, help="mean document length for --pack-documents")
     p.add_argument("--window-size", type=int, default=None,
                    help="causal sliding window: each token sees itself and the previous N tokens "
@@ -186,9 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         for it in range(args.train_iters):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            batch = get_batch_on_this_cp_rank(get_batch(corpus, it, args, dp_rank))
+            batch, kw = get_batch(corpus, it, args, dp_rank), {}
+            if args.pack_documents and ring and not args.pack_as_mask:  # Megatron's packed-sequence path
+                batch = packed_batch(batch)
+                kw["packed_seq_params"] = batch.pop("packed_seq_params")
+            batch = get_batch_on_this_cp_rank(batch)
             per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                              labels=batch["labels"])
+                              labels=batch["labels"], **kw)
             red = reduce_loss_over_cp(per_token, batch["loss_mask"])
             red.loss.backward()
             allreduce_gradients(model)

@@ -289,6 +289,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--docs", type=int, help="packed documents: N random-length documents packed (THD) vs "
                     "each padded to 2P (see megatron_ring.bench_documents)")
     ap.add_argument("--window", action="store_true", help="sliding windows S/16, S/4, S/2 vs full causal")
+    ap.add_argument("--edge-policy", nargs="+", choices=("split", "merged"), default=None,
+                    help="--window: how masked tile runs become kernel calls (masks.EDGE_POLICY); several: "
+                         "timed side by side")
+    ap.add_argument("--window-layouts", nargs="+", default=None, help="--window: layouts to time (default all)")
+    ap.add_argument("--window-compute", action="store_true",
+                    help="with --window: compute only, every rank's block tasks in one process (no ring)")
     ap.add_argument("--balance", action="store_true", help="causal work per rank (visible pairs) per layout "
                     "for realistic document-length mixes over S tokens (no timing)")
     ap.add_argument("--gpu-row", action="store_true", help="CUDA: each rank's ring schedule on one GPU vs "
@@ -368,15 +374,20 @@ def _breakdown_main(a) -> list[dict[str, Any]]:
 def _documents_main(a) -> list[dict[str, Any]]:
     from . import bench_documents as bd
 
-    cfg = dict(heads=a.heads, head_dim=a.head_dim, layout=a.layout, iters=a.iters)
-    print(f"# S={a.seq} H={a.heads} D={a.head_dim} fp32 causal; P processes x 1 thread; fwd+bwd medians of "
-          f"{a.iters} (slowest rank); MiB sent per rank per fwd+bwd; calls = kernel calls per rank per fwd",
+    cfg = dict(heads=a.heads, head_dim=a.head_dim, layout=a.layout, iters=a.iters, policies=a.edge_policy,
+               layouts=a.window_layouts)
+    how = ("compute only: every rank's block tasks in this process x 1 thread, no ring; best of "
+           f"{a.iters} (slowest rank)" if a.window and a.window_compute else
+           f"P processes x 1 thread; fwd+bwd medians of {a.iters} (slowest rank); MiB sent per rank per fwd+bwd")
+    print(f"# S={a.seq} H={a.heads} D={a.head_dim} fp32 causal; {how}; calls = kernel calls per rank per fwd",
           flush=True)
     rows = []
     for world in a.world_sizes:
         if a.docs:
             rows += bd.run_docs(world, a.seq, a.docs, cfg, a.timeout)
-        if a.window:
+        if a.window and a.window_compute:
+            rows += bd.run_window_compute(world, a.seq, cfg, reps=a.iters)
+        elif a.window:
             rows += bd.run_window(world, a.seq, cfg, a.timeout)
     for kind in ("docs", "window"):
         sub = [r for r in rows if (kind in r) == (kind == "docs")] if kind == "docs" else \

@@ -30,7 +30,7 @@ from .buffers import POOL
 from .block_extras import DropoutKernel, DropoutSpec, fold_sink, sink_grad
 from .codec import KVCodec, KVSpec
 from .comm import Exchange, Ring
-from .kernels import BlockKernel, MathKernel
+from .kernels import BlockKernel, MathKernel, ReversedKernel
 from .layouts import BlockTask, Layout, split_kv
 from .masks import AttentionMask, needed_steps, schedule
 from .merge import merge_into
@@ -76,6 +76,8 @@ class RingPlan:
             return DropoutKernel(self.dropout), task.causal, dict(mask=mask, **self.positions(task, step))
         if mask is None:
             return self.kernel, task.causal, {}
+        if getattr(task, "reversed", False):  # key >= query: top-left causal on reversed rows, unmasked
+            return ReversedKernel(self.kernel), True, {}
         return _mask_kernel(self.kernel), False, {"mask": mask}
 
     def forward_block(self, task, q, k, v, step: int | None = None):

@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 
 __all__ = ["BlockKernel", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel", "TorchFlashCudaKernel",
-           "CudnnKernel", "TEFusedKernel", "select_kernel", "KERNELS", "causal_pieces", "set_deterministic"]
+           "CudnnKernel", "TEFusedKernel", "select_kernel", "KERNELS", "causal_pieces", "set_deterministic",
+           "ReversedKernel"]
 
 
 class BlockKernel(abc.ABC):
@@ -193,6 +194,26 @@ class FlashCPUKernel(BlockKernel):
         additive = mask.additive(q.dtype, q.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, _finite_lse(lse).contiguous(), 0.0, False, attn_mask=additive, scale=scale)
+
+
+class ReversedKernel(BlockKernel):
+    """``inner`` on query and key rows taken in reverse order, results put back in order.
+
+    A square block whose visible pairs are key row >= query row (a sliding window's lower edge) is a
+    top-left causal block once both orders are reversed: it then runs unmasked on any kernel (at the
+    cost of copying the block's rows), instead of as an explicitly masked call."""
+
+    def __init__(self, inner: BlockKernel) -> None:
+        self.inner, self.name = inner, f"reversed({inner.name})"
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse = self.inner.forward(q.flip(2), k.flip(2), v.flip(2), causal, scale)
+        return out.flip(2), lse.flip(-1)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        grads = self.inner.backward(dout.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1),
+                                    causal, scale)
+        return tuple(g.flip(2) for g in grads)
 
 
 def _finite_lse(lse: torch.Tensor) -> torch.Tensor:

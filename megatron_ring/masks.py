@@ -13,7 +13,8 @@
 window it IS the layout's own causal schedule (same tasks, same cost). Otherwise local rows are cut into
 tiles; tile pairs are classified from their position/document ranges (no visible pair: skipped; every
 pair visible: a full block) and only the ambiguous ones are checked element-wise. Each query tile then
-gets one kernel call per contiguous run of visible key tiles: full, top-left causal, or with a
+gets one kernel call per run of visible key tiles of one kind (see :data:`EDGE_POLICY`): full,
+top-left causal, reversed causal (a window's lower edge, run unmasked on reversed rows), or with a
 :class:`BlockMask` (an explicit mask built lazily at call time from the local position/document vectors
 of the task, so a rank never holds an ``[S, S]`` mask and many short documents cost a handful of
 block-diagonal masked calls, not one call per document). Schedules are cached per signature.
@@ -94,18 +95,33 @@ class BlockMask:
 
 @dataclass(frozen=True)
 class MaskedTask(BlockTask):
-    """A :class:`BlockTask` whose pairs need an explicit :class:`BlockMask` (``causal`` is False)."""
+    """A :class:`BlockTask` whose pairs need an explicit :class:`BlockMask` (``causal`` is False).
+
+    ``reversed``: the mask is exactly the upper triangle of a square block (key row >= query row: the
+    lower edge ``j >= i - left`` of a window). Reversing the order of both query and key rows makes it a
+    top-left causal block, so the engine runs it on the plain kernel, unmasked
+    (:class:`~megatron_ring.kernels.ReversedKernel`); ``mask`` still describes it (for kernels that
+    need the mask anyway, e.g. position-keyed dropout)."""
 
     mask: BlockMask | None = None
+    reversed: bool = False
 
 
 def _runs(pos: torch.Tensor, tile: int) -> list[tuple[int, int]]:
-    """Row ranges of at most ``tile`` rows, never across a jump in the position stride."""
+    """Row ranges of at most ``tile`` rows, never across a jump in the position stride (a run starts at
+    its first row; the row after a jump opens the next run)."""
     n = len(pos)
     cuts = [0]
-    if n > 2:
-        d = pos[1:] - pos[:-1]
-        cuts += (torch.nonzero(d[1:] != d[:-1]).flatten() + 2).tolist()
+    d = (pos[1:] - pos[:-1]).tolist()
+    a = 0
+    while a < n - 1:  # the run [a, m] keeps the stride d[a]
+        m = a + 1
+        while m < n - 1 and d[m] == d[a]:
+            m += 1
+        if m >= n - 1:
+            break
+        cuts.append(m + 1)
+        a = m + 1
     cuts.append(n)
     out = []
     for a, b in zip(cuts, cuts[1:]):
@@ -133,18 +149,19 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
     pad = len(rule.cu_seqlens) if rule.cu_seqlens is not None else 1
     qd, kd = torch.where(qdoc < 0, pad, qdoc), torch.where(kdoc < 0, pad, kdoc)  # padding sorts last
     ktiles = _runs(kpos, tile)
+    merged = EDGE_POLICY == "merged"
     tasks: list[BlockTask] = []
     for qa, qb in _runs(qpos, tile):
         row: list[tuple[int, int, str]] = []
         for ka, kb in ktiles:
             kind = _classify(rule, qpos[qa:qb], qd[qa:qb], kpos[ka:kb], kd[ka:kb], pad)
             if kind == "mixed":
-                ok = rule.allowed(qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb])
-                kind = "none" if not bool(ok.any()) else ("full" if bool(ok.all()) else "mixed")
+                kind = _band_shape(rule, qpos[qa:qb], kpos[ka:kb]) or _shape(
+                    rule.allowed(qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb]))
             if kind == "none":
                 continue
-            if row and row[-1][1] == ka and (MERGE_KINDS or row[-1][2] == kind):  # extend the run
-                row[-1] = (row[-1][0], kb, "mixed" if "mixed" in (row[-1][2], kind) else "full")
+            if row and row[-1][1] == ka and (merged or row[-1][2] == kind in ("full", "mixed")):  # extend the run
+                row[-1] = (row[-1][0], kb, "full" if row[-1][2] == kind == "full" else "mixed")
             else:
                 row.append((ka, kb, kind))
         for ka, kb, kind in row:
@@ -152,14 +169,67 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
     return tuple(_merge_rows(tasks))
 
 
+def _shape(ok: torch.Tensor) -> str:
+    """What a tile pair's visibility is: 'none', 'full', 'causal' (top-left triangle), 'reversed'
+    (upper triangle, key row >= query row), 'causal-1' / 'reversed-1' (the same without the diagonal:
+    striped rows against a later rank), or 'mixed' (anything else: an explicit mask)."""
+    if not bool(ok.any()):
+        return "none"
+    if bool(ok.all()):
+        return "full"
+    n = ok.shape[0]
+    if ok.shape == (n, n):
+        tri = torch.ones(n, n, dtype=torch.bool)
+        for kind, want in (("causal", tri.tril()), ("reversed", tri.triu()), ("causal-1", tri.tril(-1)),
+                           ("reversed-1", tri.triu(1))):
+            if torch.equal(ok, want):
+                return kind
+    return "mixed"
+
+
+def _band_shape(rule: AttentionMask, qp: torch.Tensor, kp: torch.Tensor) -> str | None:
+    """:func:`_shape` without building the mask, for a window/causal rule without documents on a
+    square tile pair whose rows share one stride: visibility then depends only on (key row - query
+    row), a vector of ``2n - 1`` values. None when that does not apply."""
+    n = len(qp)
+    if rule.cu_seqlens is not None or len(kp) != n or n < 2:
+        return None
+    stride = int(qp[1] - qp[0])
+    if int(kp[1] - kp[0]) != stride or int(qp[-1] - qp[0]) != stride * (n - 1) \
+            or int(kp[-1] - kp[0]) != stride * (n - 1):
+        return None
+    dd = torch.arange(-(n - 1), n)
+    diff = int(kp[0] - qp[0]) + dd * stride  # key position - query position on each diagonal
+    vis = torch.ones(2 * n - 1, dtype=torch.bool)
+    if rule.causal:
+        vis &= diff <= 0
+    left, right = rule.window if rule.window is not None else (-1, -1)
+    if left >= 0:
+        vis &= diff >= -left
+    if right >= 0:
+        vis &= diff <= right
+    for kind, want in (("none", torch.zeros_like(vis)), ("full", torch.ones_like(vis)), ("causal", dd <= 0),
+                       ("reversed", dd >= 0), ("causal-1", dd <= -1), ("reversed-1", dd >= 1)):
+        if torch.equal(vis, want):
+            return kind
+    return "mixed"
+
+
 def _task(rule, qpos, qdoc, kpos, kdoc, q: slice, kv: slice, kind: str) -> BlockTask:
     if kind == "full":
         return BlockTask(q, kv, False)
-    ok = rule.allowed(qpos[q], qdoc[q], kpos[kv], kdoc[kv])
-    n = ok.shape[0]
-    if ok.shape == (n, n) and torch.equal(ok, torch.ones(n, n, dtype=torch.bool).tril_()):
+    if kind == "mixed" or EDGE_POLICY == "merged":  # a merged run (or a mixed tile): look again
+        kind = _shape(rule.allowed(qpos[q], qdoc[q], kpos[kv], kdoc[kv]))
+    if EDGE_POLICY == "merged" and kind != "causal":
+        kind = "mixed"
+    if kind.endswith("-1"):  # without the diagonal: the triangle of one row and key fewer
+        kind = kind[:-2]
+        q, kv = ((slice(q.start + 1, q.stop), slice(kv.start, kv.stop - 1)) if kind == "causal"
+                 else (slice(q.start, q.stop - 1), slice(kv.start + 1, kv.stop)))
+    if kind == "causal":
         return BlockTask(q, kv, True)
-    return MaskedTask(q, kv, False, BlockMask(rule, qpos[q], qdoc[q], kpos[kv], kdoc[kv]))
+    return MaskedTask(q, kv, False, BlockMask(rule, qpos[q], qdoc[q], kpos[kv], kdoc[kv]),
+                      reversed=kind == "reversed")
 
 
 def _merge_rows(tasks: list[BlockTask]) -> list[BlockTask]:
@@ -175,9 +245,13 @@ def _merge_rows(tasks: list[BlockTask]) -> list[BlockTask]:
     return out
 
 
-#: True: one call per run of visible key tiles (masked if any tile is mixed); False: full runs and
-#: mixed runs are separate calls (more calls, fewer masked pairs; a causal diagonal tile stays unmasked).
-MERGE_KINDS = True
+#: How a query tile's run of visible key tiles becomes kernel calls.
+#: "split" (default): adjacent full tiles make one full call; a tile whose pairs are exactly a causal
+#: triangle is a causal call, one that is exactly the reversed triangle (a window's lower edge) a
+#: reversed call (both unmasked); only the remaining mixed tiles (document edges, unaligned window
+#: edges) are masked calls, adjacent ones merged. "merged" (the first policy, kept to measure against):
+#: the whole run is one call, masked as soon as one tile is not full.
+EDGE_POLICY = "split"
 
 _CACHE: "OrderedDict[tuple, tuple[BlockTask, ...]]" = OrderedDict()
 _CACHE_SIZE = 4096
@@ -195,18 +269,37 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
         return layout.block_tasks(rule.causal, world, rank, src, s)
     if hasattr(layout, "masked_tasks"):  # a strategy's view of several shards (strategies/schedule_views)
         return layout.masked_tasks(rule, world, rank, src, s)
-    key = (layout.name, rule, world, rank, src, s, tile)
+    key = (layout.name, rule, world, rank, src, s, tile, EDGE_POLICY)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit
     seq = s * world
-    tasks = _tasks(rule, layout.positions(seq, world, rank), layout.positions(seq, world, src),
-                   tile or default_tile(s))
+    qpos, kpos = layout.positions(seq, world, rank), layout.positions(seq, world, src)
+    tasks = _tasks(rule, qpos, kpos, tile or _band_tile(rule, qpos, kpos, s) or default_tile(s))
     _CACHE[key] = tasks
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return tasks
+
+
+def _band_tile(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, s: int) -> int | None:
+    """For a window without documents ("split" policy): the largest tile (halving from the local length
+    down to :func:`default_tile`) at which every visible tile pair is full, causal or reversed, so the
+    band runs as a few big unmasked calls; None when no such tile exists (then the default tile)."""
+    if rule.cu_seqlens is not None or EDGE_POLICY != "split":
+        return None
+    tile, low = s, default_tile(s)
+    while tile >= low:
+        kt = _runs(kpos, tile)
+        if all(_classify(rule, qpos[qa:qb], torch.zeros(1), kpos[ka:kb], torch.zeros(1), 1) != "mixed"
+               or _band_shape(rule, qpos[qa:qb], kpos[ka:kb]) not in (None, "mixed")
+               for qa, qb in _runs(qpos, tile) for ka, kb in kt):
+            return tile
+        if tile % 2:
+            break
+        tile //= 2
+    return None
 
 
 def needed_steps(layout: Layout, rule: AttentionMask, world: int, s: int) -> int:

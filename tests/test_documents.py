@@ -93,6 +93,40 @@ def test_documents_and_windows_match_reference(world):
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
 
 
+def _aligned_window_worker(rank, world):
+    """Windows whose edges fall on the default tiles (T = 128 * world: 64-row tiles), so the band's
+    lower edge runs as reversed-causal tasks: every layout, causal and not, with documents, fp32/bf16."""
+    from megatron_ring.layouts import get_layout
+    from megatron_ring.masks import AttentionMask, schedule
+
+    T = 128 * world
+    cases = [(True, None, (64, -1)), (False, None, (128, 64)), (True, [0, 64, 65, T - 8], (64, -1))]
+    rows, reversed_tasks = [], 0
+    for i, (layout, (causal, cu, window)) in enumerate(itertools.product(("contiguous", "zigzag", "striped"),
+                                                                          cases)):
+        dtype = (torch.float32, torch.bfloat16)[i % 2]
+        rule = AttentionMask(causal, tuple(cu) if cu else None, window)
+        reversed_tasks += sum(getattr(t, "reversed", False) for src in range(world)
+                              for t in schedule(get_layout(layout), rule, world, rank, src, T // world))
+        for what, err in _case(world, layout, causal, "aligned window", T, cu, window, (4, 2), dtype, "auto",
+                               seed=i):
+            rows.append((layout, causal, cu, window, str(dtype), what, err))
+    return rows, reversed_tasks
+
+
+@pytest.mark.parametrize("world", [2])
+def test_tile_aligned_windows_match_reference(world):
+    failures = []
+    results = run_distributed(_aligned_window_worker, world, timeout=300)
+    for rows, _ in results:
+        for layout, causal, cu, window, dtype, what, err in rows:
+            tol = TOL[getattr(torch, dtype.split(".")[1])]
+            if not err <= tol:
+                failures.append(f"{layout} causal={causal} cu={cu} window={window} {dtype} {what}: {err:.3g}")
+    assert not failures, "\n".join(failures)
+    assert all(n > 0 for _, n in results)  # the reversed-causal path really ran on every rank
+
+
 def _bshd_window_worker(rank, world):
     """A window on bshd/sbhd (batch 2): each batch row is one 'document' of the reference."""
     errs = []

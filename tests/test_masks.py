@@ -7,6 +7,7 @@ import torch
 
 from megatron_ring import ring_attention
 from megatron_ring.layouts import LAYOUTS, get_layout
+from megatron_ring import masks
 from megatron_ring.masks import AttentionMask, needed_steps, schedule
 
 
@@ -15,7 +16,8 @@ def _rules(T, rnd):
     while cu[-1] < T - 2:
         cu.append(min(T - 2, cu[-1] + rnd.choice([1, 2, 5, 9, 30])))
     return [AttentionMask(True, tuple(cu)), AttentionMask(False, tuple(cu)), AttentionMask(True, None, (7, -1)),
-            AttentionMask(False, tuple(cu), (3, 4)), AttentionMask(True, (0, T // 2 + 3), (40, -1))]
+            AttentionMask(False, tuple(cu), (3, 4)), AttentionMask(True, (0, T // 2 + 3), (40, -1)),
+            AttentionMask(True, None, (16, -1)), AttentionMask(False, None, (8, 16))]  # tile-aligned edges
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -41,6 +43,38 @@ def test_tasks_cover_every_visible_pair_exactly_once(world):
                     assert not (block & ~want[t.q, t.kv]).any(), (name, rule, rank, src, t)
                 got[t.q, t.kv] += block.int()
             assert torch.equal(got, want.int()), (name, rule, rank, src)
+
+
+def _kind(t):
+    return "reversed" if getattr(t, "reversed", False) else "masked" if getattr(t, "mask", None) is not None \
+        else "causal" if t.causal else "full"
+
+
+def test_aligned_window_edges_need_no_mask():
+    """A window whose edges fall on tile boundaries: every task is full, causal or reversed (an upper
+    triangle, run unmasked on reversed rows): no explicit mask; a reversed task's mask is exactly triu.
+    The first policy ("merged") made each query tile's run one masked call."""
+    s, world, T = 64, 4, 256
+    for name, rule in itertools.product(LAYOUTS, (AttentionMask(True, None, (64, -1)),
+                                                  AttentionMask(True, None, (128, -1)),
+                                                  AttentionMask(False, None, (32, 64)))):
+        lay = get_layout(name)
+        kinds = set()
+        for rank, src in itertools.product(range(world), range(world)):
+            for t in schedule(lay, rule, world, rank, src, s, tile=8):
+                kinds.add(_kind(t))
+                if _kind(t) == "reversed":
+                    n = t.q.stop - t.q.start
+                    assert t.kv.stop - t.kv.start == n
+                    assert torch.equal(t.mask.allowed(), torch.ones(n, n, dtype=torch.bool).triu())
+        assert "masked" not in kinds and "reversed" in kinds, (name, rule, kinds)
+    try:
+        masks.EDGE_POLICY = "merged"
+        merged = [_kind(t) for t in schedule(get_layout("zigzag"), AttentionMask(True, None, (64, -1)), world,
+                                              3, 2, s, tile=8)]
+        assert "masked" in merged and "reversed" not in merged
+    finally:
+        masks.EDGE_POLICY = "split"
 
 
 def test_plain_rule_is_the_layout_schedule():

@@ -52,6 +52,11 @@ def test_kernel_forward_backward(kernel, causal, h, h_kv):
     ref_out, ref_lse = _reference(q, k, v, causal, scale)
     dout = torch.randn_like(ref_out)
     ref_out.backward(dout)
+    _assert_kernel_matches(kernel, q, k, v, causal, scale, ref_out, ref_lse, dout)
+
+
+def _assert_kernel_matches(kernel, q, k, v, causal, scale, ref_out, ref_lse, dout):
+    """fp32 kernel forward/backward vs the float64 reference (``q.grad`` etc. already computed)."""
     q32, k32, v32 = (t.detach().float() for t in (q, k, v))
     out, lse = kernel.forward(q32, k32, v32, causal, scale)
     torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-5, rtol=1e-4)
@@ -70,3 +75,21 @@ def test_select_kernel():
         select_kernel(q, "no_such_kernel")
     with pytest.raises(ValueError, match="does not support"):
         select_kernel(q, "sdpa_cuda")
+
+
+@pytest.mark.parametrize("inner", [MathKernel(), FlashCPUKernel()], ids=lambda k: k.name)
+def test_reversed_kernel_is_the_upper_triangle(inner):
+    """ReversedKernel(causal=True) computes key row >= query row (a window's lower edge), unmasked, in
+    forward and backward, vs float64 with that mask; GQA included."""
+    from megatron_ring.kernels import ReversedKernel
+
+    torch.manual_seed(2)
+    b, h, h_kv, n, d, scale = 2, 4, 2, 24, 16, 0.2
+    q = torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, h_kv, n, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * scale
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).tril(-1), float("-inf"))
+    ref_out, ref_lse = torch.softmax(s, -1) @ v.repeat_interleave(2, 1), torch.logsumexp(s, -1)
+    dout = torch.randn_like(ref_out)
+    ref_out.backward(dout)
+    _assert_kernel_matches(ReversedKernel(inner), q, k, v, True, scale, ref_out, ref_lse, dout)

@@ -23,6 +23,7 @@ from .config import ContextParallelConfigError, RingConfig, refuse_mtp_without_z
 from .documents import DocumentsFromMask, packed_cu_seqlens
 from .extras import dropout_seed, make_softmax_offset, ring_softmax_offset
 from .provider import get_ring_state, is_context_parallel_initialized
+from .rope import apply_packed_rope
 
 __all__ = ["RingDotProductAttention"]
 
@@ -81,6 +82,7 @@ class RingDotProductAttention(MegatronModule):
                                       f"attention_type={attention_type!r}")
         self._cp_comm_type_arg = cp_comm_type  # resolved per layer by comm_types.layer_comm_type
         self.window = _window(config, layer_number)
+        self.packed_rope: Optional[tuple] = None  # (RotaryEmbedding,): THD RoPE applied here (rope.py)
         self._documents = DocumentsFromMask()
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
         if getattr(config, "deterministic_mode", False):  # --deterministic-mode: deterministic CUDA backward
@@ -177,6 +179,9 @@ class RingDotProductAttention(MegatronModule):
         if packed_seq_params is not None:  # THD: query [t, np, hn] (Megatron squeezed the batch dim)
             if query.dim() == 4:
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+            if self.packed_rope is not None:  # set by use_layout_rope: RoPE at the layout's positions
+                query, key = apply_packed_rope(self.packed_rope[0], self.config, query, key, packed_seq_params,
+                                               cfg.layout, group)
             out = run(query, key, value, "thd", packed_cu_seqlens(packed_seq_params))
             return out.view(out.size(0), self.hidden_size_per_partition)
         docs = None

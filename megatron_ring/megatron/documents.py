@@ -12,6 +12,7 @@
   every rank. A mask that is not "causal within documents" is refused (NotImplementedError), never
   silently approximated.
 * :func:`document_mask` builds that mask (and position ids restarting per document) from EOD tokens.
+* :func:`packed_batch` turns such a batch into one packed THD stream with ``PackedSeqParams``.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_ring.layouts import get_layout
 
-__all__ = ["packed_cu_seqlens", "DocumentsFromMask", "document_mask"]
+__all__ = ["packed_cu_seqlens", "DocumentsFromMask", "document_mask", "packed_batch"]
 
 
 def packed_cu_seqlens(params: Any) -> torch.Tensor:
@@ -106,3 +107,33 @@ def document_mask(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.T
     visible = (doc[:, :, None] == doc[:, None, :]) & (i[None, None, :] <= i[None, :, None])
     first = torch.where(visible, i, s).amin(-1)
     return ~visible.unsqueeze(1), i[None, :] - first
+
+
+def packed_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A ``--reset-attention-mask`` batch (``[b, s]`` tensors, ``position_ids`` restarting at 0 at each
+    document start and at each row start) as ONE packed THD stream, the way Megatron feeds packed
+    sequences: every ``[b, s, ...]`` tensor becomes ``[1, b*s, ...]``, the mask is dropped, and
+    ``packed_seq_params`` (``qkv_format="thd"``, GLOBAL ``cu_seqlens_q/kv`` of the stream, ``max_seqlen``)
+    carries the documents. Call before :func:`~megatron_ring.megatron.batch.get_batch_on_this_cp_rank`
+    and pass ``packed_seq_params=`` to the model; the result equals the masked batch's exactly (rows
+    never share a document; RoPE restarts per document, see :mod:`.rope`)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    pos = batch["position_ids"]
+    b, s = pos.shape
+    flat = pos.reshape(-1)
+    if bool((pos[:, 0] != 0).any()):
+        raise ValueError("packed_batch needs position_ids restarting at 0 at each row's start "
+                         "(--reset-position-ids, or documents.document_mask)")
+    cu = torch.cat([torch.nonzero(flat == 0).flatten(), torch.tensor([b * s])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    out: dict[str, Any] = {}
+    for key, val in batch.items():
+        if key == "attention_mask":
+            continue
+        if isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[:2]) == (b, s):
+            val = val.reshape(1, b * s, *val.shape[2:])
+        out[key] = val
+    out["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                               max_seqlen_q=longest, max_seqlen_kv=longest)
+    return out

@@ -4,6 +4,14 @@ Megatron-Core slices RoPE frequencies per CP rank with its own zigzag split. Wit
 or ``contiguous`` the tokens a rank holds are different ones, so the frequencies must be taken at the
 layout's positions instead. :func:`use_layout_rope` switches a model's ``RotaryEmbedding`` to
 :class:`LayoutRotaryEmbedding` in place (no parameters change; zigzag gives Megatron's exact result).
+
+Packed batches (``PackedSeqParams``, ``qkv_format="thd"``): Megatron's THD RoPE cuts every document into
+2·CP pieces of its own (TransformerEngine's per-document split), which is not how the ring's layouts
+split the packed stream. So for THD batches :class:`LayoutRotaryEmbedding` returns no embedding (Megatron's
+attention then applies none) and the model's ring core attentions, linked by :func:`use_layout_rope`,
+apply RoPE to Q and K themselves (:func:`apply_packed_rope`): each local token at its layout position
+minus its document's start (``cu_seqlens_*_padded`` when given, as Megatron does), with Megatron's own
+``apply_rotary_pos_emb``.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from megatron_ring.layouts import get_layout
 
-__all__ = ["LayoutRotaryEmbedding", "use_layout_rope"]
+__all__ = ["LayoutRotaryEmbedding", "use_layout_rope", "apply_packed_rope"]
 
 
 class LayoutRotaryEmbedding(RotaryEmbedding):
@@ -27,9 +35,12 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
     """
 
     ring_layout: str = "zigzag"
+    packed_by_ring: bool = False  # THD batches: the ring core attentions apply RoPE (apply_packed_rope)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group: Optional[torch.distributed.ProcessGroup] = None) -> Tensor:
+                cp_group: Optional[torch.distributed.ProcessGroup] = None) -> Optional[Tensor]:
+        if packed_seq and self.packed_by_ring:
+            return None  # Megatron's attention applies no RoPE; ring attention does, per token
         emb = self.get_emb(max_seq_len, offset)
         group = cp_group if cp_group is not None else self.cp_group
         if group is not None and group.size() > 1 and not packed_seq:
@@ -49,15 +60,57 @@ def use_layout_rope(model: torch.nn.Module, layout: str | None = None) -> int:
 
         layout = get_ring_state().layout
     get_layout(layout)  # validate the name
+    from .attention import RingDotProductAttention
+
     n = 0
-    for m in _modules(model):
-        if type(m) is RotaryEmbedding or isinstance(m, LayoutRotaryEmbedding):
-            m.__class__ = LayoutRotaryEmbedding
-            m.ring_layout = layout
-            n += 1
-        elif "RotaryEmbedding" in type(m).__name__ and layout != "zigzag":
-            raise NotImplementedError(f"{type(m).__name__} only supports --cp-layout zigzag, got {layout}")
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        rotary = []
+        for m in chunk.modules():
+            if type(m) is RotaryEmbedding or isinstance(m, LayoutRotaryEmbedding):
+                m.__class__ = LayoutRotaryEmbedding
+                m.ring_layout = layout
+                rotary.append(m)
+            elif "RotaryEmbedding" in type(m).__name__ and layout != "zigzag":
+                raise NotImplementedError(f"{type(m).__name__} only supports --cp-layout zigzag, got {layout}")
+        n += len(rotary)
+        # packed (THD) batches: the chunk's ring attentions apply its RoPE at the layout's positions
+        ring = [m for m in chunk.modules() if isinstance(m, RingDotProductAttention)]
+        if len(rotary) == 1 and ring:
+            rotary[0].packed_by_ring = True
+            for m in ring:
+                m.packed_rope = (rotary[0],)  # a tuple: not registered as a submodule
     return n
+
+
+def _doc_positions(pos: Tensor, cu: Tensor) -> Tensor:
+    """Position of each global stream position ``pos`` inside its document (boundaries ``cu``); tokens
+    past ``cu[-1]`` (end padding) count from ``cu[-1]``."""
+    cu = cu.detach().to("cpu", torch.int64)
+    return pos - cu[(torch.searchsorted(cu, pos, right=True) - 1).clamp_(0, len(cu) - 1)]
+
+
+def apply_packed_rope(rotary: RotaryEmbedding, config: Any, query: Tensor, key: Tensor, params: Any,
+                      layout: str, group: Any) -> tuple[Tensor, Tensor]:
+    """RoPE on this rank's packed ``query [t, np, hn]`` / ``key [t, ng, hn]`` (THD, split by ``layout``
+    over ``group``): token at global stream position p of a document starting at c gets angle p - c.
+
+    Document starts come from ``params.cu_seqlens_q_padded`` (``_kv_padded`` for K) when set, else
+    ``cu_seqlens_q`` / ``_kv``: the positions Megatron's own THD RoPE gives at CP = 1."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    world = group.size() if group is not None else 1
+    rank = group.rank() if group is not None else 0
+    t = query.size(0)
+    pos = get_layout(layout).positions(t * world, world, rank)
+    out = []
+    for x, padded, cu in ((query, params.cu_seqlens_q_padded, params.cu_seqlens_q),
+                          (key, params.cu_seqlens_kv_padded, params.cu_seqlens_kv)):
+        rel = _doc_positions(pos, padded if padded is not None else cu)
+        emb = rotary.get_emb(int(rel.max()) + 1)
+        freqs = emb.index_select(0, rel.to(emb.device))  # [t, 1, 1, dim]
+        out.append(apply_rotary_pos_emb(x.unsqueeze(1), freqs, config=config, cu_seqlens=None,
+                                        cp_group=group).squeeze(1))
+    return out[0], out[1]
 
 
 def _modules(model: Any):

@@ -1,4 +1,5 @@
-"""Workers for the document-mask Megatron tests (``--reset-attention-mask`` batches, packed THD params).
+"""Workers for the document-mask Megatron tests (``--reset-attention-mask`` batches, packed THD params,
+a whole GPTModel fed packed batches with ``PackedSeqParams``).
 
 Reference: Megatron-Core's own GPTModel (local DotProductAttention, which applies the boolean
 ``attention_mask``) at TP = CP = 1 on one process, fed the same documents as a causal-within-document mask.
@@ -56,7 +57,8 @@ def _train(model, m, steps, shard, reduce) -> dict[str, Any]:
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         mb = shard(doc_batch(m, step, m["micro_batch"]))
-        tok = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
+        kw = {"packed_seq_params": mb["packed_seq_params"]} if "packed_seq_params" in mb else {}
+        tok = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"], **kw)
         if reduce is None:
             loss = (tok * mb["loss_mask"]).sum() / mb["loss_mask"].sum()
             loss.backward()
@@ -77,12 +79,24 @@ def _tp_group():
 
 
 def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[str], steps: int) -> dict:
+    """``--reset-attention-mask`` batches (the mask) at (TP, CP) for each layout, keyed by layout."""
+    res = ring_configs_worker(rank, world, m, [(tp, cp, layout) for layout in layouts], steps, packed=False)
+    return {key.split("-", 1)[1]: r for key, r in res.items()}
+
+
+def ring_configs_worker(rank: int, world: int, m: dict, configs: list[tuple[int, int, str]], steps: int,
+                        packed: bool) -> dict:
+    """GPTModel (ring spec, ``use_layout_rope``) at each (TP, CP, layout) of ``configs``, all in these
+    processes, keyed ``tp{tp}cp{cp}-{layout}``: losses and step-0 full gradients (rank 0). ``packed``: the
+    batch goes in as ONE packed stream with ``PackedSeqParams`` (Megatron's THD path) instead of the mask."""
     torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel,
                                         get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu,
                                         reduce_loss_over_cp)
+    from megatron_ring.megatron.documents import packed_batch
 
     def reduce(tok, loss_mask):
         red = reduce_loss_over_cp(tok, loss_mask)
@@ -90,21 +104,24 @@ def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[
         allreduce_gradients(model)
         return float(red.reported)
 
+    def shard(batch):
+        if not packed:
+            return get_batch_on_this_cp_rank(batch)
+        return dict(get_batch_on_this_cp_rank(packed_batch(batch)), attention_mask=None)
+
     out = {}
     with megatron_cpu():
         try:
-            for layout in layouts:
+            for tp, cp, layout in configs:
                 initialize_context_parallel(RingConfig(context_parallel_size=cp, layout=layout),
                                             tensor_model_parallel_size=tp, seq_length=m["seq"])
                 tensor_parallel.model_parallel_cuda_manual_seed(m["seed"], force_reset_rng=True)
                 model = W._build(m, tp, cp, ring=True)
-                res = _train(model, m, steps, get_batch_on_this_cp_rank, reduce)
-                out[layout] = res if rank == 0 else dict(losses=res["losses"])
-                destroy_context_parallel()
+                res = _train(model, m, steps, shard, reduce)
+                out[f"tp{tp}cp{cp}-{layout}"] = res if rank == 0 else dict(losses=res["losses"])
+                destroy_context_parallel(destroy_model_parallel=True)
             return out
         finally:
-            from megatron.core import parallel_state as ps
-
             destroy_context_parallel()
             ps.destroy_model_parallel()
 

@@ -59,6 +59,23 @@ def test_reset_attention_mask_cp4_curve_matches_cp1(run):
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
 
 
+def test_packed_seq_params_gpt_model_matches_megatron_cp1(run):
+    """A whole GPTModel fed packed batches (``documents.packed_batch``: one THD stream, ``PackedSeqParams``
+    with global cu_seqlens, as Megatron builds them; RoPE per document at the layout's positions) at
+    CP = 4 (zigzag) and TP2 x CP2 (striped), vs Megatron's own CP = 1 model applying the same documents as a
+    mask to the unpacked rows: loss and every gradient after one step."""
+    ref = _reference(1)  # the two [1, 64] rows of doc_batch become one packed stream of 128 tokens
+    configs = [(1, 4, "zigzag"), (2, 2, "striped")]
+    got = run(D.ring_configs_worker, 4, W.MODEL, configs, 1, True)
+    assert sorted(got[0]) == sorted(f"tp{tp}cp{cp}-{lay}" for tp, cp, lay in configs)
+    for name, res in got[0].items():
+        assert abs(res["losses"][0] - ref["losses"][0]) <= 2e-5, (name, res["losses"], ref["losses"])
+        for p, g in ref["grads"].items():
+            torch.testing.assert_close(res["grads"][p], g, rtol=1e-4, atol=1e-6, msg=lambda e: f"{name} {p}: {e}")
+    for r in got[1:]:  # every rank reports the same (CP-reduced) loss
+        assert all(abs(r[n]["losses"][0] - ref["losses"][0]) <= 2e-5 for n in r)
+
+
 @pytest.mark.parametrize("world,layout", [(2, "striped")])
 def test_packed_seq_params_and_window(run, world, layout):
     errs = run(D.packed_attention_worker, world, layout)
