@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..codec import IdentityCodec, KVCodec, KVSpec
 from ..comm import LoopbackRing, Ring
-from ..engine import RingAttentionFunction, RingPlan, head_groups
+from ..engine import RingPlan, head_groups
 from .collectives import all_to_all
 from .schedule_views import GroupedView
 from .status import encode_or_record, outer_ring
