@@ -28,8 +28,10 @@ SLACK_S = float(os.environ.get("MN_EXIT_SLACK_S", "10"))  # shared 2-core machin
 BOUND_S = RING_TIMEOUT_S + SLACK_S
 assert BOUND_S < PG_TIMEOUT_S, "the bound must tell the ring timeout from the process-group timeout"
 STEPS = 3
-# CP = 4, 2 layers: 20 ring exchanges per training step (6 forward, 14 backward); step 2 = 21..40
-FORWARD_STEP2, BACKWARD_STEP2 = 23, 33
+# CP = 4, 2 layers: 26 ring exchanges per training step: 6 forward, 20 backward (per layer 3 K/V, 3 dK/dV
+# and the final dK/dV hop home in 4 messages); step 2 = 27..52. FORWARD_STEP2: layer 0's forward ring
+# step 2; BACKWARD_STEP2: the first message of layer 1's final dK/dV hop.
+FORWARD_STEP2, BACKWARD_STEP2 = 29, 39
 
 
 def _run(hosts, out, fault, node_fault=None):
