@@ -127,7 +127,9 @@ def _single_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
              2, dtype)
     base = _rss_mib()
     g = torch.Generator().manual_seed(0)
-    mk = lambda h: torch.randn(cfg["batch"], h, cfg["seq"], cfg["head_dim"], generator=g).to(dtype)  # noqa
+    # the ring's memory layout ([b, s, h, d]; Megatron's sbhd is strided the same way), seen as BHSD: the
+    # same layout on both sides (contiguous BHSD inputs make this SDPA 3-7% faster on CPU, measured)
+    mk = lambda h: torch.randn(cfg["batch"], cfg["seq"], h, cfg["head_dim"], generator=g).to(dtype).transpose(1, 2)  # noqa
     q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
     dout = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
