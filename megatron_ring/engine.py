@@ -97,8 +97,10 @@ def _mask_kernel(kernel: BlockKernel) -> BlockKernel:
 class _KVStream:
     """The visiting K/V blocks, step by step, with the next block's exchange already in flight."""
 
-    def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str) -> None:
+    def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str,
+                 free_idle_at_last: bool = False) -> None:
         self.plan, self.k, self.v, self.channel = plan, k, v, channel
+        self.free_idle_at_last = free_idle_at_last
         self.spec = KVSpec(tuple(k.shape), tuple(v.shape), k.dtype, k.device)
         self.bufs: list[torch.Tensor | None] = []  # wire payload + one status element (see ring_status)
         self.status = RingStatus(plan.ring, plan.codec, k.device)
@@ -112,7 +114,7 @@ class _KVStream:
         if step + 1 < steps:
             self.pending = self.plan.ring.exchange(self.bufs[step % 2], self.bufs[(step + 1) % 2],
                                                    self.channel, step)
-        elif self.channel == "bwd_kv" and len(self.bufs) == 2:
+        elif self.free_idle_at_last and len(self.bufs) == 2:
             # nothing left to receive: free the idle buffer (not back to the pool) so the last step's
             # kernel outputs can use its memory; it lowers the backward peak where the last step is the
             # peak (P=2), for one fresh allocation per call
@@ -194,7 +196,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     world = plan.ring.world
     breakdown.set_phase("bwd")
     with breakdown.timed(0, "copies"):
-        kv = _KVStream(plan, k, v, "bwd_kv")
+        kv = _KVStream(plan, k, v, "bwd_kv", free_idle_at_last=True)
     dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
     nk = k.numel()
     # dK/dV accumulators travel as one fp32 buffer: [dK.flatten(), dV.flatten()]
