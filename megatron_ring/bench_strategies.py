@@ -169,5 +169,5 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             print(f"  best measured: {row['best']}; auto chose {row['auto_choice']}: {row['auto_over_best']:.3f} x best"
                   + own, flush=True)
         if row.get("auto_measured_s"):
-            print("  auto's near-tie measurement (fwd+bwd s, once): "
+            print("  auto's near-tie measurement (fwd+bwd s, median of its rounds, once per signature): "
                   + ", ".join(f"{ct} {t:.3f}" for ct, t in row["auto_measured_s"].items()), flush=True)

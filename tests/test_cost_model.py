@@ -97,17 +97,19 @@ def test_auto_agrees_across_ranks_and_logs_once():
 
 
 def test_near_ties_are_measured_and_clear_wins_are_not(monkeypatch):
-    from megatron_ring.strategies.auto import _fastest, to_measure
+    from megatron_ring.strategies.auto import _fastest, to_measure, typical
 
     rows = [{"comm_type": "p2p", "time_s": 1.0}, {"comm_type": "a2a", "time_s": 1.1},
             {"comm_type": "all_gather", "time_s": 2.0}]
-    assert to_measure(rows) == (["p2p", "a2a"], 2)  # within 30%: the model cannot rank them
+    assert to_measure(rows) == (["p2p", "a2a"], 5)  # within 30%: the model cannot rank them
     assert to_measure([rows[0], rows[2]]) == ([], 0)  # a clear win: the model decides
     assert to_measure([{**r, "time_s": r["time_s"] * 1e-3} for r in rows]) == ([], 0)  # too short to matter
-    assert to_measure([{**r, "time_s": r["time_s"] * 30} for r in rows]) == (["p2p", "a2a"], 1)  # budget: 1 round
-    assert to_measure([{**r, "time_s": r["time_s"] * 100} for r in rows]) == ([], 0)  # over the budget
+    assert to_measure([{**r, "time_s": r["time_s"] * 30} for r in rows]) == (["p2p", "a2a"], 3)  # budget: 3 rounds
+    assert to_measure([{**r, "time_s": r["time_s"] * 100} for r in rows]) == (["p2p", "a2a"], 1)
+    assert to_measure([{**r, "time_s": r["time_s"] * 200} for r in rows]) == ([], 0)  # over the budget
     monkeypatch.setenv("MEGATRON_RING_AUTO_MEASURE", "0")
     assert to_measure(rows) == ([], 0)
+    assert typical([1.0, 5.0, 1.1, 1.2, 0.9]) == 1.1 and typical([1.3, 0.9]) == 0.9  # median; best of two
     assert _fastest({"p2p": 1.0, "a2a": 0.8}) == "a2a" and _fastest({"p2p": 1.0, "a2a": 0.99}) == "p2p"
 
 

@@ -17,13 +17,15 @@ the types move a few MB against seconds of compute) its predictions sit within a
 other while the measured times differ by 10-30% for reasons it does not model (kernel shapes, copies,
 how P processes share fewer cores). So when more than one candidate is predicted within ``BAND`` (30%)
 of the best and the best is predicted to take at least ``MEASURE_MIN_S`` (0.05 s: below that the choice
-hardly matters), and measuring them once fits in ``MEASURE_BUDGET_S`` (120 s of predicted time), ``auto``
-runs each of those candidates forward+backward on random tensors of the call's shapes, ``MEASURE_ROUNDS``
-(2; fewer if the budget allows only one) rounds interleaved, takes each one's best round, agrees on the times (MAX over the group) and picks
-the fastest measured (ties within 3% go to the simpler type). It costs a few calls' time once per
-signature. Environment: ``MEGATRON_RING_AUTO_MEASURE=0`` turns it off (model only);
-``MEGATRON_RING_AUTO_BAND``, ``MEGATRON_RING_AUTO_MEASURE_MIN_S``, ``MEGATRON_RING_AUTO_MEASURE_BUDGET_S``,
-``MEGATRON_RING_AUTO_MEASURE_ROUNDS`` tune it.
+hardly matters), and timing them fits in ``MEASURE_BUDGET_S`` (240 s of predicted time), ``auto`` runs
+each of those candidates forward+backward on random tensors of the call's shapes and strides, in
+``MEASURE_ROUNDS`` (5; fewer when the budget allows fewer) interleaved rounds, takes each one's MEDIAN
+round (the best one when only 1 or 2 rounds fit), agrees on the times (MAX over the group) and picks the
+fastest measured (ties within 3% go to the simpler type). One call on a shared CPU varies by +-15%
+while the types differ by 5-10%, so one or two rounds pick by chance; a median of five does not. It
+costs a few calls' time once per signature. Environment: ``MEGATRON_RING_AUTO_MEASURE=0`` turns it off
+(model only); ``MEGATRON_RING_AUTO_BAND``, ``MEGATRON_RING_AUTO_MEASURE_MIN_S``,
+``MEGATRON_RING_AUTO_MEASURE_BUDGET_S``, ``MEGATRON_RING_AUTO_MEASURE_ROUNDS`` tune it.
 
 The choice, the predicted costs of every candidate and the measured times (when measured) are logged
 once per signature at INFO level on logger ``megatron_ring``.
@@ -175,7 +177,7 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: in
                    pieces=head_chunks if head_chunks > 1 else 2)
 
 
-BAND, MEASURE_MIN_S, MEASURE_BUDGET_S, MEASURE_ROUNDS = 0.3, 0.05, 120.0, 2
+BAND, MEASURE_MIN_S, MEASURE_BUDGET_S, MEASURE_ROUNDS = 0.3, 0.05, 240.0, 5
 
 
 def _setting(name: str, default: float) -> float:
@@ -200,21 +202,26 @@ def to_measure(rows: list[dict]) -> tuple[list[str], int]:
 
 def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan,
             head_chunks: int, hierarchical_groups: Any, rounds: int) -> dict[str, float]:
-    """Forward+backward seconds of each candidate on random tensors of the call's shapes (best of
-    ``rounds`` interleaved rounds, MAX over the group: the same numbers on every rank)."""
+    """Forward+backward seconds of each candidate on random tensors of the call's shapes and strides
+    (``rounds`` interleaved rounds; each one's median round, its best when ``rounds`` <= 2; MAX over the
+    group: the same numbers on every rank)."""
     dev = qh.device
     q, k, v = (torch.randn_like(t).requires_grad_() for t in (qh, kh, vh))  # the call's strides too
-    dout = torch.randn((*qh.shape[:3], vh.shape[-1]), dtype=qh.dtype, device=dev)
-    best = {ct: float("inf") for ct in candidates}
+    # the output gradient arrives with the output's strides, which follow q's (bshd callers: a transposed view)
+    order = sorted(range(qh.dim()), key=lambda i: -qh.stride(i))
+    shape = (*qh.shape[:3], vh.shape[-1])
+    dout = torch.randn([shape[i] for i in order], dtype=qh.dtype, device=dev).permute(
+        *[order.index(i) for i in range(qh.dim())])
+    times: dict[str, list[float]] = {ct: [] for ct in candidates}
     kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups)
     with torch.enable_grad():  # also when the call itself runs without gradients
-        _rounds(candidates, q, k, v, dout, plan, kw, rounds, best)
-    agreed = torch.tensor([best[ct] for ct in candidates], dtype=torch.float64, device=dev)
+        _rounds(candidates, q, k, v, dout, plan, kw, rounds, times)
+    agreed = torch.tensor([typical(times[ct]) for ct in candidates], dtype=torch.float64, device=dev)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=plan.ring.group)
     return dict(zip(candidates, agreed.tolist()))
 
 
-def _rounds(candidates, q, k, v, dout, plan, kw, rounds, best) -> None:
+def _rounds(candidates, q, k, v, dout, plan, kw, rounds, times) -> None:
     from . import STRATEGIES  # noqa: PLC0415 - the registry imports this module lazily
 
     for _ in range(rounds):
@@ -224,8 +231,13 @@ def _rounds(candidates, q, k, v, dout, plan, kw, rounds, best) -> None:
             t0 = time.perf_counter()
             STRATEGIES[ct](q, k, v, plan, **kw).backward(dout)
             _sync(q.device)
-            best[ct] = min(best[ct], time.perf_counter() - t0)
+            times[ct].append(time.perf_counter() - t0)
             q.grad = k.grad = v.grad = None
+
+
+def typical(times: list[float]) -> float:
+    """A candidate's time from its rounds: the median (the best of one or two)."""
+    return min(times) if len(times) <= 2 else sorted(times)[len(times) // 2]
 
 
 def _fastest(times: dict[str, float]) -> str:
