@@ -1,8 +1,9 @@
 """Benchmark of every comm type side by side (``python -m megatron_ring.benchmark --comm-type ...``).
 
 Per world size P, ONE set of P gloo processes (one thread each) times every requested comm type,
-interleaved iteration by iteration (type A, B, C, A, B, C, ...) so that the noise of a shared machine
-hits all of them alike; a time is the slowest rank's forward+backward (after a barrier), the figure is
+interleaved iteration by iteration, the order rotated each iteration (A B C, B C A, C A B, ...) so that
+the noise of a shared machine and the state one type leaves for the next (allocator, caches) hit all of
+them alike; a time is the slowest rank's forward+backward (after a barrier), the figure is
 the median over ``--iters``. ``auto`` is timed like the others and its choice is reported, with its
 time relative to the best measured type. Next to every measurement the cost model's prediction with
 the machine numbers auto probed (agreed across ranks) is printed: ``pred/meas`` is the validation ratio
@@ -69,8 +70,8 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
         if cfg.get("warmup", 1) or ct == "auto":
             step(ct)
     times: dict[str, list[float]] = {ct: [] for ct in types}
-    for _ in range(cfg["iters"]):
-        for ct in types:
+    for it in range(cfg["iters"]):
+        for ct in types[it % len(types):] + types[:it % len(types)]:  # rotated: no type always follows another
             dist.barrier()
             t0 = time.perf_counter()
             step(ct)
@@ -132,6 +133,7 @@ def run_comm_types(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         row = {"P": world, "seq": cfg["seq"], "heads": cfg["heads"], "kv_heads": cfg["kv_heads"],
                "head_dim": cfg["head_dim"], "dtype": cfg["dtype"], "layout": cfg["layout"], "causal": cfg["causal"],
                "comm_dtype": cfg["comm_dtype"] or "none", "inner": _inner(world), "fwd_bwd_s": med,
+               "iterations_s": {ct: [max(ts) for ts in zip(*(r["times"][ct] for r in per_rank))] for ct in types},
                "predicted_s": r0["predicted"], "model_bytes_per_rank": r0["bytes"], "best": best,
                "auto_choice": r0["choice"], "auto_measured_s": r0["auto_measured"], "machine": r0["machine"]}
         if "auto" in med and best:
