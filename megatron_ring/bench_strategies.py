@@ -93,6 +93,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
         pb = auto._problem(qh, kh, plan, 1)
         res["choice"] = next(iter(auto._choices.values()), None)
         res["auto_measured"] = auto.last_choice.get("measured") or {}
+        res["auto_tie"] = auto.last_choice.get("tie")
         res["machine"] = vars(machine)
         preds = {ct: predict(ct, pb, world, machine, inner) for ct in types if ct != "auto"}
         res["predicted"] = {ct: p["time_s"] for ct, p in preds.items()}
@@ -135,7 +136,7 @@ def run_comm_types(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                "comm_dtype": cfg["comm_dtype"] or "none", "inner": _inner(world), "fwd_bwd_s": med,
                "iterations_s": {ct: [max(ts) for ts in zip(*(r["times"][ct] for r in per_rank))] for ct in types},
                "predicted_s": r0["predicted"], "model_bytes_per_rank": r0["bytes"], "best": best,
-               "auto_choice": r0["choice"], "auto_measured_s": r0["auto_measured"], "machine": r0["machine"]}
+               "auto_choice": r0["choice"], "auto_measured_s": r0["auto_measured"], "auto_tie": r0["auto_tie"], "machine": r0["machine"]}
         if "auto" in med and best:
             row["auto_over_best"] = med["auto"] / med[best]
             if r0["choice"] in measured:  # the chosen type's own column: the same exchange, timed alongside
@@ -172,4 +173,5 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
                   + own, flush=True)
         if row.get("auto_measured_s"):
             print("  auto's near-tie measurement (fwd+bwd s, median of its rounds, once per signature): "
-                  + ", ".join(f"{ct} {t:.3f}" for ct, t in row["auto_measured_s"].items()), flush=True)
+                  + ", ".join(f"{ct} {t:.3f}" for ct, t in row["auto_measured_s"].items())
+                  + (f"; tie {row['auto_tie']:.1%}" if row.get("auto_tie") else ""), flush=True)

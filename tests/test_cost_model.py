@@ -97,7 +97,7 @@ def test_auto_agrees_across_ranks_and_logs_once():
 
 
 def test_near_ties_are_measured_and_clear_wins_are_not(monkeypatch):
-    from megatron_ring.strategies.auto import _fastest, to_measure, typical
+    from megatron_ring.strategies.auto import _fastest, noise, to_measure, typical
 
     rows = [{"comm_type": "p2p", "time_s": 1.0}, {"comm_type": "a2a", "time_s": 1.1},
             {"comm_type": "all_gather", "time_s": 2.0}]
@@ -110,6 +110,12 @@ def test_near_ties_are_measured_and_clear_wins_are_not(monkeypatch):
     monkeypatch.setenv("MEGATRON_RING_AUTO_MEASURE", "0")
     assert to_measure(rows) == ([], 0)
     assert typical([1.0, 5.0, 1.1, 1.2, 0.9]) == 1.1 and typical([1.3, 0.9]) == 0.9  # median; best of two
+    # noise: the rounds' relative spread over sqrt(rounds) (interquartile from 4 rounds), median over candidates
+    quiet, noisy = [2.0] * 5, [1.0, 1.2, 0.8, 1.0, 1.1]  # noisy: interquartile 1.0..1.1, median 1.0
+    assert noise({"p2p": quiet, "a2a": quiet, "all_gather": noisy}) == 0.0
+    assert abs(noise({"p2p": noisy, "a2a": quiet, "all_gather": noisy}) - 0.1 / 5 ** 0.5) < 1e-12
+    assert abs(noise({"p2p": [1.0, 1.1]}) - 0.1 / 2 ** 0.5) < 1e-12 and noise({"p2p": [1.0]}) == 0.0
+    assert _fastest({"p2p": 1.0, "a2a": 0.95}, tie=0.06) == "p2p"  # a gap within the noise: the simpler type
     assert _fastest({"p2p": 1.0, "a2a": 0.8}) == "a2a" and _fastest({"p2p": 1.0, "a2a": 0.99}) == "p2p"
 
 

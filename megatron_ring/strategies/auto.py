@@ -21,8 +21,10 @@ hardly matters), and timing them fits in ``MEASURE_BUDGET_S`` (240 s of predicte
 each of those candidates forward+backward on random tensors of the call's shapes and strides, in
 ``MEASURE_ROUNDS`` (5; fewer when the budget allows fewer) interleaved rounds, takes each one's MEDIAN
 round (the best one when only 1 or 2 rounds fit), agrees on the times (MAX over the group) and picks the
-fastest measured (ties within 3% go to the simpler type). One call on a shared CPU varies by +-15%
-while the types differ by 5-10%, so one or two rounds pick by chance; a median of five does not. It
+fastest measured, except that a simpler type (p2p, all_gather, a2a, a2a+p2p in that order) wins when
+it is within the tie: the larger of 3% and the measurement's own noise (the rounds' relative spread
+over sqrt(rounds)). One call on a shared CPU varies by +-15% while the types differ by 0-10%, so a gap
+smaller than the noise is not a reason to leave the simpler type. It
 costs a few calls' time once per signature. Environment: ``MEGATRON_RING_AUTO_MEASURE=0`` turns it off
 (model only); ``MEGATRON_RING_AUTO_BAND``, ``MEGATRON_RING_AUTO_MEASURE_MIN_S``,
 ``MEGATRON_RING_AUTO_MEASURE_BUDGET_S``, ``MEGATRON_RING_AUTO_MEASURE_ROUNDS`` tune it.
@@ -204,7 +206,8 @@ def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch
             head_chunks: int, hierarchical_groups: Any, rounds: int) -> dict[str, float]:
     """Forward+backward seconds of each candidate on random tensors of the call's shapes and strides
     (``rounds`` interleaved rounds; each one's median round, its best when ``rounds`` <= 2; MAX over the
-    group: the same numbers on every rank)."""
+    group: the same numbers on every rank). The entry ``"noise"`` is the measurement's own relative
+    uncertainty (:func:`noise`, MAX over the group)."""
     dev = qh.device
     q, k, v = (torch.randn_like(t).requires_grad_() for t in (qh, kh, vh))  # the call's strides too
     # the output gradient arrives with the output's strides, which follow q's (bshd callers: a transposed view)
@@ -216,9 +219,10 @@ def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch
     kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups)
     with torch.enable_grad():  # also when the call itself runs without gradients
         _rounds(candidates, q, k, v, dout, plan, kw, rounds, times)
-    agreed = torch.tensor([typical(times[ct]) for ct in candidates], dtype=torch.float64, device=dev)
+    agreed = torch.tensor([typical(times[ct]) for ct in candidates] + [noise(times)], dtype=torch.float64,
+                          device=dev)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=plan.ring.group)
-    return dict(zip(candidates, agreed.tolist()))
+    return dict(zip([*candidates, "noise"], agreed.tolist()))
 
 
 def _rounds(candidates, q, k, v, dout, plan, kw, rounds, times) -> None:
@@ -240,10 +244,21 @@ def typical(times: list[float]) -> float:
     return min(times) if len(times) <= 2 else sorted(times)[len(times) // 2]
 
 
-def _fastest(times: dict[str, float]) -> str:
-    """The fastest measured, a simpler type (``PREFERENCE``) winning ties within ``TIE``."""
+def noise(times: dict[str, list[float]]) -> float:
+    """Relative uncertainty of a :func:`typical` time: the rounds' relative spread (interquartile from 4
+    rounds, else max - min) over sqrt(rounds), the median over candidates. 0 for a single round."""
+    spreads = []
+    for ts in times.values():
+        ts = sorted(ts)
+        cut = len(ts) // 4
+        spreads.append((ts[-1 - cut] - ts[cut]) / typical(ts) / len(ts) ** 0.5)
+    return sorted(spreads)[len(spreads) // 2] if spreads else 0.0
+
+
+def _fastest(times: dict[str, float], tie: float = TIE) -> str:
+    """The fastest measured, a simpler type (``PREFERENCE``) winning ties within ``tie``."""
     fastest = min(times.values())
-    return min((ct for ct, t in times.items() if t <= fastest * (1 + TIE)), key=PREFERENCE.index)
+    return min((ct for ct, t in times.items() if t <= fastest * (1 + tie)), key=PREFERENCE.index)
 
 
 def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int, hierarchical_groups: Any,
@@ -262,19 +277,21 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
     rows = predict_all(pb, plan.ring.world, machine, inner)
     _choices[key] = rows[0]["comm_type"]
     near, rounds = to_measure(rows)
-    measured = {}
+    measured, tie = {}, TIE
     if near:
         measured = measure(near, qh, kh, vh if vh is not None else kh, plan, head_chunks, hierarchical_groups,
                            rounds)
-        _choices[key] = _fastest(measured)
+        tie = max(TIE, measured.pop("noise"))
+        _choices[key] = _fastest(measured, tie)
     log.info("megatron_ring auto comm_type: chose %s for S=%d b=%d h=%d h_kv=%d d=%d %s causal=%s wire=%s over %d "
              "ranks%s; predicted fwd+bwd per call: %s (machine: F=%.3g flop/s, B=%.3g B/s, latency=%.3g s)%s",
              _choices[key], pb.seq, pb.batch, pb.heads, pb.kv_heads, pb.head_dim, pb.layout, pb.causal,
              plan.codec.name, plan.ring.world, f" (hierarchical {inner}x{plan.ring.world // inner})" if inner else "",
              ", ".join(f"{r['comm_type']} {r['time_s'] * 1e3:.3g} ms" for r in rows),
              machine.flops, machine.bw_intra, machine.latency,
-             ("; near-tie, measured: " + ", ".join(f"{ct} {t * 1e3:.3g} ms" for ct, t in measured.items()))
+             ("; near-tie, measured: " + ", ".join(f"{ct} {t * 1e3:.3g} ms" for ct, t in measured.items())
+              + f" (a simpler type wins within {tie:.1%}, the larger of 3% and the measurement's noise)")
              if measured else "")
     last_choice.update(key=key, predicted={r["comm_type"]: r["time_s"] for r in rows}, measured=measured,
-                       choice=_choices[key])
+                       tie=tie, choice=_choices[key])
     return _choices[key]
