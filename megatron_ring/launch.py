@@ -5,6 +5,12 @@ join it, initialise a gloo process group and call ``fn(rank, world_size, *args)`
 comes back through a file (tensors in multiprocessing queues are unreliable with spawned workers). The
 parent waits at most ``timeout`` seconds, then kills every worker and raises; a worker's exception is
 re-raised in the parent with its traceback.
+
+Workers start from a fork server that has imported torch (and ``MEGATRON_RING_PRELOAD``, comma-separated
+module names, e.g. ``megatron.core``) once, so a worker starts in milliseconds instead of importing torch
+again for seconds; each worker gets the parent's environment as it is at launch. A caller whose ``env``
+must be seen at process start by C libraries (glibc's ``MALLOC_*``: the benchmarks) gets fresh spawned
+processes instead, and ``MEGATRON_RING_START_METHOD=spawn`` asks for them everywhere.
 """
 from __future__ import annotations
 
@@ -27,9 +33,26 @@ class WorkerError(RuntimeError):
     """A worker raised, died or timed out."""
 
 
+_PRELOAD = ["torch", "torch.distributed", "megatron_ring.launch"]
+
+
+def _context(env: dict[str, str] | None) -> Any:
+    """The fork server (torch imported once) unless ``env`` must reach a fresh process (see the module doc)."""
+    method = os.environ.get("MEGATRON_RING_START_METHOD") or ("spawn" if env else "forkserver")
+    if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    extra = [m for m in os.environ.get("MEGATRON_RING_PRELOAD", "").split(",") if m]
+    ctx.set_forkserver_preload(_PRELOAD + extra)  # read when the server starts (first use), ignored after
+    return ctx
+
+
 def _worker(rank: int, world: int, port: int, outdir: str, threads: int, pg_timeout: float,
-            fn: Callable[..., Any], args: tuple) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # `env` of run_on_ranks arrives with the spawn
+            fn: Callable[..., Any], args: tuple, environ: dict[str, str]) -> None:
+    if os.environ != environ:  # a fork server's child: the server's environment, not the launcher's
+        os.environ.clear()
+        os.environ.update(environ)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     path = os.path.join(outdir, f"rank{rank}.pkl")
     try:
         import torch
@@ -68,17 +91,17 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     """
     import torch.distributed as dist
 
-    ctx = mp.get_context("spawn")
+    ctx = _context(env)
     master = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
                            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
     pg_timeout = pg_timeout if pg_timeout is not None else max(30.0, timeout - 10)
     with tempfile.TemporaryDirectory(prefix="megatron_ring_") as outdir:
-        procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, world_size, master.port, outdir, threads_per_rank, pg_timeout,
-                                   fn, args))
-                 for r in range(world_size)]
         saved = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})  # also read at process start (e.g. glibc's MALLOC_* variables)
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world_size, master.port, outdir, threads_per_rank, pg_timeout,
+                                   fn, args, dict(os.environ)))
+                 for r in range(world_size)]
         try:
             for p in procs:
                 p.start()
