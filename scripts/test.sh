@@ -2,8 +2,7 @@
 # The test suite on both ends of the supported megatron-core range (extra args go to pytest):
 #   1. .venv    (Python 3.11, megatron-core 0.16.1): pytest "$@" (default: the whole suite, tests/);
 #   2. .venv312 (Python 3.12, megatron-core 0.19.2, ships megatron.training): tests/megatron, which includes
-#      the real-loop tests (Megatron's own pretrain()), less the tests marked one_core_version (world-8 and
-#      multi-step runs whose Megatron code paths the others cover; CI time); only the options of "$@" pass.
+#      the real-loop tests (Megatron's own pretrain()); only the options of "$@" pass.
 # Both venvs are set up if needed (idempotent). MEGATRON_RING_SKIP_PY312=1 runs step 1 only.
 # pytest's exit code 5 ("no tests collected", e.g. a -k that selects nothing in one venv) is not a failure.
 set -uo pipefail
@@ -22,7 +21,7 @@ if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   MEGATRON_RING_FLAVOR=py312 bash scripts/setup_env.sh test || exit $?
   opts=(); for a in "$@"; do [[ "$a" == -* ]] && opts+=("$a"); done
   echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron"
-  run_pytest .venv312 "${opts[@]}" -m "not one_core_version" tests/megatron; rc312=$?
+  run_pytest .venv312 "${opts[@]}" tests/megatron; rc312=$?
 fi
 echo "[test] Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312"
 [ "$rc311" -eq 0 ] && [ "$rc312" -eq 0 ]

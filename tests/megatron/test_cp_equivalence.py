@@ -63,7 +63,6 @@ def test_loss_and_grads_match_megatron_cp1(run, tp, cp, world):
 
 
 @pytest.mark.slow
-@pytest.mark.one_core_version
 def test_tp2_cp2_dp2_world8(run):
     ref = reference(STEPS, 2)
     results = run(W.ring_worker, 8, W.MODEL, 2, 2, LAYOUTS, STEPS, False)

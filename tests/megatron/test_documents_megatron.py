@@ -47,7 +47,6 @@ def test_reset_attention_mask_negative_control():
                                            [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
 
 
-@pytest.mark.one_core_version
 def test_reset_attention_mask_cp4_curve_matches_cp1(run):
     steps = 10
     ref = _reference(steps)

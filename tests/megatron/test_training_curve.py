@@ -10,7 +10,6 @@ STEPS = 12
 
 
 @pytest.mark.slow
-@pytest.mark.one_core_version
 def test_cp4_loss_curve_matches_cp1(run):
     ref = reference(STEPS, 1)
     res = run(W.ring_worker, 4, W.MODEL, 1, 4, ["zigzag", "striped"], STEPS, False)[0]["layouts"]
