@@ -17,10 +17,11 @@ the types move a few MB against seconds of compute) its predictions sit within a
 other while the measured times differ by 10-30% for reasons it does not model (kernel shapes, copies,
 how P processes share fewer cores). So when more than one candidate is predicted within ``BAND`` (30%)
 of the best and the best is predicted to take at least ``MEASURE_MIN_S`` (0.05 s: below that the choice
-hardly matters), and timing them fits in ``MEASURE_BUDGET_S`` (240 s of predicted time), ``auto`` runs
-each of those candidates forward+backward on random tensors of the call's shapes and strides, in
-``MEASURE_ROUNDS`` (5; fewer when the budget allows fewer) interleaved rounds, takes each one's MEDIAN
-round (the best one when only 1 or 2 rounds fit), agrees on the times (MAX over the group) and picks the
+hardly matters), and timing them in at least 3 rounds fits in ``MEASURE_BUDGET_S`` (400 s of predicted
+time), ``auto`` runs each of those candidates forward+backward on random tensors of the call's shapes and
+strides, in ``MEASURE_ROUNDS`` (5; 3 or 4 when the budget allows no more) interleaved rounds, takes each
+one's MEDIAN round (a best-of-two picks the luckiest call: at P=4 S=32768 it ranked a type 7.5% behind
+first), agrees on the times (MAX over the group) and picks the
 fastest measured, except that a simpler type (p2p, all_gather, a2a, a2a+p2p in that order) wins when
 it is within the tie: the larger of 3% and the measurement's own noise (the rounds' relative spread
 over sqrt(rounds)). One call on a shared CPU varies by +-15% while the types differ by 0-10%, so a gap
@@ -179,7 +180,7 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: in
                    pieces=head_chunks if head_chunks > 1 else 2)
 
 
-BAND, MEASURE_MIN_S, MEASURE_BUDGET_S, MEASURE_ROUNDS = 0.3, 0.05, 240.0, 5
+BAND, MEASURE_MIN_S, MEASURE_BUDGET_S, MEASURE_ROUNDS = 0.3, 0.05, 400.0, 5
 
 
 def _setting(name: str, default: float) -> float:
@@ -189,15 +190,16 @@ def _setting(name: str, default: float) -> float:
 
 def to_measure(rows: list[dict]) -> tuple[list[str], int]:
     """The candidates the model cannot tell apart and the rounds to time them (fewer when the budget is
-    tight); ``([], 0)`` when the model decides (see the module doc)."""
+    tight, but at least 3: fewer rounds cannot tell a type's typical time from a lucky call); ``([], 0)``
+    when the model decides (see the module doc)."""
     if os.environ.get("MEGATRON_RING_AUTO_MEASURE", "1") == "0":
         return [], 0
     best = min(r["time_s"] for r in rows)
     near = [r for r in rows if r["time_s"] <= best * (1 + _setting("BAND", BAND))]
     cost = sum(r["time_s"] for r in near)
-    rounds = min(int(_setting("MEASURE_ROUNDS", MEASURE_ROUNDS)), int(_setting("MEASURE_BUDGET_S", MEASURE_BUDGET_S)
-                                                                       // max(cost, 1e-12)))
-    if len(near) < 2 or rounds < 1 or best < _setting("MEASURE_MIN_S", MEASURE_MIN_S):
+    wanted = int(_setting("MEASURE_ROUNDS", MEASURE_ROUNDS))
+    rounds = min(wanted, int(_setting("MEASURE_BUDGET_S", MEASURE_BUDGET_S) // max(cost, 1e-12)))
+    if len(near) < 2 or rounds < min(3, wanted) or rounds < 1 or best < _setting("MEASURE_MIN_S", MEASURE_MIN_S):
         return [], 0
     return [r["comm_type"] for r in near], rounds
 
@@ -205,7 +207,7 @@ def to_measure(rows: list[dict]) -> tuple[list[str], int]:
 def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan,
             head_chunks: int, hierarchical_groups: Any, rounds: int) -> dict[str, float]:
     """Forward+backward seconds of each candidate on random tensors of the call's shapes and strides
-    (``rounds`` interleaved rounds; each one's median round, its best when ``rounds`` <= 2; MAX over the
+    (``rounds`` interleaved rounds; each one's median round, the mean when ``rounds`` <= 2; MAX over the
     group: the same numbers on every rank). The entry ``"noise"`` is the measurement's own relative
     uncertainty (:func:`noise`, MAX over the group)."""
     dev = qh.device
@@ -240,8 +242,8 @@ def _rounds(candidates, q, k, v, dout, plan, kw, rounds, times) -> None:
 
 
 def typical(times: list[float]) -> float:
-    """A candidate's time from its rounds: the median (the best of one or two)."""
-    return min(times) if len(times) <= 2 else sorted(times)[len(times) // 2]
+    """A candidate's time from its rounds: the median (the mean of one or two)."""
+    return sum(times) / len(times) if len(times) <= 2 else sorted(times)[len(times) // 2]
 
 
 def noise(times: dict[str, list[float]]) -> float:
