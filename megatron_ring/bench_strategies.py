@@ -136,7 +136,8 @@ def run_comm_types(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                "comm_dtype": cfg["comm_dtype"] or "none", "inner": _inner(world), "fwd_bwd_s": med,
                "iterations_s": {ct: [max(ts) for ts in zip(*(r["times"][ct] for r in per_rank))] for ct in types},
                "predicted_s": r0["predicted"], "model_bytes_per_rank": r0["bytes"], "best": best,
-               "auto_choice": r0["choice"], "auto_measured_s": r0["auto_measured"], "auto_tie": r0["auto_tie"], "machine": r0["machine"]}
+               "auto_choice": r0["choice"], "auto_measured_s": r0["auto_measured"], "auto_tie": r0["auto_tie"],
+               "machine": r0["machine"]}
         if "auto" in med and best:
             row["auto_over_best"] = med["auto"] / med[best]
             if r0["choice"] in measured:  # the chosen type's own column: the same exchange, timed alongside

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..codec import KVSpec
 from ..comm import Ring
-from ..engine import RingPlan
+from ..engine import RingPlan, _memory_order
 from .cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
 
 __all__ = ["choose", "set_machine", "machine_for", "probe_machine", "measure", "to_measure", "last_choice"]
@@ -199,21 +199,21 @@ def to_measure(rows: list[dict]) -> tuple[list[str], int]:
     cost = sum(r["time_s"] for r in near)
     wanted = int(_setting("MEASURE_ROUNDS", MEASURE_ROUNDS))
     rounds = min(wanted, int(_setting("MEASURE_BUDGET_S", MEASURE_BUDGET_S) // max(cost, 1e-12)))
-    if len(near) < 2 or rounds < min(3, wanted) or rounds < 1 or best < _setting("MEASURE_MIN_S", MEASURE_MIN_S):
+    if len(near) < 2 or rounds < max(1, min(3, wanted)) or best < _setting("MEASURE_MIN_S", MEASURE_MIN_S):
         return [], 0
     return [r["comm_type"] for r in near], rounds
 
 
 def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan,
-            head_chunks: int, hierarchical_groups: Any, rounds: int) -> dict[str, float]:
+            head_chunks: int, hierarchical_groups: Any, rounds: int) -> tuple[dict[str, float], float]:
     """Forward+backward seconds of each candidate on random tensors of the call's shapes and strides
     (``rounds`` interleaved rounds; each one's median round, the mean when ``rounds`` <= 2; MAX over the
-    group: the same numbers on every rank). The entry ``"noise"`` is the measurement's own relative
-    uncertainty (:func:`noise`, MAX over the group)."""
+    group: the same numbers on every rank), and the measurement's own relative uncertainty (:func:`noise`,
+    MAX over the group)."""
     dev = qh.device
     q, k, v = (torch.randn_like(t).requires_grad_() for t in (qh, kh, vh))  # the call's strides too
     # the output gradient arrives with the output's strides, which follow q's (bshd callers: a transposed view)
-    order = sorted(range(qh.dim()), key=lambda i: -qh.stride(i))
+    order = _memory_order(qh)
     shape = (*qh.shape[:3], vh.shape[-1])
     dout = torch.randn([shape[i] for i in order], dtype=qh.dtype, device=dev).permute(
         *[order.index(i) for i in range(qh.dim())])
@@ -224,7 +224,8 @@ def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch
     agreed = torch.tensor([typical(times[ct]) for ct in candidates] + [noise(times)], dtype=torch.float64,
                           device=dev)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=plan.ring.group)
-    return dict(zip([*candidates, "noise"], agreed.tolist()))
+    *typicals, spread = agreed.tolist()
+    return dict(zip(candidates, typicals)), spread
 
 
 def _rounds(candidates, q, k, v, dout, plan, kw, rounds, times) -> None:
@@ -281,9 +282,9 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
     near, rounds = to_measure(rows)
     measured, tie = {}, TIE
     if near:
-        measured = measure(near, qh, kh, vh if vh is not None else kh, plan, head_chunks, hierarchical_groups,
-                           rounds)
-        tie = max(TIE, measured.pop("noise"))
+        measured, spread = measure(near, qh, kh, vh if vh is not None else kh, plan, head_chunks,
+                                   hierarchical_groups, rounds)
+        tie = max(TIE, spread)
         _choices[key] = _fastest(measured, tie)
     log.info("megatron_ring auto comm_type: chose %s for S=%d b=%d h=%d h_kv=%d d=%d %s causal=%s wire=%s over %d "
              "ranks%s; predicted fwd+bwd per call: %s (machine: F=%.3g flop/s, B=%.3g B/s, latency=%.3g s)%s",
