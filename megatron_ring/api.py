@@ -16,6 +16,7 @@ from .kernels import BlockKernel, select_kernel
 from .layouts import Layout, get_layout
 from .masks import AttentionMask, needed_steps
 from .ring_status import refuse_on_every_rank
+from .rotation import piece_count
 from .validation import call_signature, check_cu_seqlens, check_inputs, check_same_across_ranks, check_window
 
 __all__ = ["ring_attention", "resolve_group"]
@@ -55,7 +56,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    head_chunks: int = 1, ring: Ring | None = None, cu_seqlens: Any = None,
                    window: tuple[int, int] | None = None, comm_type: str = "p2p",
                    hierarchical_groups: Any = None, softmax_offset: Any = None,
-                   dropout_p: float = 0.0, dropout_seed: int | None = None) -> torch.Tensor:
+                   dropout_p: float = 0.0, dropout_seed: int | None = None,
+                   kv_pieces: int | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -102,6 +104,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             of the CP size and layout. Uses an fp32 matmul block kernel (slower than flash).
         dropout_seed: int, required when ``dropout_p > 0``; the same on every rank of the group.
         v: may have a different head dim than q/k (multi-latent attention); the output has v's.
+        kv_pieces: each ring step streams the visiting K/V block (and, in backward, its dK/dV
+            accumulator) in this many pieces of K/V heads through ``kv_pieces + 1`` piece buffers, so a
+            block in flight costs ``(n+1)/n`` blocks instead of two (lower peak memory; same bytes, same
+            compute, more and smaller kernel calls). Rounded down to a divisor of the K/V heads. Default
+            (None): ``MEGATRON_RING_KV_PIECES`` if set, else automatic (up to 8 on CPU; on CUDA as many
+            as keep each piece's kernel calls large, see ``rotation.piece_count``).
         ring: advanced: a prepared :class:`~megatron_ring.comm.Ring` (e.g. ``LoopbackRing`` for
             compute-only timing); overrides ``group``.
         comm_type: the exchange: "p2p" (the ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
@@ -129,12 +137,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
                              comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks,
                              cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
-                             extras=(dropout_p, dropout_seed, _offset_kind(softmax_offset)))
+                             extras=(dropout_p, dropout_seed, _offset_kind(softmax_offset),
+                                     kv_pieces, os.environ.get("MEGATRON_RING_KV_PIECES", "")))
         check_same_across_ranks(sig, ring.group, q.device, {"comm_type": comm_type,
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
             "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name,
             "cu_seqlens": cu_seqlens, "window": window,
-            "dropout/softmax_offset": (dropout_p, dropout_seed, _offset_kind(softmax_offset))})
+            "dropout/softmax_offset/kv_pieces": (dropout_p, dropout_seed, _offset_kind(softmax_offset), kv_pieces,
+                                                 os.environ.get("MEGATRON_RING_KV_PIECES", ""))})
     if codec_error is not None:
         raise codec_error
     thd = qkv_format == "thd"
@@ -149,6 +159,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         raise ValueError(f"cu_seqlens describes packed documents: use qkv_format='thd' ([t, h, d]), got "
                          f"qkv_format={qkv_format!r}")
     s_dim = 1 if qkv_format == "bshd" else 0
+    pieces = _pieces(kv_pieces, q, k, s_dim)
 
     def ring_steps() -> int:  # the forward ring's length, for a rank that refuses its input (ring_status)
         lay_ = get_layout(layout)
@@ -169,7 +180,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
 
     mirror = None if comm_type == "p2p" else strategy_mirror
     refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, check_inputs, q, k, v, qkv_format,
-                         steps=ring_steps, mirror=mirror)
+                         steps=ring_steps, mirror=mirror, pieces=pieces)
     lay = get_layout(layout)
     lay.check_local_len(q.shape[s_dim], ring.world)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -179,12 +190,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
     mask = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
     block_kernel = refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, select_kernel, qh, kernel,
-                                        steps=ring_steps, mirror=mirror)
+                                        steps=ring_steps, mirror=mirror, pieces=pieces)
     if vh.shape[-1] != qh.shape[-1] and block_kernel.name not in NATIVE_HEAD_DIM_KERNELS:
         block_kernel = HeadDimPadKernel(block_kernel)  # MLA: exact zero padding of the kernel's operands
     plan = RingPlan(ring=ring, layout=lay, causal=bool(causal), scale=float(scale),
                     kernel=block_kernel, codec=codec, mask=None if mask.plain else mask,
-                    dropout=_dropout_spec(dropout_p, dropout_seed, qh, q.shape[s_dim] * ring.world))
+                    dropout=_dropout_spec(dropout_p, dropout_seed, qh, q.shape[s_dim] * ring.world),
+                    pieces=pieces)
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
         raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
     sink = _sink(softmax_offset, qh)
@@ -197,6 +209,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
     out = out.squeeze(0) if thd else out
     return out if out.is_contiguous() else out.contiguous()  # e.g. q was a non-dense view
+
+
+def _pieces(requested: Any, q: torch.Tensor, k: torch.Tensor, s_dim: int) -> int:
+    """``kv_pieces`` resolved (:func:`~megatron_ring.rotation.piece_count`); 1 for shapes ``check_inputs``
+    refuses later anyway."""
+    if q.ndim != 4 or k.ndim != 4:
+        return 1
+    b = q.shape[1 - s_dim]
+    return piece_count(b, q.shape[2], k.shape[2], q.shape[s_dim], q.device.type, requested)
 
 
 def _offset_kind(offset: Any) -> Any:

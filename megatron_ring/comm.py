@@ -66,8 +66,12 @@ class Exchange:
     def __init__(self, ring: "Ring", pending: list[tuple[tuple[Role, ...], list[Any]]], channel: str,
                  step: int) -> None:
         self._ring, self._pending, self._channel, self._step = ring, pending, channel, step
+        self._done = False
 
     def wait(self) -> None:
+        """Join the exchange (a second call returns at once)."""
+        if self._done:
+            return
         ring = self._ring
         ring.raise_if_failed()
         host_timeout = ring.timeout if not ring.watchdog_deadline else None
@@ -81,6 +85,7 @@ class Exchange:
                 if ok is False:
                     raise ring.peer_error(roles, self._channel, self._step, timed_out=True)
         self._pending = []
+        self._done = True
         ring.stream.join()
 
 

@@ -29,11 +29,12 @@ from . import breakdown
 from .buffers import POOL
 from .block_extras import DropoutKernel, DropoutSpec, fold_sink, sink_grad
 from .codec import KVCodec, KVSpec
-from .comm import Exchange, Ring
+from .comm import Ring
 from .kernels import BlockKernel, MathKernel, ReversedKernel
-from .layouts import BlockTask, Layout, split_kv
+from .layouts import Layout
 from .masks import AttentionMask, needed_steps, schedule
 from .merge import merge_into
+from .rotation import Rotation, divisor_at_most, start_for
 from .ring_status import RingStatus, check_pending, status_buffers
 
 __all__ = ["RingPlan", "ring_forward", "ring_backward", "RingAttentionFunction", "head_groups"]
@@ -51,6 +52,7 @@ class RingPlan:
     codec: KVCodec
     mask: AttentionMask | None = None  # documents / window (None: the layout's causal or full structure)
     dropout: DropoutSpec | None = None  # attention dropout by global positions (see block_extras)
+    pieces: int = 1  # K/V heads pieces a ring step streams a block in, at most (see rotation.py)
 
     def tasks(self, step: int, s: int):
         src = (self.ring.rank - step) % self.ring.world
@@ -95,93 +97,108 @@ def _mask_kernel(kernel: BlockKernel) -> BlockKernel:
 
 
 class _KVStream:
-    """The visiting K/V blocks, step by step, with the next block's exchange already in flight."""
+    """The visiting K/V blocks, in ``n`` pieces of K/V heads, with the next block's pieces in flight
+    (:class:`~megatron_ring.rotation.Rotation`: ``n + 1`` piece slots instead of two whole blocks)."""
 
-    def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str,
-                 free_idle_at_last: bool = False) -> None:
-        self.plan, self.k, self.v, self.channel = plan, k, v, channel
-        self.free_idle_at_last = free_idle_at_last
-        self.spec = KVSpec(tuple(k.shape), tuple(v.shape), k.dtype, k.device)
-        self.bufs: list[torch.Tensor | None] = []  # wire payload + one status element (see ring_status)
+    def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str, n: int) -> None:
+        self.plan, self.k, self.v = plan, k, v
+        self.heads = head_groups(k.shape[1], n)
+        b, h_kv, s, d = k.shape
+        hj = h_kv // n
+        self.spec = KVSpec((b, hj, s, d), (b, hj, s, v.shape[-1]), k.dtype, k.device)
         self.status = RingStatus(plan.ring, plan.codec, k.device)
+        self.rot: Rotation | None = None
         if plan.ring.world > 1:
-            self.bufs = status_buffers(plan.codec, self.spec)
-            self.status.encode(k, v, self.bufs[0])  # an error is raised after the ring, on every rank
-        self.pending: Exchange | None = None
+            self.rot = Rotation(plan.ring, status_buffers(plan.codec, self.spec, n + 1), channel)
+            # an error is raised after the ring, on every rank
+            self.status.encode_pieces([(k[:, hs], v[:, hs]) for hs in self.heads],
+                                      [self.rot.piece(j) for j in range(n)])
 
-    def start(self, step: int, steps: int) -> None:
-        """Begin fetching the block for ``step + 1`` (if there is one)."""
-        if step + 1 < steps:
-            self.pending = self.plan.ring.exchange(self.bufs[step % 2], self.bufs[(step + 1) % 2],
-                                                   self.channel, step)
-        elif self.free_idle_at_last and len(self.bufs) == 2:
-            # nothing left to receive: free the idle buffer (not back to the pool) so the last step's
-            # kernel outputs can use its memory; it lowers the backward peak where the last step is the
-            # peak (P=2), for one fresh allocation per call
-            self.bufs[(step + 1) % 2] = None
-
-    def block(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V visiting at ``step`` (the local tensors at step 0, decoded wire data after)."""
+    def block(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Piece ``j`` of the K, V visiting at ``step`` (local tensors at step 0, decoded wire data after)."""
+        hs = self.heads[j]
         if step == 0:
-            return self.k, self.v
-        buf = self.bufs[step % 2]
+            return self.k[:, hs], self.v[:, hs]
+        self.rot.arrived(j, step)
+        buf = self.rot.piece(j)
         self.status.received((self.plan.ring.rank - step) % self.plan.ring.world, buf)
         with breakdown.timed(step, "decode"):
             return self.plan.codec.decode(buf[:-1], self.spec)
 
-    def finish(self, step: int = 0) -> None:
-        """Wait for the exchange started in this step."""
-        if self.pending is not None:
-            with breakdown.timed(step, "wait"):
-                self.pending.wait()
-            self.pending = None
+    def release(self, step: int) -> None:
+        """Wait for what is in flight, then give the slots back to the pool."""
+        if self.rot is not None:
+            self.rot.drain(step)
+            POOL.give(*self.rot.slots)
+            self.rot = None
 
-    def release(self) -> None:
-        """Give the wire buffers back to the pool (the ring is over; nothing is in flight)."""
-        POOL.give(*(buf for buf in self.bufs if buf is not None))
-        self.bufs = []
+
+def _pieces(plan: RingPlan, k: torch.Tensor) -> int:
+    """Pieces per K/V block on this ring: the largest divisor of the K/V heads within ``plan.pieces``."""
+    return 1 if plan.ring.world == 1 else divisor_at_most(k.shape[1], plan.pieces)
+
+
+def _piece_plans(plan: RingPlan, heads: list[slice], g: int) -> list[tuple[slice, RingPlan]]:
+    """Per piece: its query heads and its plan (dropout keyed on the global head numbers)."""
+    return [(qs, _for_heads(plan, qs)) for qs in (slice(hs.start * g, hs.stop * g) for hs in heads)]
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention forward. Returns ``(out [b,h,s,d] float32, lse [b,h,s] float32)``."""
+    """Ring attention forward. Returns ``(out [b,h,s,d] float32, lse [b,h,s] float32)``; ``out`` has q's
+    memory order."""
     breakdown.set_phase("fwd")
     with breakdown.timed(0, "copies"):
-        kv = _KVStream(plan, k, v, "fwd_kv")
-    acc: list[torch.Tensor] = []  # [out, lse] once the first block result exists
-    steps = plan.steps(q.shape[2])
+        kv = _KVStream(plan, k, v, "fwd_kv", _pieces(plan, k))
+    b, h, s, _ = q.shape
+    out = torch.empty_strided((b, h, s, v.shape[-1]), _strides_like((b, h, s, v.shape[-1]), q),
+                              dtype=torch.float32, device=q.device)
+    lse = q.new_empty((b, h, s), dtype=torch.float32)
+    pieces = _piece_plans(plan, kv.heads, h // k.shape[1])
+    fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
+    steps = plan.steps(s)
     for step in range(steps):
-        kv.start(step, steps)
-        _forward_step(q, *kv.block(step), plan, step, acc)
-        kv.finish(step)
+        tasks = plan.tasks(step, s)
+        for j, (qs, piece_plan) in enumerate(pieces):
+            if step + 1 < steps:
+                kv.rot.pass_on(j, step)
+            fresh[j] = _forward_step(q[:, qs], *kv.block(step, j), piece_plan, step, tasks,
+                                     out[:, qs], lse[:, qs], fresh[j])
+        if kv.rot is not None:
+            kv.rot.advance()
+    kv.release(steps)
     if plan.ring.world > 1:
-        kv.release()
         kv.status.settle(plan)  # every rank raises if any rank's K/V (or input) was refused
-    if not acc:  # no local query sees any key (all padding, or masked away): out 0, lse -inf
-        _new_acc(q, v, acc)
-    return acc[0], acc[1]
+    for j, (qs, _) in enumerate(pieces):
+        if fresh[j]:  # no local query sees any key (all padding, or masked away): out 0, lse -inf
+            _init_acc(out[:, qs], lse[:, qs])
+    return out, lse
 
 
-def _new_acc(q: torch.Tensor, v: torch.Tensor, acc: list[torch.Tensor]) -> None:
-    b, h, s, _ = q.shape
-    acc += [q.new_zeros((b, h, s, v.shape[-1]), dtype=torch.float32),
-            q.new_full((b, h, s), float("-inf"), dtype=torch.float32)]
+def _init_acc(out: torch.Tensor, lse: torch.Tensor) -> None:
+    out.zero_()
+    lse.fill_(float("-inf"))
 
 
-def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: RingPlan, step: int,
-                  acc: list[torch.Tensor]) -> None:
-    """Fold one visiting block into ``acc``; a function so its temporaries die before the next step."""
-    b, h, s, _ = q.shape
-    for task in plan.tasks(step, s):
+def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: RingPlan, step: int, tasks,
+                  out: torch.Tensor, lse: torch.Tensor, fresh: bool) -> bool:
+    """Fold one visiting block (piece) into ``out``/``lse``; a function so its temporaries die before the
+    next step. Returns whether the accumulator is still unwritten."""
+    s = q.shape[2]
+    for task in tasks:
         with breakdown.timed(step, "kernel"):
-            out, lse = plan.forward_block(task, q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv], step)
-        if not acc and task.q == slice(0, s):  # first result covering every row: adopt it
-            acc += [out.float(), lse.float()]
-            continue
-        if not acc:
-            _new_acc(q, vt, acc)
-        with breakdown.timed(step, "merge"):
-            merge_into(acc[0][:, :, task.q], acc[1][:, :, task.q], out, lse)
+            o, l = plan.forward_block(task, q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv], step)
+        if fresh and task.q == slice(0, s):  # first result covering every row: copied in
+            out.copy_(o)
+            lse.copy_(l)
+        else:
+            if fresh:
+                _init_acc(out, lse)
+            with breakdown.timed(step, "merge"):
+                merge_into(out[:, :, task.q], lse[:, :, task.q], o, l)
+        fresh = False
+        del o, l
+    return fresh
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -195,103 +212,73 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     s = q.shape[2]
     world = plan.ring.world
     breakdown.set_phase("bwd")
+    n = _pieces(plan, k)
     with breakdown.timed(0, "copies"):
-        kv = _KVStream(plan, k, v, "bwd_kv", free_idle_at_last=True)
+        kv = _KVStream(plan, k, v, "bwd_kv", n)
+        dkv = _Accumulators(plan.ring, k, v, n)
     dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
-    nk = k.numel()
-    # dK/dV accumulators travel as one fp32 buffer: [dK.flatten(), dV.flatten()]
-    dkv = [POOL.take(nk + v.numel(), torch.float32, q.device).zero_()]
-    if world > 1:
-        dkv.append(POOL.take(nk + v.numel(), torch.float32, q.device))
-    dkv_pending: list[Exchange] = []
+    pieces = _piece_plans(plan, kv.heads, q.shape[1] // k.shape[1])
     steps = plan.steps(s)
     for step in range(steps):
-        kv.start(step, steps)
-        acc, nxt = dkv[step % len(dkv)], dkv[(step + 1) % len(dkv)]
-        kt, vt = kv.block(step)
         tasks = plan.tasks(step, s)
-        if world > 1 and step == world - 1:
-            pieces = _home_pieces(tasks, k, v, s)
-        elif world > 1 and step == 0:  # own block: no accumulator to wait for, so halves only shrink
-            parts = _split_tasks(tasks, s)  # the kernel outputs (about one K/V block less at the peak)
-            pieces = [(part, []) for part in parts[:-1]] + [(parts[-1], [(0, acc.numel())])]
-        else:
-            pieces = [(tasks, [(0, acc.numel())] if world > 1 else [])]
-        arrived = _Arrival(dkv_pending, step)
-        dkv_pending = []
-        for part, ranges in pieces:
-            _backward_step(dout, q, kt, vt, out, lse, plan, step, dq, arrived,
-                           _view_like(acc[:nk], k), _view_like(acc[nk:], v), part)
-            # pass it on; after the last step these hops return each block to its owner
-            for a, b in ranges:
-                arrived()  # (a piece without tasks: its rows are only forwarded)
-                dkv_pending.append(plan.ring.exchange(acc[a:b], nxt[a:b], "bwd_dkv", step))
-        kv.finish(step)
+        for j, (qs, piece_plan) in enumerate(pieces):
+            if step + 1 < steps:
+                kv.rot.pass_on(j, step)
+            kt, vt = kv.block(step, j)
+            _backward_step(dout[:, qs], q[:, qs], kt, vt, out[:, qs], lse[:, qs], piece_plan, step, dq[:, qs],
+                           lambda: dkv.arrived(j, step), *dkv.views(j), tasks)
+            dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
+        if kv.rot is not None:
+            kv.rot.advance()
+        dkv.advance()
     for step in range(steps, world):  # a shortened ring: carry the accumulators home, nothing to add
-        _Arrival(dkv_pending, step)()
-        dkv_pending = [plan.ring.exchange(dkv[step % 2], dkv[(step + 1) % 2], "bwd_dkv", step)]
-    _Arrival(dkv_pending, world)()
-    kv.release()
-    mine = dkv[world % len(dkv)]  # P=1: the local accumulator; else where the last hop landed
-    POOL.give(*(buf for buf in dkv if buf is not mine))
-    return dq, _view_like(mine[:nk], k), _view_like(mine[nk:], v)
+        for j in range(n):
+            dkv.arrived(j, step)
+            dkv.pass_on(j, step)
+        dkv.advance()
+    kv.release(world)
+    return (dq, *dkv.result(world))
 
 
-class _Arrival:
-    """Waits (once, when first called) for the dK/dV hops that bring this step's accumulator."""
+class _Accumulators:
+    """The travelling fp32 dK/dV accumulators: ``n`` pieces (groups of K/V heads) in ``n + 1`` slots of
+    ONE tensor ``[slots, h_kv / n, b, s, d_k + d_v]`` (one message per piece: ``[dK | dV]``).
 
-    def __init__(self, pending: list[Exchange], step: int) -> None:
-        self.pending, self.step = pending, step
+    The slots start where the last hop leaves the pieces in slots ``0..n-1`` in order, so the returned
+    dK and dV are views of this tensor (heads outermost), never copies."""
 
-    def __call__(self) -> None:
-        for p in self.pending:
-            _wait(p, self.step)
-        self.pending = []
+    def __init__(self, ring: Ring, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
+        b, h_kv, s, self.dk = k.shape
+        self.n, self.hj = n, h_kv // n
+        slots = n + 1 if ring.world > 1 else 1
+        self.all = k.new_zeros((slots, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
+        self.rot = Rotation(ring, list(self.all.unbind(0)), "bwd_dkv", start_for(n, ring.world)) \
+            if ring.world > 1 else None
 
+    def views(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """dK, dV of piece ``j`` of the visiting block, as BHSD views ``[b, h_kv / n, s, d]``."""
+        slot = (self.rot.piece(j) if self.rot is not None else self.all[0]).permute(1, 0, 2, 3)
+        return slot[..., :self.dk], slot[..., self.dk:]
 
-def _split_tasks(tasks, s: int) -> list[list]:
-    """``tasks`` cut at key row ``s/2``: ``[tasks on rows < s/2, tasks on rows >= s/2]`` (exact for full
-    and top-left causal tasks, :func:`~megatron_ring.layouts.split_kv`); ``[tasks]`` when a task carries
-    an explicit mask."""
-    if any(type(t) is not BlockTask for t in tasks):
-        return [list(tasks)]
-    lo, hi = [], []
-    for t in tasks:
-        a, b = split_kv(t, s // 2)
-        lo += [a] if a is not None else []
-        hi += [b] if b is not None else []
-    return [lo, hi]
+    def arrived(self, j: int, step: int) -> None:
+        if self.rot is not None:
+            self.rot.arrived(j, step)
 
+    def pass_on(self, j: int, step: int) -> None:
+        if self.rot is not None:
+            self.rot.pass_on(j, step)
 
-def _home_pieces(tasks, k: torch.Tensor, v: torch.Tensor, s: int) -> list[tuple[list, list[tuple[int, int]]]]:
-    """The last backward step in two pieces of key rows, ``[0, s/2)`` then ``[s/2, s)``: each piece's
-    tasks and the ranges of the flat dK/dV buffer that hold its rows, so the first piece's rows travel
-    home while the second piece computes.
+    def advance(self) -> None:
+        if self.rot is not None:
+            self.rot.advance()
 
-    The final hop is always these four messages (dK and dV of each half; the same on every rank, as
-    they depend only on shapes). The compute is split only where that is exact and the rows are
-    contiguous in the buffer; otherwise (a batch dimension outside the sequence one, tasks with explicit
-    masks) the step computes in one piece and then sends the four messages."""
-    at, nk = s // 2, k.numel()
-    rk, rv = nk // s, v.numel() // s
-    lo_ranges = [r for r in ((0, at * rk), (nk, nk + at * rv)) if r[1] > r[0]]
-    hi_ranges = [(at * rk, nk), (nk + at * rv, nk + v.numel())]
-    parts = _split_tasks(tasks, s)
-    if len(parts) == 1 or not (_rows_outermost(k) and _rows_outermost(v)):
-        return [(list(tasks), lo_ranges + hi_ranges)]
-    return [(parts[0], lo_ranges), (parts[1], hi_ranges)]
-
-
-def _rows_outermost(x: torch.Tensor) -> bool:
-    """True when a row range of the BHSD view ``x`` is one contiguous range of its memory order."""
-    order = _memory_order(x)
-    return all(x.shape[i] == 1 for i in order[:order.index(2)])
-
-
-def _wait(pending: Exchange | None, step: int) -> None:
-    if pending is not None:
-        with breakdown.timed(step, "wait"):
-            pending.wait()
+    def result(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's own dK, dV (``[b, h_kv, s, d]`` views), once the last hop is in."""
+        if self.rot is not None:
+            self.rot.drain(step)
+            assert self.rot.cur == list(range(self.n)), self.rot.cur
+        whole = self.all[:self.n].reshape(self.n * self.hj, *self.all.shape[2:]).permute(1, 0, 2, 3)
+        return whole[..., :self.dk], whole[..., self.dk:]
 
 
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
@@ -315,16 +302,6 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
         for cols, dk_b, dv_b in partial:
             dk_acc[:, :, cols] += dk_b
             dv_acc[:, :, cols] += dv_b
-
-
-def _view_like(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``flat`` viewed with ``like``'s shape AND memory order (e.g. BHSD view of BSHD memory).
-
-    Gradients laid out like their inputs need no re-layout copy downstream (autograd, Megatron).
-    """
-    order = _memory_order(like)
-    physical = flat.view([like.shape[i] for i in order])
-    return physical.permute([order.index(i) for i in range(like.ndim)])
 
 
 def _memory_order(like: torch.Tensor) -> list[int]:
@@ -412,14 +389,13 @@ def _as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False)
         return acc
     if acc.shape == like.shape:
         return torch.empty_like(like).copy_(acc)
-    return torch.empty_strided(acc.shape, _strides_like(acc, like), dtype=like.dtype,  # out with v's head dim
+    return torch.empty_strided(acc.shape, _strides_like(acc.shape, like), dtype=like.dtype,  # out with v's head dim
                                device=like.device).copy_(acc)
 
 
-def _strides_like(acc: torch.Tensor, like: torch.Tensor) -> list[int]:
-    """Dense strides for ``acc``'s shape in ``like``'s memory order."""
-    order = sorted(range(like.ndim), key=lambda i: like.stride(i), reverse=True)
+def _strides_like(shape, like: torch.Tensor) -> list[int]:
+    """Dense strides for ``shape`` in ``like``'s memory order."""
     strides, step = [0] * like.ndim, 1
-    for i in reversed(order):
-        strides[i], step = step, step * acc.shape[i]
+    for i in reversed(_memory_order(like)):
+        strides[i], step = step, step * shape[i]
     return strides

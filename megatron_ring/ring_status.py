@@ -58,8 +58,9 @@ class RingStatus:
         self.codes = torch.zeros(ring.world, dtype=torch.float32, device=device)
         self.read_in_forward = _reads_in_forward(codec, device)
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, raw: torch.Tensor) -> None:
-        """Encode the local block into ``raw`` (payload + status); remember an error instead of raising."""
+    def encode(self, k: torch.Tensor, v: torch.Tensor, raw: torch.Tensor) -> int:
+        """Encode the local block into ``raw`` (payload + status); remember an error instead of raising.
+        Returns the status code written."""
         code = OK
         try:
             self.codec.encode(k, v, raw[:-1])
@@ -68,6 +69,13 @@ class RingStatus:
         except (ValueError, RuntimeError) as exc:
             self.local_error, code = exc, BAD_INPUT
         self.mark(raw, code)
+        return code
+
+    def encode_pieces(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], raws: list[torch.Tensor]) -> None:
+        """Encode the local block's pieces; every piece carries the worst code of them all."""
+        worst = max(self.encode(k, v, raw) for (k, v), raw in zip(blocks, raws))
+        for raw in raws:
+            self.mark(raw, worst)
 
     def mark(self, raw: torch.Tensor, code: int) -> None:
         raw[-1:].fill_(code)
@@ -120,7 +128,8 @@ def _raise_for(codes: list[float], ring: Any, codec: KVCodec) -> None:
 
 
 def refuse_on_every_rank(ring: Any, codec: KVCodec | None, k: torch.Tensor, v: torch.Tensor, qkv_format: str,
-                         head_chunks: Any, check, *args: Any, steps: Any = None, mirror: Any = None) -> Any:
+                         head_chunks: Any, check, *args: Any, steps: Any = None, mirror: Any = None,
+                         pieces: int = 1) -> Any:
     """``check(*args)``; if it raises ValueError on this rank only (after the cross-rank check), take part in
     the forward ring with status :data:`BAD_INPUT` first, so the other ranks raise too instead of waiting.
 
@@ -137,13 +146,16 @@ def refuse_on_every_rank(ring: Any, codec: KVCodec | None, k: torch.Tensor, v: t
                 n = int(steps()) if steps is not None else ring.world
             except ValueError:  # the mask itself is invalid: every rank raises that before any exchange
                 raise exc from None
-            _refusal_ring(ring, codec, k, v, qkv_format, head_chunks, n)
+            _refusal_ring(ring, codec, k, v, qkv_format, head_chunks, n, pieces)
         raise exc
 
 
 def _refusal_ring(ring: Any, codec: KVCodec, k: torch.Tensor, v: torch.Tensor, qkv_format: str,
-                  head_chunks: Any, steps: int) -> None:
+                  head_chunks: Any, steps: int, pieces: int = 1) -> None:
+    """The forward ring's exchanges, every piece marked :data:`BAD_INPUT`, received blocks forwarded
+    unchanged (the same messages, in the same order, as :func:`~megatron_ring.engine.ring_forward`)."""
     from .engine import head_groups  # noqa: PLC0415 - the engine imports this module
+    from .rotation import Rotation, divisor_at_most  # noqa: PLC0415
 
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
         return  # every rank refuses head_chunks itself, before any exchange
@@ -151,12 +163,18 @@ def _refusal_ring(ring: Any, codec: KVCodec, k: torch.Tensor, v: torch.Tensor, q
     (b, h_kv, s, d), dv = bhsd(tuple(k.shape)), v.shape[-1]
     status = RingStatus(ring, codec, k.device)
     for hs in head_groups(h_kv, head_chunks):
-        n = hs.stop - hs.start
-        spec = KVSpec((b, n, s, d), (b, n, s, dv), k.dtype, k.device)
-        bufs = status_buffers(codec, spec)
-        bufs[0].zero_()
-        status.mark(bufs[0], BAD_INPUT)
-        for step in range(steps - 1):  # forward every received block unchanged, like the engine
-            ring.exchange(bufs[step % 2], bufs[(step + 1) % 2], "fwd_kv", step).wait()
+        n = divisor_at_most(hs.stop - hs.start, pieces)
+        hj = (hs.stop - hs.start) // n
+        spec = KVSpec((b, hj, s, d), (b, hj, s, dv), k.dtype, k.device)
+        rot = Rotation(ring, status_buffers(codec, spec, n + 1), "fwd_kv")
+        for j in range(n):
+            rot.piece(j).zero_()
+            status.mark(rot.piece(j), BAD_INPUT)
+        for step in range(steps - 1):
+            for j in range(n):
+                rot.arrived(j, step)
+                rot.pass_on(j, step)
+            rot.advance()
+        rot.drain(steps)
         if status.read_in_forward:
             return  # the others raise at the end of this (first) forward ring

@@ -24,7 +24,7 @@ _SIGNATURE_FIELDS = (
     "k.shape[0]", "k.shape[1]", "k.shape[2]", "k.shape[3]",
     "v.shape[0]", "v.shape[1]", "v.shape[2]", "v.shape[3]",
     "q.dtype", "k.dtype", "v.dtype", "device type", "causal", "layout", "qkv_format", "comm_dtype",
-    "softmax_scale", "head_chunks", "cu_seqlens", "window", "comm_type", "dropout/softmax_offset",
+    "softmax_scale", "head_chunks", "cu_seqlens", "window", "comm_type", "dropout/softmax_offset/kv_pieces",
 )
 
 

@@ -1,4 +1,5 @@
 """The CUDA stream seam is driven the same way on CPU, and exchanges start before compute."""
+import pytest
 import torch
 
 import megatron_ring.engine as engine
@@ -23,51 +24,60 @@ class RecordingStream(SideStream):
         self.log.append(("join",))
 
 
-def _seam_worker(rank, world):
+def _seam_worker(rank, world, pieces):
     log = []
     ring = Ring(torch.distributed.group.WORLD, torch.device("cpu"))
     ring.stream = RecordingStream(log)
     kernel_calls = []
-    real_tasks = engine.RingPlan.tasks
+    real_fwd, real_bwd = engine.RingPlan.forward_block, engine.RingPlan.backward_block
+    launched = lambda: len([e for e in log if e[0] == "launch"])  # noqa: E731
 
-    def spy(self, step, s):
-        kernel_calls.append(("compute", step, len([e for e in log if e[0] == "launch"])))
-        return real_tasks(self, step, s)
-
-    real_bwd = engine.RingPlan.backward_block
+    def spy_fwd(self, task, q, k, v, step=None):
+        kernel_calls.append(("fwd kernel", step, launched()))
+        return real_fwd(self, task, q, k, v, step)
 
     def spy_bwd(self, *a, **kw):
-        kernel_calls.append(("bwd kernel", len([e for e in log if e[0] == "launch"])))
+        kernel_calls.append(("bwd kernel", None, launched()))
         return real_bwd(self, *a, **kw)
 
-    engine.RingPlan.tasks, engine.RingPlan.backward_block = spy, spy_bwd
+    engine.RingPlan.forward_block, engine.RingPlan.backward_block = spy_fwd, spy_bwd
     q = torch.randn(1, 8, 2, 8, requires_grad=True)
-    ring_attention(q, q, q, causal=True, ring=ring).sum().backward()
-    engine.RingPlan.tasks, engine.RingPlan.backward_block = real_tasks, real_bwd
+    try:
+        ring_attention(q, q, q, causal=True, ring=ring, kv_pieces=pieces).sum().backward()
+    finally:
+        engine.RingPlan.forward_block, engine.RingPlan.backward_block = real_fwd, real_bwd
     return log, kernel_calls
 
 
-def test_stream_seam_and_prefetch_order():
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_stream_seam_and_prefetch_order(pieces):
     world = 3
-    for rank, (log, calls) in enumerate(run_distributed(_seam_worker, world, timeout=120)):
+    for rank, (log, calls) in enumerate(run_distributed(_seam_worker, world, pieces, timeout=120)):
         launches = [e for e in log if e[0] == "launch"]
         joins = [e for e in log if e[0] == "join"]
-        # forward: P-1 K/V exchanges; backward: P-1 K/V + P-1 dK/dV exchanges + the final hop home in
-        # four messages (dK, dV of the lower then the upper half of the key rows); each joined once
-        assert len(launches) == (world - 1) + (world - 1) + (world - 1) + 4 == len(joins)
-        assert all(n == 2 for _, n in launches)  # send and receive buffers recorded on the stream
-        # forward step t computes after the exchange for step t+1 was launched (double buffering)
-        fwd = calls[:world]
-        assert [c[2] for c in fwd] == [1, 2, 2]
-        # the last step computes its upper key rows after the lower rows' hop home was launched: only
-        # the upper half's two messages are left in the open (zigzag: rank P-1's last visitor is rank
-        # 0's block, whose upper rows it does not see, so all four go after its one kernel call)
-        last_kernel = [c for c in calls if c[0] == "bwd kernel"][-1][1]
-        assert len(launches) - last_kernel == (2 if rank < world - 1 else 4)
+        # per piece: forward P-1 K/V exchanges; backward P-1 K/V and P dK/dV exchanges (the last one
+        # carries the piece home); each joined once
+        n = pieces
+        assert len(launches) == n * ((world - 1) + (world - 1) + world) == len(joins)
+        assert all(k == 2 for _, k in launches)  # send and receive buffers recorded on the stream
+        # forward piece j of step t computes after the exchange bringing that piece for step t+1 was
+        # launched (the chain: one exchange per piece, each before its piece's compute)
+        fwd = [c for c in calls if c[0] == "fwd kernel"]
+        firsts = {}
+        for _, step, seen in fwd:
+            firsts.setdefault(step, []).append(seen)
+        for step, seen in firsts.items():
+            expect = min((step + 1) * n, n * (world - 1))
+            assert max(seen) == expect and min(seen) >= min(step * n + 1, n * (world - 1)), (step, seen)
+        # the last step: every piece's hop home is launched right after its compute, so only the last
+        # piece's hop is left in the open
+        last_kernel = [c for c in calls if c[0] == "bwd kernel"][-1][2]
+        assert len(launches) - last_kernel == 1
 
 
 def test_loopback_ring_counts_bytes_like_the_real_one():
     ring = LoopbackRing(4, 1, torch.device("cpu"))
     q = torch.randn(1, 8, 2, 16)
     ring_attention(q, q, q, causal=True, ring=ring)
-    assert ring.bytes_sent["fwd_kv"] == 3 * (2 * q.numel() + 1) * 4  # K, V and the status element
+    # K, V and one status element per piece (2 K/V heads: 2 pieces)
+    assert ring.bytes_sent["fwd_kv"] == 3 * (2 * q.numel() + 2) * 4

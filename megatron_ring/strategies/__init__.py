@@ -102,7 +102,8 @@ def refuse_on_ring(plan: RingPlan, kh: torch.Tensor, vh: torch.Tensor, head_chun
     from ..ring_status import _refusal_ring  # noqa: PLC0415
 
     k_bshd, v_bshd = kh.transpose(1, 2), vh.transpose(1, 2)  # BHSD views -> the bshd shapes it expects
-    _refusal_ring(plan.ring, plan.codec, k_bshd, v_bshd, "bshd", head_chunks, plan.steps(kh.shape[2]))
+    _refusal_ring(plan.ring, plan.codec, k_bshd, v_bshd, "bshd", head_chunks, plan.steps(kh.shape[2]),
+                  plan.pieces)
 
 
 def mirror(comm_type: str, exc: BaseException, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -157,7 +157,8 @@ def run_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: Ring
     k_h, v_h = KVSeqToHead.apply(kh, vh, inner, a2a_codec, rep, plan)
     drop = plan.dropout.shifted(plan.dropout.head_offset + mine.start) if plan.dropout is not None else None
     heads_plan = RingPlan(ring=outer, layout=GroupedView(plan.layout, inner.world), causal=plan.causal,
-                          scale=plan.scale, kernel=plan.kernel, codec=ring_codec, mask=plan.mask, dropout=drop)
+                          scale=plan.scale, kernel=plan.kernel, codec=ring_codec, mask=plan.mask, dropout=drop,
+                          pieces=plan.pieces)
     out_h = outer_ring(q_h, k_h, v_h, heads_plan, head_groups(k_h.shape[1], head_chunks),
                        sink[mine] if sink is not None else None, plan)
     return HeadToSeq.apply(out_h, inner)

@@ -28,10 +28,12 @@ SLACK_S = float(os.environ.get("MN_EXIT_SLACK_S", "10"))  # shared 2-core machin
 BOUND_S = RING_TIMEOUT_S + SLACK_S
 assert BOUND_S < PG_TIMEOUT_S, "the bound must tell the ring timeout from the process-group timeout"
 STEPS = 3
-# CP = 4, 2 layers: 26 ring exchanges per training step: 6 forward, 20 backward (per layer 3 K/V, 3 dK/dV
-# and the final dK/dV hop home in 4 messages); step 2 = 27..52. FORWARD_STEP2: layer 0's forward ring
-# step 2; BACKWARD_STEP2: the first message of layer 1's final dK/dV hop.
-FORWARD_STEP2, BACKWARD_STEP2 = 29, 39
+# CP = 4, 2 layers, 2 K/V heads streamed in N = 2 pieces (rotation.piece_count on CPU): per layer the
+# forward ring makes 3 steps x N exchanges, the backward ring 3 x N K/V and 4 x N dK/dV (the last N carry
+# each piece home), so 20 N per training step; step 2 = 20 N + 1 .. 40 N. FORWARD_STEP2: layer 0's
+# forward ring step 2 (its first piece); BACKWARD_STEP2: the first piece of layer 1's final dK/dV hop.
+N = 2
+FORWARD_STEP2, BACKWARD_STEP2 = 20 * N + 2 * N + 1, 20 * N + 6 * N + 6 * N + 1
 
 
 def _run(hosts, out, fault, node_fault=None):

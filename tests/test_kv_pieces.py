@@ -1,0 +1,164 @@
+"""Sub-block streaming (``kv_pieces``): K/V and dK/dV travel in pieces of K/V heads through n + 1 slots.
+
+Every piece count must give the float64 reference's outputs and gradients (every layout, GQA, MLA
+head dims, batch > 1, bf16, documents + windows with a shortened ring, dropout), the returned dK/dV
+must be views of the travelling accumulator (no copy), and the piece count must be a function of
+shapes and device type only (every rank gets the same)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from feature_reference import feature_reference
+from megatron_ring import ring_attention, shard_sequence
+from megatron_ring.rotation import AUTO_PIECES_CPU, CUDA_MIN_TILES, divisor_at_most, piece_count, start_for
+
+# fp32 ring vs float64 reference: fp32 rounding only (a wrong piece, slot or hop: O(0.1..1) errors)
+TOL = {torch.float32: 5e-6, torch.bfloat16: 6e-2}
+
+
+def _max_err(got, ref, layout, dim=1):
+    return max((a.double() - shard_sequence(r, dim, layout=layout)).abs().max().item() for a, r in zip(got, ref))
+
+
+def _case(rank, world, *, layout, causal, pieces, b, h, h_kv, d, dv, dtype, fmt="bshd", cu=None, window=None,
+          dropout_p=0.0, seed=None, head_chunks=1):
+    g = torch.Generator().manual_seed(11)
+    S = 8 * world
+    shape = lambda hh, dd: (b, S, hh, dd)  # noqa: E731
+    q, k, v, dout = (torch.randn(*shape(*hd), generator=g, dtype=torch.float64)
+                     for hd in ((h, d), (h_kv, d), (h_kv, dv), (h, dv)))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = feature_reference(*leaves, causal=causal, cu=cu, window=window, dropout_p=dropout_p, seed=seed)
+    ref_out.backward(dout)
+    ref = [ref_out.detach()] + [t.grad for t in leaves]
+    if fmt == "thd":  # b == 1: [t, h, d]
+        local = [shard_sequence(t[0], 0, layout=layout).to(dtype).requires_grad_() for t in (q, k, v)]
+        ldout = shard_sequence(dout[0], 0, layout=layout).to(dtype)
+        ref = [r[0] for r in ref]
+        dim = 0
+    else:
+        local = [shard_sequence(t, 1, layout=layout).to(dtype).requires_grad_() for t in (q, k, v)]
+        ldout = shard_sequence(dout, 1, layout=layout).to(dtype)
+        dim = 1
+    out = ring_attention(*local, causal=causal, layout=layout, kv_pieces=pieces, qkv_format=fmt,
+                         cu_seqlens=torch.tensor(cu) if cu is not None else None, window=window,
+                         dropout_p=dropout_p, dropout_seed=seed, head_chunks=head_chunks)
+    out.backward(ldout)
+    got = [out.detach()] + [t.grad for t in local]
+    return _max_err(got, ref, layout, dim), got
+
+
+def _exact_worker(rank, world):
+    errs = {}
+    for layout, causal, pieces in itertools.product(("zigzag", "striped", "contiguous"), (True, False), (1, 2, 3, 4)):
+        for b, h, h_kv, d, dv, dtype in ((2, 8, 4, 16, 16, torch.float32), (1, 6, 6, 12, 8, torch.float32),
+                                         (1, 4, 4, 16, 16, torch.bfloat16)):
+            err, _ = _case(rank, world, layout=layout, causal=causal, pieces=pieces, b=b, h=h, h_kv=h_kv, d=d,
+                           dv=dv, dtype=dtype)
+            key = (layout, causal, pieces, b, h, h_kv, dv, str(dtype))
+            errs[key] = (err, TOL[dtype])
+    return errs
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_every_piece_count_is_exact(world):
+    """Pieces 1-4 (3 rounds down to a divisor of the K/V heads), GQA with batch 2, MLA head dims
+    (d_v != d_qk), bf16; every layout, causal and not; outputs and all three gradients."""
+    for per_rank in run_distributed(_exact_worker, world, timeout=600):
+        bad = {k: v for k, v in per_rank.items() if v[0] > v[1]}
+        assert not bad, bad
+
+
+def _masks_worker(rank, world):
+    S = 8 * world
+    errs = []
+    cu = [0, 5, 5 + 3 * world, S - 2, S]
+    for layout, pieces, window in itertools.product(("zigzag", "contiguous"), (1, 2, 4), ((3, -1), (-1, -1))):
+        err, _ = _case(rank, world, layout=layout, causal=True, pieces=pieces, b=1, h=4, h_kv=4, d=8, dv=8,
+                       dtype=torch.float32, fmt="thd", cu=cu, window=None if window == (-1, -1) else window)
+        errs.append(((layout, pieces, window), err))
+    # a window that shortens the ring (contiguous: only the previous rank's keys are in reach)
+    for pieces in (1, 2, 4):
+        err, _ = _case(rank, world, layout="contiguous", causal=True, pieces=pieces, b=1, h=4, h_kv=4, d=8, dv=8,
+                       dtype=torch.float32, window=(5, -1))
+        errs.append((("contiguous short ring", pieces), err))
+    return errs
+
+
+def test_pieces_with_documents_windows_and_a_shortened_ring():
+    for per_rank in run_distributed(_masks_worker, 4, timeout=600):
+        bad = [(k, e) for k, e in per_rank if e > 5e-6]
+        assert not bad, bad
+
+
+def _dropout_worker(rank, world):
+    res = {}
+    for pieces in (1, 2, 4):
+        err, got = _case(rank, world, layout="zigzag", causal=True, pieces=pieces, b=1, h=8, h_kv=4, d=8, dv=8,
+                         dtype=torch.float32, dropout_p=0.3, seed=1234, head_chunks=2 if pieces == 4 else 1)
+        res[pieces] = (err, got)
+    base = res[1][1]
+    same = max(max((a - b).abs().max().item() for a, b in zip(base, r[1])) for r in res.values())
+    return max(r[0] for r in res.values()), same
+
+
+def test_dropout_does_not_depend_on_pieces():
+    """Position-keyed dropout is the same decision whatever the pieces (and head chunks): the results
+    match the reference and each other."""
+    for err, same in run_distributed(_dropout_worker, 3, timeout=600):
+        assert err < 5e-6 and same < 1e-6, (err, same)
+
+
+def _views_worker(rank, world):
+    from megatron_ring.comm import Ring
+    from megatron_ring.engine import RingPlan, ring_backward, ring_forward
+    from megatron_ring.codec import make_codec
+    from megatron_ring.kernels import select_kernel
+    from megatron_ring.layouts import get_layout
+
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    ring = Ring(torch.distributed.group.WORLD, q.device)
+    plan = RingPlan(ring=ring, layout=get_layout("zigzag"), causal=True, scale=0.25,
+                    kernel=select_kernel(q, "auto"), codec=make_codec(None, q.dtype), pieces=4)
+    out, lse = ring_forward(q, k, v, plan)
+    dq, dk, dv = ring_backward(torch.randn_like(out), q, k, v, out, lse, plan)
+    return dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr(), dk.shape == k.shape
+
+
+def test_returned_dk_dv_are_views_of_the_accumulator():
+    """After P hops the pieces sit in slots 0..n-1 in order: dK and dV are views, never copies."""
+    for shared, shaped in run_distributed(_views_worker, 3, timeout=120):
+        assert shared and shaped
+
+
+def test_piece_count_rules(monkeypatch):
+    monkeypatch.delenv("MEGATRON_RING_KV_PIECES", raising=False)
+    assert piece_count(1, 32, 8, 2048, "cpu") == min(8, AUTO_PIECES_CPU)
+    assert piece_count(1, 32, 16, 2048, "cpu") == AUTO_PIECES_CPU
+    assert piece_count(1, 8, 1, 2048, "cpu") == 1  # MQA: one K/V head, one piece
+    # CUDA: at least CUDA_MIN_TILES (query head x 128 rows) tiles per piece
+    assert piece_count(1, 32, 8, 2048, "cuda") == 1  # 32 * 16 = 512 tiles: one piece
+    assert piece_count(1, 32, 8, 16384, "cuda") == (32 * 128) // CUDA_MIN_TILES
+    assert piece_count(1, 32, 8, 2048, "cpu", requested=3) == 3  # the engine rounds down to a divisor
+    assert divisor_at_most(8, 3) == 2 and divisor_at_most(6, 4) == 3 and divisor_at_most(5, 4) == 1
+    monkeypatch.setenv("MEGATRON_RING_KV_PIECES", "2")
+    assert piece_count(1, 32, 8, 2048, "cpu") == 2
+    monkeypatch.setenv("MEGATRON_RING_KV_PIECES", "two")
+    with pytest.raises(ValueError, match="MEGATRON_RING_KV_PIECES"):
+        piece_count(1, 32, 8, 2048, "cpu")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="kv_pieces"):
+            piece_count(1, 32, 8, 2048, "cpu", requested=bad)
+    # the slots start so that after `steps` rotations the pieces are in slots 0..n-1
+    for n, steps in itertools.product((1, 2, 4, 8), (1, 2, 3, 4, 7)):
+        assert (start_for(n, steps) - steps) % (n + 1) == 0
+
+
+def test_bad_kv_pieces_names_the_argument():
+    q = torch.randn(1, 8, 2, 8)
+    with pytest.raises(ValueError, match="kv_pieces"):
+        ring_attention(q, q, q, kv_pieces=0)
