@@ -91,7 +91,7 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         modes.append(("compute-only", LoopbackRing(world, rank, q.device)))
     for mode, ring in modes:
         kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], ring=ring,
-                  head_chunks=cfg["head_chunks"])
+                  head_chunks=cfg["head_chunks"], kv_pieces=cfg.get("kv_pieces"))
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
         def fwd():
@@ -165,8 +165,9 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                                             env=_ENV)[0]["fwd_bwd"])
     for world in cfg["world_sizes"]:
         single = run_on_ranks(_single_worker, 1, cfg, threads_per_rank=world, timeout=cfg["timeout"], env=_ENV)[0]
-        for comm, chunks in itertools.product(cfg["comm_dtypes"], cfg["head_chunks_list"]):
-            c = dict(cfg, comm_dtype=None if comm == "none" else comm, head_chunks=chunks)
+        for comm, chunks, pieces in itertools.product(cfg["comm_dtypes"], cfg["head_chunks_list"],
+                                                      cfg.get("kv_pieces_list", [None])):
+            c = dict(cfg, comm_dtype=None if comm == "none" else comm, head_chunks=chunks, kv_pieces=pieces)
             per_rank = run_on_ranks(_ring_worker, world, c, timeout=cfg["timeout"], env=_ENV)
             s = cfg["seq"] // world
             dtype = getattr(torch, DTYPES[cfg["dtype"]])
@@ -177,6 +178,7 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 "P": world, "seq": cfg["seq"], "heads": cfg["heads"], "kv_heads": cfg["kv_heads"],
                 "head_dim": cfg["head_dim"], "dtype": cfg["dtype"], "layout": cfg["layout"],
                 "causal": cfg["causal"], "comm_dtype": comm, "head_chunks": chunks,
+                "kv_pieces": "auto" if pieces is None else pieces,
                 "ring_fwd_s": _slowest_rank_medians(per_rank, "ring", "fwd"),
                 "ring_fwd_bwd_s": _slowest_rank_medians(per_rank, "ring", "fwd_bwd"),
                 "single_fwd_s": statistics.median(single["fwd"]),
@@ -206,7 +208,7 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 _ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks via mmap: freed memory leaves RSS at once
 
-_COLUMNS = [("P", "P", "{}"), ("comm_dtype", "wire", "{}"), ("head_chunks", "chunks", "{}"),
+_COLUMNS = [("P", "P", "{}"), ("comm_dtype", "wire", "{}"), ("head_chunks", "chunks", "{}"), ("kv_pieces", "pieces", "{}"),
             ("ring_fwd_s", "ring fwd s", "{:.3f}"),
             ("ring_fwd_bwd_s", "ring f+b s", "{:.3f}"), ("single_fwd_bwd_s", "1proc f+b s", "{:.3f}"),
             ("efficiency_fwd_bwd", "efficiency", "{:.2f}"), ("single_1thread_fwd_bwd_s", "T1 f+b s", "{:.3f}"),
@@ -238,13 +240,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
-    for comm, chunks in sorted({(r["comm_dtype"], r["head_chunks"]) for r in rows}):
-        sub = [r for r in rows if (r["comm_dtype"], r["head_chunks"]) == (comm, chunks)]
+    variant = lambda r: (r["comm_dtype"], r["head_chunks"], str(r.get("kv_pieces", "auto")))  # noqa: E731
+    for comm, chunks, pieces in sorted({variant(r) for r in rows}):
+        sub = [r for r in rows if variant(r) == (comm, chunks, pieces)]
         ps = [r["P"] for r in sub]
-        label = f"ring (wire {comm}" + (f", {chunks} head chunks)" if chunks > 1 else ")")
+        label = (f"ring (wire {comm}" + (f", {chunks} head chunks" if chunks > 1 else "")
+                 + (f", {pieces} pieces)" if pieces != "auto" else ")"))
         ax_t.plot(ps, [r["ring_fwd_bwd_s"] for r in sub], "o-", label=label)
         ax_m.plot(ps, [r["ring_peak_mib_per_rank"] for r in sub], "o-", label=label)
-    first = [r for r in rows if (r["comm_dtype"], r["head_chunks"]) == (rows[0]["comm_dtype"], rows[0]["head_chunks"])]
+    first = [r for r in rows if variant(r) == variant(rows[0])]
     ax_t.plot([r["P"] for r in first], [r["single_fwd_bwd_s"] for r in first], "s--", label="1 process, P threads")
     ax_m.plot([r["P"] for r in first], [r["single_peak_mib"] for r in first], "s--", label="1 process")
     r0 = rows[0]
@@ -276,6 +280,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="wire dtype(s) for K/V")
     ap.add_argument("--head-chunks", type=int, nargs="+", default=[1],
                     help="run the ring over this many groups of K/V heads in turn (one row per value)")
+    ap.add_argument("--kv-pieces", nargs="+", default=["auto"],
+                    help="K/V pieces per ring step (sub-block streaming; 'auto' = the default; one row per value)")
     ap.add_argument("--comm-type", nargs="+", default=None,
                     choices=["p2p", "all_gather", "a2a", "a2a+p2p", "auto"],
                     help="compare these comm types side by side instead (see megatron_ring/bench_strategies.py)")
@@ -335,6 +341,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cfg = dict(world_sizes=a.world_sizes, seq=a.seq, batch=a.batch, heads=a.heads,
                kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, dtype=a.dtype, layout=a.layout,
                causal=a.causal, comm_dtypes=a.comm_dtype, head_chunks_list=a.head_chunks, iters=a.iters,
+               kv_pieces_list=[None if p == "auto" else int(p) for p in a.kv_pieces],
                timeout=a.timeout, limit=not a.no_limit)
     print(f"# S={a.seq} B={a.batch} H={a.heads} H_kv={cfg['kv_heads']} D={a.head_dim} {a.dtype} "
           f"{a.layout} causal={a.causal}; ring: P processes x 1 thread; 1proc: 1 process x P threads; "
