@@ -22,7 +22,7 @@ class BufferPool:
     """Free tensors by ``(numel, dtype, device)``; at most ``per_key`` of each and ``keys`` sizes kept
     (least recently used sizes are dropped first)."""
 
-    def __init__(self, per_key: int = 4, keys: int = 8) -> None:
+    def __init__(self, per_key: int = 16, keys: int = 8) -> None:  # per_key: a ring's n + 1 piece slots
         self.per_key, self.keys = per_key, keys
         self._free: "OrderedDict[tuple, list[torch.Tensor]]" = OrderedDict()
 

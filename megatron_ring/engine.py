@@ -5,19 +5,18 @@ computes, with which mask), the wire codec (how K/V are packed), the block kerne
 (a process group, or a loopback for compute-only timing). Tensors are BHSD views:
 ``q [b, h, s, d]``, ``k, v [b, h_kv, s, d]`` where ``s`` is the local length.
 
-Forward, at step t rank r holds the K/V block of rank ``src = (r - t) mod P``. The exchange that brings
-step t+1's block is started before step t's compute (double buffering), so it overlaps compute. Partial
-results are merged in fp32 by log-sum-exp (:mod:`.merge`).
+Forward, at step t rank r holds the K/V block of rank ``src = (r - t) mod P``. The block travels in
+pieces of K/V heads through n + 1 slots (:mod:`.rotation`): the exchange bringing piece j of step t+1's
+block starts before piece j of step t computes, so it overlaps that compute. Partial results are merged
+in fp32 by log-sum-exp (:mod:`.merge`).
 
-Backward, K/V travel the same way and are prefetched likewise; next to them travels an fp32 dK/dV
-accumulator for the visiting block. Each rank adds its contribution and passes it on; after P steps plus
-one final hop the accumulator of every block is back on its owner. The accumulator hop of step t runs
-while step t+1 computes. Nothing computes after the last step, so that step goes in two pieces of key
-rows: the first piece's rows travel home while the second piece computes, and only half of the final
-hop is left in the open (:func:`_home_pieces`).
+Backward, K/V travel the same way; next to them travels the fp32 dK/dV accumulator of the visiting
+block, in the same pieces. Each rank adds its contribution to a piece and passes it on while the next
+piece computes; after P hops every piece is back on its owner, in slots that make the returned dK/dV
+views of the accumulator (:class:`_Accumulators`). Only the last piece's hop home is left in the open.
 
-Wire and accumulator buffers come from :data:`~megatron_ring.buffers.POOL` and go back to it after the
-ring, so steps and calls reuse the same memory (no fresh pages per call on CPU).
+K/V slots come from :data:`~megatron_ring.buffers.POOL` and go back to it after the ring, so steps and
+calls reuse the same memory (no fresh pages per call on CPU).
 """
 from __future__ import annotations
 

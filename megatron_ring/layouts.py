@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockTask", "Layout", "get_layout", "LAYOUTS", "split_kv"]
+__all__ = ["BlockTask", "Layout", "get_layout", "LAYOUTS"]
 
 
 @dataclass(frozen=True)
@@ -31,22 +31,6 @@ class BlockTask:
     q: slice
     kv: slice
     causal: bool
-
-
-def split_kv(task: BlockTask, at: int) -> tuple[BlockTask | None, BlockTask | None]:
-    """``task`` cut at key row ``at``: the part on keys ``< at`` and the part on keys ``>= at`` (None
-    when empty). Exact for full and top-left causal tasks: query row i of a causal task sees keys
-    ``kv.start .. kv.start + i``, so the upper part starts ``at - kv.start`` query rows later."""
-    a, b = task.kv.start, task.kv.stop
-    if b <= at:
-        return task, None
-    if a >= at:
-        return None, task
-    lo = BlockTask(task.q, slice(a, at), task.causal)
-    if not task.causal:
-        return lo, BlockTask(task.q, slice(at, b), False)
-    first = task.q.start + (at - a)
-    return lo, (BlockTask(slice(first, task.q.stop), slice(at, b), True) if first < task.q.stop else None)
 
 
 def _all(n: int) -> slice:

@@ -39,7 +39,7 @@ class RingInputError(ValueError):
     """Another rank of the ring rejected its input; it raised the detailed error."""
 
 
-def status_buffers(codec: KVCodec, spec: KVSpec, count: int = 2) -> list[torch.Tensor]:
+def status_buffers(codec: KVCodec, spec: KVSpec, count: int) -> list[torch.Tensor]:
     """``count`` wire buffers with one status element after the codec's payload."""
     proto = codec.new_buffer(dataclasses.replace(spec, device=torch.device("meta")))
     return [POOL.take(proto.numel() + 1, proto.dtype, spec.device) for _ in range(count)]

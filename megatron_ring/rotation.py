@@ -51,13 +51,12 @@ def piece_count(b: int, h: int, h_kv: int, s: int, device_type: str, requested: 
 
 
 def _positive(value, name: str) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = 0
-    if isinstance(value, bool) or n < 1 or (not isinstance(value, str) and n != value):
+    """``value`` (an int, or the text of one) if it is a positive integer, else a ValueError naming ``name``."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer (K/V pieces per ring step), got {value!r}")
-    return n
+    return value
 
 
 def divisor_at_most(h: int, n: int) -> int:
@@ -107,11 +106,9 @@ class Rotation:
         self.incoming = [None] * self.n
 
     def drain(self, step: int) -> None:
-        """Wait for every exchange in flight (the ring is over)."""
-        for ex in (*self.arriving, *self.incoming, self.last):
-            wait(ex, step)
-        self.arriving = [None] * self.n
-        self.incoming = [None] * self.n
+        """Wait for what is in flight (the ring is over): only the chain's newest exchange can be, as each
+        one is started after its predecessor finished."""
+        wait(self.last, step)
         self.last = None
 
 

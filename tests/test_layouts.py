@@ -61,26 +61,3 @@ def test_bad_layout_and_lengths():
     with pytest.raises(ValueError, match="divisible by 8"):
         get_layout("zigzag").check_global_len(12, 4)
     get_layout("striped").check_local_len(7, 4)
-
-
-def test_split_kv_keeps_every_visible_pair_once():
-    """The last backward step is cut at a key row: the two parts see exactly the pairs of the task."""
-    from megatron_ring.layouts import BlockTask, split_kv
-
-    def pairs(t):
-        i, j = torch.arange(t.q.start, t.q.stop)[:, None], torch.arange(t.kv.start, t.kv.stop)[None, :]
-        vis = torch.ones(len(i), j.shape[1], dtype=torch.bool)
-        if t.causal:  # top-left: query row r of the task sees key columns 0..r
-            vis &= (j - t.kv.start) <= (i - t.q.start)
-        return {(int(a), int(b)) for a, b in zip(*[x.flatten() for x in torch.broadcast_tensors(i, j)])
-                if vis[int(a) - t.q.start, int(b) - t.kv.start]}
-
-    for causal in (False, True):
-        for qa, ka, n in ((0, 0, 8), (4, 0, 4), (2, 3, 5)):
-            t = BlockTask(slice(qa, qa + n), slice(ka, ka + n), causal)
-            for at in range(0, ka + n + 2):
-                lo, hi = split_kv(t, at)
-                got = [p for part in (lo, hi) if part is not None for p in pairs(part)]
-                assert len(got) == len(set(got)) and set(got) == pairs(t), (t, at)
-                assert lo is None or lo.kv.stop <= at
-                assert hi is None or hi.kv.start >= at

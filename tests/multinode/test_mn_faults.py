@@ -18,6 +18,7 @@ import re
 import pytest
 
 import cluster
+from megatron_ring.rotation import AUTO_PIECES_CPU, divisor_at_most
 from mn_report import REPORT
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ STEPS = 3
 # forward ring makes 3 steps x N exchanges, the backward ring 3 x N K/V and 4 x N dK/dV (the last N carry
 # each piece home), so 20 N per training step; step 2 = 20 N + 1 .. 40 N. FORWARD_STEP2: layer 0's
 # forward ring step 2 (its first piece); BACKWARD_STEP2: the first piece of layer 1's final dK/dV hop.
-N = 2
+N = divisor_at_most(2, AUTO_PIECES_CPU)  # --num-query-groups 2 (cluster.SMALL_MODEL)
 FORWARD_STEP2, BACKWARD_STEP2 = 20 * N + 2 * N + 1, 20 * N + 6 * N + 6 * N + 1
 
 
