@@ -133,18 +133,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     except ValueError as exc:
         codec, codec_error = None, exc
     wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
+    pieces_asked = (kv_pieces, os.environ.get("MEGATRON_RING_KV_PIECES", ""))  # every rank must agree on both
     if ring.world > 1 and ring.group is not None and check_consistency:
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
                              comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks,
                              cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
-                             extras=(dropout_p, dropout_seed, _offset_kind(softmax_offset),
-                                     kv_pieces, os.environ.get("MEGATRON_RING_KV_PIECES", "")))
+                             extras=(dropout_p, dropout_seed, _offset_kind(softmax_offset), *pieces_asked))
         check_same_across_ranks(sig, ring.group, q.device, {"comm_type": comm_type,
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
             "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name,
             "cu_seqlens": cu_seqlens, "window": window,
-            "dropout/softmax_offset/kv_pieces": (dropout_p, dropout_seed, _offset_kind(softmax_offset), kv_pieces,
-                                                 os.environ.get("MEGATRON_RING_KV_PIECES", ""))})
+            "dropout/softmax_offset/kv_pieces": (dropout_p, dropout_seed, _offset_kind(softmax_offset),
+                                                 *pieces_asked)})
     if codec_error is not None:
         raise codec_error
     thd = qkv_format == "thd"
