@@ -108,8 +108,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             accumulator) in this many pieces of K/V heads through ``kv_pieces + 1`` piece buffers, so a
             block in flight costs ``(n+1)/n`` blocks instead of two (lower peak memory; same bytes, same
             compute, more and smaller kernel calls). Rounded down to a divisor of the K/V heads. Default
-            (None): ``MEGATRON_RING_KV_PIECES`` if set, else automatic (up to 8 on CPU; on CUDA as many
-            as keep each piece's kernel calls large, see ``rotation.piece_count``).
+            (None): ``MEGATRON_RING_KV_PIECES`` if set, else automatic: as many as keep each piece's
+            work large (on CPU up to 8; see ``rotation.piece_count``).
         ring: advanced: a prepared :class:`~megatron_ring.comm.Ring` (e.g. ``LoopbackRing`` for
             compute-only timing); overrides ``group``.
         comm_type: the exchange: "p2p" (the ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
@@ -217,7 +217,7 @@ def _pieces(requested: Any, q: torch.Tensor, k: torch.Tensor, s_dim: int) -> int
     if q.ndim != 4 or k.ndim != 4:
         return 1
     b = q.shape[1 - s_dim]
-    return piece_count(b, q.shape[2], k.shape[2], q.shape[s_dim], q.device.type, requested)
+    return piece_count(b, q.shape[2], k.shape[2], q.shape[s_dim], q.shape[3], q.device.type, requested)
 
 
 def _offset_kind(offset: Any) -> Any:

@@ -30,7 +30,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
     dout = torch.randn_like(q)
     ring = Ring(dist.group.WORLD, q.device)
-    kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], ring=ring)
+    kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], ring=ring,
+              kv_pieces=cfg.get("kv_pieces"))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ring_attention(*leaves, **kw).backward(dout)  # warm-up
     calls = []
@@ -57,14 +58,15 @@ def run_breakdown(cfg: dict[str, Any], world: int) -> dict[str, Any]:
     slow_wait = {k: statistics.median(max(r["calls"][i]["parts"].get(k, 0.0) for r in per_rank)
                                       for i in range(n)) for k in keys if k.endswith("|wait")}
     total = statistics.median(max(r["calls"][i]["total"] for r in per_rank) for i in range(n))
-    return {"P": world, "total_s": total, "mean": mean, "slowest_wait": slow_wait}
+    return {"P": world, "kv_pieces": cfg.get("kv_pieces") or "auto", "total_s": total, "mean": mean,
+            "slowest_wait": slow_wait}
 
 
 def format_breakdown(res: dict[str, Any]) -> str:
     mean = res["mean"]
     steps = sorted({(k.split("|")[0], int(k.split("|")[1])) for k in mean}, key=lambda x: (x[0] != "fwd", x[1]))
     head = f"{'phase':>5} {'step':>4} | " + " | ".join(f"{c:>8}" for c in CATEGORIES) + f" | {'max wait':>8}"
-    lines = [f"# P={res['P']}: fwd+bwd {res['total_s']:.3f} s (slowest rank, median); seconds per step, mean over "
+    lines = [f"# P={res['P']}, kv_pieces={res.get('kv_pieces', 'auto')}: fwd+bwd {res['total_s']:.3f} s (slowest rank, median); seconds per step, mean over "
              "ranks (max wait: slowest rank)", head, "-" * len(head)]
     sums = {c: 0.0 for c in CATEGORIES}
     for phase, step in steps:

@@ -9,6 +9,15 @@ iteration, the slowest rank (after a barrier): the forward, and forward+backward
 * ``ring``: ring attention over the P processes;
 * ``compute-only``: the identical schedule with every exchange replaced by a local copy (same processes),
   so ``overlap overhead = ring / compute-only - 1`` is the cost of communication that was not hidden;
+* ``split`` (when P divides the head counts): each rank runs one-thread SDPA over ``H / P`` heads of the
+  WHOLE sequence, side by side -- the work split P ways with no communication and nothing redundant, on
+  the same processes and cores as the ring, so it also pays what running P processes together costs the
+  machine (shared caches, memory bandwidth, oversubscribed cores). ``split eff = split / ring`` is the
+  ring's parallel efficiency against that ideal (1.0: the ring costs nothing over the ideal split);
+
+the modes take turns every iteration (rotating order), and the ratios ``overlap overhead`` and ``split
+eff`` are medians over iterations of the ratio within each iteration, so a load that drifts during a
+run moves both sides alike;
 
 and in one process with P threads, torch's ``scaled_dot_product_attention`` on the full sequence
 (``single``). ``efficiency = single / ring`` (1.0: perfect scaling). The compute limit is measured too:
@@ -85,36 +94,67 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
     q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
     dout = torch.randn_like(q)
-    results: dict[str, Any] = {}
-    modes = [("ring", Ring(dist.group.WORLD, q.device))]
+    modes: dict[str, tuple[Any, Any]] = {}  # mode -> (fwd, fwd_bwd)
+    rings = {"ring": Ring(dist.group.WORLD, q.device)}
     if world > 1:
-        modes.append(("compute-only", LoopbackRing(world, rank, q.device)))
-    for mode, ring in modes:
+        rings["compute-only"] = LoopbackRing(world, rank, q.device)
+    for mode, ring in rings.items():
         kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], ring=ring,
                   head_chunks=cfg["head_chunks"], kv_pieces=cfg.get("kv_pieces"))
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-
-        def fwd():
-            with torch.no_grad():
-                ring_attention(q, k, v, **kw)
-
-        def fwd_bwd():
-            ring_attention(*leaves, **kw).backward(dout)
-
-        sync = dist.barrier
-        fwd_bwd()  # warm-up (also runs the one-off consistency check)
-        before = dict(ring.bytes_sent)
-        tf = _timed(fwd, cfg["iters"], sync)
-        tfb = _timed(fwd_bwd, cfg["iters"], sync)
-        sent = {ch: n_bytes - before.get(ch, 0) for ch, n_bytes in ring.bytes_sent.items()}
-        n = cfg["iters"]
-        results[mode] = {
-            "fwd": tf, "fwd_bwd": tfb,
-            "bytes_fwd": (sent.get("fwd_kv", 0)) / (2 * n),  # fwd ran in both loops
-            "bytes_bwd": (sent.get("bwd_kv", 0) + sent.get("bwd_dkv", 0)) / n,
-        }
-    results["peak_mib"] = _peak_mib() - base
+        modes[mode] = (lambda kw=kw: _no_grad(ring_attention, q, k, v, **kw),
+                       lambda kw=kw, leaves=leaves: ring_attention(*leaves, **kw).backward(dout))
+        modes[mode][1]()  # warm-up (also runs the one-off consistency check)
+    results: dict[str, Any] = {"peak_mib": _peak_mib() - base}  # before the head-split tensors exist
+    if world > 1 and cfg["heads"] % world == 0 and cfg["kv_heads"] % world == 0:
+        modes["split"] = _head_split(cfg, world, dtype, g)
+        modes["split"][1]()
+    before = dict(rings["ring"].bytes_sent)
+    times = _interleaved(modes, cfg["iters"], dist.barrier)
+    sent = {ch: n_bytes - before.get(ch, 0) for ch, n_bytes in rings["ring"].bytes_sent.items()}
+    n = cfg["iters"]
+    for mode in modes:
+        results[mode] = {"fwd": times[mode, 0], "fwd_bwd": times[mode, 1]}
+    results["ring"].update(bytes_fwd=sent.get("fwd_kv", 0) / (2 * n),  # fwd ran in both loops
+                           bytes_bwd=(sent.get("bwd_kv", 0) + sent.get("bwd_dkv", 0)) / n)
     return results
+
+
+def _no_grad(fn, *args, **kwargs) -> None:
+    import torch
+
+    with torch.no_grad():
+        fn(*args, **kwargs)
+
+
+def _head_split(cfg: dict[str, Any], world: int, dtype, g) -> tuple[Any, Any]:
+    """This rank's share of a head-parallel split: one-thread SDPA over ``H / P`` heads of the WHOLE
+    sequence. No communication and no redundant work: P ranks running it side by side is the best any
+    split of the problem can do on these cores (the cores' sharing costs included)."""
+    import torch
+    import torch.nn.functional as F
+
+    mk = lambda h: torch.randn(cfg["batch"], cfg["seq"], h // world, cfg["head_dim"],  # noqa: E731
+                               generator=g).to(dtype).transpose(1, 2)
+    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kw = dict(is_causal=cfg["causal"], enable_gqa=cfg["heads"] != cfg["kv_heads"])
+    return (lambda: _no_grad(F.scaled_dot_product_attention, q, k, v, **kw),
+            lambda: F.scaled_dot_product_attention(*leaves, **kw).backward(dout))
+
+
+def _interleaved(modes: dict[str, tuple[Any, Any]], iters: int, sync) -> dict[tuple[str, int], list[float]]:
+    """Per iteration every mode's forward, then every mode's forward+backward, in an order that rotates
+    each iteration, each after ``sync()``: the modes see the same machine (its load drifts over a run)."""
+    names = list(modes)
+    times: dict[tuple[str, int], list[float]] = {(m, i): [] for m in names for i in (0, 1)}
+    for it in range(iters):
+        order = names[it % len(names):] + names[:it % len(names)]
+        for i in (0, 1):
+            for m in order:
+                times[m, i] += _timed(modes[m][i], 1, sync)
+    return times
 
 
 def _single_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +190,13 @@ def _slowest_rank_medians(per_rank: list[dict[str, Any]], mode: str, key: str) -
     """Median over iterations of the slowest rank's time."""
     iters = zip(*(r[mode][key] for r in per_rank))
     return statistics.median(max(t) for t in iters)
+
+
+def _median_ratio(per_rank: list[dict[str, Any]], num: str, den: str, key: str = "fwd_bwd") -> float:
+    """Median over iterations of (slowest rank's ``num`` time) / (slowest rank's ``den`` time), each
+    iteration's pair measured back to back."""
+    slowest = lambda mode: [max(t) for t in zip(*(r[mode][key] for r in per_rank))]  # noqa: E731
+    return statistics.median(a / b for a, b in zip(slowest(num), slowest(den)))
 
 
 def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -199,8 +246,11 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
             if world > 1:
                 row["compute_only_fwd_s"] = _slowest_rank_medians(per_rank, "compute-only", "fwd")
                 row["compute_only_fwd_bwd_s"] = _slowest_rank_medians(per_rank, "compute-only", "fwd_bwd")
-                row["overlap_overhead_fwd"] = row["ring_fwd_s"] / row["compute_only_fwd_s"] - 1
-                row["overlap_overhead_fwd_bwd"] = row["ring_fwd_bwd_s"] / row["compute_only_fwd_bwd_s"] - 1
+                row["overlap_overhead_fwd"] = _median_ratio(per_rank, "ring", "compute-only", "fwd") - 1
+                row["overlap_overhead_fwd_bwd"] = _median_ratio(per_rank, "ring", "compute-only") - 1
+            if "split" in per_rank[0]:
+                row["split_fwd_bwd_s"] = _slowest_rank_medians(per_rank, "split", "fwd_bwd")
+                row["split_efficiency"] = _median_ratio(per_rank, "split", "ring")
             rows.append(row)
             print(_format_row(row), flush=True)
     return rows
@@ -214,7 +264,8 @@ _COLUMNS = [("P", "P", "{}"), ("comm_dtype", "wire", "{}"), ("head_chunks", "chu
             ("efficiency_fwd_bwd", "efficiency", "{:.2f}"), ("single_1thread_fwd_bwd_s", "T1 f+b s", "{:.3f}"),
             ("limit_fwd_bwd_s", "limit s", "{:.3f}"), ("ring_over_limit", "ring/limit", "{:.3f}"),
             ("compute_only_fwd_bwd_s", "comp-only f+b s", "{:.3f}"),
-            ("overlap_overhead_fwd_bwd", "overlap ovh", "{:+.1%}"), ("ring_peak_mib_per_rank", "ring MiB/rank", "{:.0f}"),
+            ("overlap_overhead_fwd_bwd", "overlap ovh", "{:+.1%}"),
+            ("split_fwd_bwd_s", "split f+b s", "{:.3f}"), ("split_efficiency", "split eff", "{:.3f}"), ("ring_peak_mib_per_rank", "ring MiB/rank", "{:.0f}"),
             ("single_peak_mib", "1proc MiB", "{:.0f}"), ("mem_ratio", "mem ratio", "{:.2f}"),
             ("kv_bytes_per_step", "KV B/step", "{:,}"),
             ("bytes_fwd_per_rank", "fwd B/rank", "{:,.0f}"), ("bytes_bwd_per_rank", "bwd B/rank", "{:,.0f}")]
@@ -370,8 +421,8 @@ def _breakdown_main(a) -> list[dict[str, Any]]:
     print(f"# breakdown: S={a.seq} B={a.batch} H={a.heads} D={a.head_dim} {a.dtype} {a.layout} causal={a.causal} "
           f"wire={a.comm_dtype[0]}; P processes x 1 thread; {a.iters} calls", flush=True)
     rows = []
-    for world in a.world_sizes:
-        res = bb.run_breakdown(cfg, world)
+    for world, pieces in itertools.product(a.world_sizes, a.kv_pieces):
+        res = bb.run_breakdown(dict(cfg, kv_pieces=None if pieces == "auto" else int(pieces)), world)
         print(bb.format_breakdown(res), flush=True)
         rows.append(res)
     if a.json:

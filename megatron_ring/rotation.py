@@ -22,21 +22,27 @@ import torch
 from . import breakdown
 from .comm import Exchange, Ring
 
-__all__ = ["Rotation", "start_for", "piece_count", "AUTO_PIECES_CPU", "CUDA_MIN_TILES"]
+__all__ = ["Rotation", "start_for", "piece_count", "AUTO_PIECES_CPU", "CPU_MIN_PIECE_WORK", "CUDA_MIN_TILES"]
 
-#: automatic pieces on CPU: at most this many (one thread per rank does not care about call sizes)
+#: automatic pieces on CPU: at most this many
 AUTO_PIECES_CPU = 8
+#: on CPU a piece keeps at least this much work per ring step (query rows x key rows x head dim x query
+#: heads, about 40 ms of one core): every piece costs a rendezvous with both neighbours (about 2 ms on
+#: gloo over loopback, measured), which small pieces would not hide
+CPU_MIN_PIECE_WORK = 2**28
 #: on CUDA a piece keeps at least this many (query head x 128-row) kernel tiles (about four waves
 #: of a 132-SM GPU), so pieces never starve the device
 CUDA_MIN_TILES = 528
 
 
-def piece_count(b: int, h: int, h_kv: int, s: int, device_type: str, requested: int | None = None) -> int:
-    """The most pieces a ring over ``[b, h_kv, s, .]`` K/V may stream a block in (the engine uses the
-    largest divisor of the head count it sees that is not above it).
+def piece_count(b: int, h: int, h_kv: int, s: int, d: int, device_type: str, requested: int | None = None) -> int:
+    """The most pieces a ring over ``[b, h_kv, s, d]`` K/V (``h`` query heads, ``s`` the local length)
+    may stream a block in (the engine uses the largest divisor of the head count it sees that is not
+    above it).
 
-    ``requested`` (or ``MEGATRON_RING_KV_PIECES``): that many at most. Automatic: up to
-    :data:`AUTO_PIECES_CPU` on CPU; on CUDA as many as keep :data:`CUDA_MIN_TILES` tiles per piece.
+    ``requested`` (or ``MEGATRON_RING_KV_PIECES``): that many at most. Automatic: on CPU up to
+    :data:`AUTO_PIECES_CPU`, as many as keep :data:`CPU_MIN_PIECE_WORK` per piece; on CUDA as many as
+    keep :data:`CUDA_MIN_TILES` tiles per piece.
     The result depends on shapes and the device type only, so every rank of a ring gets the same."""
     if requested is None:
         env = os.environ.get("MEGATRON_RING_KV_PIECES", "").strip()
@@ -47,7 +53,7 @@ def piece_count(b: int, h: int, h_kv: int, s: int, device_type: str, requested: 
     if device_type == "cuda":
         tiles = b * h * math.ceil(s / 128)
         return max(1, min(h_kv, tiles // CUDA_MIN_TILES))
-    return max(1, min(h_kv, AUTO_PIECES_CPU))
+    return max(1, min(h_kv, AUTO_PIECES_CPU, b * h * s * s * d // CPU_MIN_PIECE_WORK))
 
 
 def _positive(value, name: str) -> int:

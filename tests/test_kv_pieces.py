@@ -14,7 +14,7 @@ import torch
 from dist_utils import run_distributed
 from feature_reference import feature_reference
 from megatron_ring import ring_attention, shard_sequence
-from megatron_ring.rotation import AUTO_PIECES_CPU, CUDA_MIN_TILES, divisor_at_most, piece_count, start_for
+from megatron_ring.rotation import AUTO_PIECES_CPU, CPU_MIN_PIECE_WORK, CUDA_MIN_TILES, divisor_at_most, piece_count, start_for
 
 # fp32 ring vs float64 reference: fp32 rounding only (a wrong piece, slot or hop: O(0.1..1) errors)
 TOL = {torch.float32: 5e-6, torch.bfloat16: 6e-2}
@@ -137,22 +137,28 @@ def test_returned_dk_dv_are_views_of_the_accumulator():
 
 def test_piece_count_rules(monkeypatch):
     monkeypatch.delenv("MEGATRON_RING_KV_PIECES", raising=False)
-    assert piece_count(1, 32, 8, 2048, "cpu") == min(8, AUTO_PIECES_CPU)
-    assert piece_count(1, 32, 16, 2048, "cpu") == AUTO_PIECES_CPU
-    assert piece_count(1, 8, 1, 2048, "cpu") == 1  # MQA: one K/V head, one piece
+    big = (2048, 128, "cpu")  # s, d: 32 * 2048^2 * 128 = 2^34 work, room for 64 pieces
+    assert piece_count(1, 32, 8, *big) == min(8, AUTO_PIECES_CPU)
+    assert piece_count(1, 32, 16, *big) == AUTO_PIECES_CPU
+    assert piece_count(1, 8, 1, *big) == 1  # MQA: one K/V head, one piece
+    # CPU: at least CPU_MIN_PIECE_WORK per piece (small problems: the rendezvous per piece would show)
+    assert piece_count(1, 8, 8, 2048, 64, "cpu") == 8 * 2048 ** 2 * 64 // CPU_MIN_PIECE_WORK == 8
+    assert piece_count(1, 8, 8, 1024, 64, "cpu") == 2
+    assert piece_count(1, 8, 8, 256, 64, "cpu") == 1
+    assert piece_count(2, 8, 8, 1024, 64, "cpu") == 4  # batch rows are work too
     # CUDA: at least CUDA_MIN_TILES (query head x 128 rows) tiles per piece
-    assert piece_count(1, 32, 8, 2048, "cuda") == 1  # 32 * 16 = 512 tiles: one piece
-    assert piece_count(1, 32, 8, 16384, "cuda") == (32 * 128) // CUDA_MIN_TILES
-    assert piece_count(1, 32, 8, 2048, "cpu", requested=3) == 3  # the engine rounds down to a divisor
+    assert piece_count(1, 32, 8, 2048, 128, "cuda") == 1  # 32 * 16 = 512 tiles: one piece
+    assert piece_count(1, 32, 8, 16384, 128, "cuda") == (32 * 128) // CUDA_MIN_TILES
+    assert piece_count(1, 32, 8, *big, requested=3) == 3  # the engine rounds down to a divisor
     assert divisor_at_most(8, 3) == 2 and divisor_at_most(6, 4) == 3 and divisor_at_most(5, 4) == 1
     monkeypatch.setenv("MEGATRON_RING_KV_PIECES", "2")
-    assert piece_count(1, 32, 8, 2048, "cpu") == 2
+    assert piece_count(1, 32, 8, *big) == 2
     monkeypatch.setenv("MEGATRON_RING_KV_PIECES", "two")
     with pytest.raises(ValueError, match="MEGATRON_RING_KV_PIECES"):
-        piece_count(1, 32, 8, 2048, "cpu")
+        piece_count(1, 32, 8, *big)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="kv_pieces"):
-            piece_count(1, 32, 8, 2048, "cpu", requested=bad)
+            piece_count(1, 32, 8, *big, requested=bad)
     # the slots start so that after `steps` rotations the pieces are in slots 0..n-1
     for n, steps in itertools.product((1, 2, 4, 8), (1, 2, 3, 4, 7)):
         assert (start_for(n, steps) - steps) % (n + 1) == 0

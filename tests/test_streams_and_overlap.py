@@ -78,6 +78,6 @@ def test_stream_seam_and_prefetch_order(pieces):
 def test_loopback_ring_counts_bytes_like_the_real_one():
     ring = LoopbackRing(4, 1, torch.device("cpu"))
     q = torch.randn(1, 8, 2, 16)
-    ring_attention(q, q, q, causal=True, ring=ring)
+    ring_attention(q, q, q, causal=True, ring=ring, kv_pieces=2)
     # K, V and one status element per piece (2 K/V heads: 2 pieces)
     assert ring.bytes_sent["fwd_kv"] == 3 * (2 * q.numel() + 2) * 4
