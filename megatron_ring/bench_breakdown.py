@@ -66,8 +66,8 @@ def format_breakdown(res: dict[str, Any]) -> str:
     mean = res["mean"]
     steps = sorted({(k.split("|")[0], int(k.split("|")[1])) for k in mean}, key=lambda x: (x[0] != "fwd", x[1]))
     head = f"{'phase':>5} {'step':>4} | " + " | ".join(f"{c:>8}" for c in CATEGORIES) + f" | {'max wait':>8}"
-    lines = [f"# P={res['P']}, kv_pieces={res.get('kv_pieces', 'auto')}: fwd+bwd {res['total_s']:.3f} s (slowest rank, median); seconds per step, mean over "
-             "ranks (max wait: slowest rank)", head, "-" * len(head)]
+    lines = [f"# P={res['P']}, kv_pieces={res.get('kv_pieces', 'auto')}: fwd+bwd {res['total_s']:.3f} s (slowest "
+             "rank, median); seconds per step, mean over ranks (max wait: slowest rank)", head, "-" * len(head)]
     sums = {c: 0.0 for c in CATEGORIES}
     for phase, step in steps:
         vals = [mean.get(f"{phase}|{step}|{c}", 0.0) for c in CATEGORIES]

@@ -26,9 +26,9 @@ __all__ = ["Rotation", "start_for", "piece_count", "AUTO_PIECES_CPU", "CPU_MIN_P
 
 #: automatic pieces on CPU: at most this many
 AUTO_PIECES_CPU = 8
-#: on CPU a piece keeps at least this much work per ring step (query rows x key rows x head dim x query
-#: heads, about 40 ms of one core): every piece costs a rendezvous with both neighbours (about 2 ms on
-#: gloo over loopback, measured), which small pieces would not hide
+#: on CPU a piece keeps at least this much work per ring step (batch x query heads x local length^2 x
+#: head dim; about 20 ms forward + 45 ms backward on one core of the CI machine): every piece costs a
+#: rendezvous with both neighbours (about 2 ms on gloo over loopback, measured), small pieces show it
 CPU_MIN_PIECE_WORK = 2**28
 #: on CUDA a piece keeps at least this many (query head x 128-row) kernel tiles (about four waves
 #: of a 132-SM GPU), so pieces never starve the device
