@@ -95,6 +95,7 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
     dout = torch.randn_like(q)
     modes: dict[str, tuple[Any, Any]] = {}  # mode -> (fwd, fwd_bwd)
+    results: dict[str, Any] = {}
     rings = {"ring": Ring(dist.group.WORLD, q.device)}
     if world > 1:
         rings["compute-only"] = LoopbackRing(world, rank, q.device)
@@ -107,7 +108,7 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         modes[mode][1]()  # warm-up (also runs the one-off consistency check)
         if mode == "ring":  # the ring's own peak, before the other modes' tensors exist; the second call
             modes[mode][1]()  # holds the first one's gradients, as every later call (and training step) does
-            results: dict[str, Any] = {"peak_mib": _peak_mib() - base}
+            results["peak_mib"] = _peak_mib() - base
     if world > 1 and cfg["heads"] % world == 0 and cfg["kv_heads"] % world == 0:
         modes["split"] = _head_split(cfg, world, dtype, g)
         modes["split"][1]()
