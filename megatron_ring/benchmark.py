@@ -110,7 +110,7 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             modes[mode][1]()  # holds the first one's gradients, as every later call (and training step) does
             results["peak_mib"] = _peak_mib() - base
     if world > 1 and cfg["heads"] % world == 0 and cfg["kv_heads"] % world == 0:
-        modes["split"] = _head_split(cfg, world, dtype, g)
+        modes["split"] = _sdpa_calls(cfg, dtype, g, share=world)
         modes["split"][1]()
     before = dict(rings["ring"].bytes_sent)
     times = _interleaved(modes, cfg["iters"], dist.barrier)
@@ -130,14 +130,18 @@ def _no_grad(fn, *args, **kwargs) -> None:
         fn(*args, **kwargs)
 
 
-def _head_split(cfg: dict[str, Any], world: int, dtype, g) -> tuple[Any, Any]:
-    """This rank's share of a head-parallel split: one-thread SDPA over ``H / P`` heads of the WHOLE
-    sequence. No communication and no redundant work: P ranks running it side by side is the best any
-    split of the problem can do on these cores (the cores' sharing costs included)."""
+def _sdpa_calls(cfg: dict[str, Any], dtype, g, share: int = 1) -> tuple[Any, Any]:
+    """``(fwd, fwd_bwd)`` of torch SDPA over ``H / share`` heads of the WHOLE sequence, on the ring's
+    memory layout (``[b, s, h, d]``; Megatron's sbhd is strided the same way) seen as BHSD: the same
+    layout on both sides (contiguous BHSD inputs make this SDPA 3-7% faster on CPU, measured).
+
+    ``share = P`` is one rank's share of a head-parallel split: no communication and no redundant work,
+    so P ranks running it side by side is the best any split of the problem can do on these cores (the
+    cores' sharing costs included)."""
     import torch
     import torch.nn.functional as F
 
-    mk = lambda h: torch.randn(cfg["batch"], cfg["seq"], h // world, cfg["head_dim"],  # noqa: E731
+    mk = lambda h: torch.randn(cfg["batch"], cfg["seq"], h // share, cfg["head_dim"],  # noqa: E731
                                generator=g).to(dtype).transpose(1, 2)
     q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
     dout = torch.randn_like(q)
@@ -165,25 +169,10 @@ def _single_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     import torch.nn.functional as F
 
     dtype = getattr(torch, DTYPES[cfg["dtype"]])
-    gqa = cfg["heads"] != cfg["kv_heads"]
     _warm_up(lambda *t: F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in t), is_causal=cfg["causal"]),
              2, dtype)
     base = _rss_mib()
-    g = torch.Generator().manual_seed(0)
-    # the ring's memory layout ([b, s, h, d]; Megatron's sbhd is strided the same way), seen as BHSD: the
-    # same layout on both sides (contiguous BHSD inputs make this SDPA 3-7% faster on CPU, measured)
-    mk = lambda h: torch.randn(cfg["batch"], cfg["seq"], h, cfg["head_dim"], generator=g).to(dtype).transpose(1, 2)  # noqa
-    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
-    dout = torch.randn_like(q)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-
-    def fwd():
-        with torch.no_grad():
-            F.scaled_dot_product_attention(q, k, v, is_causal=cfg["causal"], enable_gqa=gqa)
-
-    def fwd_bwd():
-        F.scaled_dot_product_attention(*leaves, is_causal=cfg["causal"], enable_gqa=gqa).backward(dout)
-
+    fwd, fwd_bwd = _sdpa_calls(cfg, dtype, torch.Generator().manual_seed(0))
     fwd_bwd()
     return {"fwd": _timed(fwd, cfg["iters"], lambda: None), "fwd_bwd": _timed(fwd_bwd, cfg["iters"], lambda: None),
             "peak_mib": _peak_mib() - base}
