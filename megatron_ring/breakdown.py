@@ -2,7 +2,9 @@
 
 Categories: ``kernel`` (block attention calls), ``merge`` (log-sum-exp merges, sink folding),
 ``decode`` (wire buffer -> K/V), ``copies`` (encode, gradient accumulation adds, result casts),
-``wait`` (blocking on the ring: K/V prefetch and dK/dV hops not hidden by compute). Disabled (the
+``launch`` (starting an exchange: on gloo the calling thread already writes into the socket what
+its buffer takes, so this is the CPU cost of the transfer that the main thread pays), ``wait``
+(blocking on the ring: K/V prefetch and dK/dV hops not hidden by compute). Disabled (the
 default) it costs one ``None`` check per timed region. Times are wall-clock seconds per
 ``(phase, step, category)``; on CPU every op is synchronous, on CUDA a region's time is only its launch
 unless the caller synchronises (the benchmark's breakdown is a CPU tool).
@@ -16,7 +18,7 @@ from typing import Iterator
 
 __all__ = ["record", "timed", "set_phase", "CATEGORIES"]
 
-CATEGORIES = ("kernel", "merge", "decode", "copies", "wait")
+CATEGORIES = ("kernel", "merge", "decode", "copies", "launch", "wait")
 
 _current: "defaultdict[tuple[str, int, str], float] | None" = None
 _phase = "fwd"

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from . import breakdown
 from .deadline import watchdog
 from .failure_notes import who_is_lost
 from .streams import SideStream, side_stream_for
@@ -149,7 +150,7 @@ class Ring:
                    else [((send_role,), [send_op]), ((recv_role,), [recv_op])])
         pending: list[tuple[tuple[Role, ...], list[Any]]] = []
         self.raise_if_failed()
-        with self.stream.launch(send, recv):
+        with breakdown.timed(step, "launch"), self.stream.launch(send, recv):
             started = self.stream.marker() if self.watchdog_deadline else None
             for roles, ops in batches:
                 try:
