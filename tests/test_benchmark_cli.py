@@ -35,3 +35,4 @@ def test_breakdown_one_table_per_piece_count():
         assert any(k.endswith("|kernel") for k in r["mean"])
         # every exchange launch is timed (a real gloo ring: step 0 starts the first K/V hop)
         assert r["mean"].get("fwd|0|launch", 0.0) > 0, r["mean"]
+        assert 0 <= r["other_s"] < r["total_s"]  # each rank's own untimed rest (timed regions never nest)
