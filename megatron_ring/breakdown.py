@@ -2,8 +2,8 @@
 
 Categories: ``kernel`` (block attention calls), ``merge`` (log-sum-exp merges, sink folding),
 ``decode`` (wire buffer -> K/V), ``copies`` (encode, gradient accumulation adds, result casts),
-``launch`` (starting an exchange: on gloo the calling thread already writes into the socket what
-its buffer takes, so this is the CPU cost of the transfer that the main thread pays), ``wait``
+``launch`` (starting an exchange: on gloo, where the receiver is already waiting, the calling thread
+writes into the socket what its buffer takes: the part of the transfer's CPU cost the main thread pays), ``wait``
 (blocking on the ring: K/V prefetch and dK/dV hops not hidden by compute). Disabled (the
 default) it costs one ``None`` check per timed region. Times are wall-clock seconds per
 ``(phase, step, category)``; on CPU every op is synchronous, on CUDA a region's time is only its launch
