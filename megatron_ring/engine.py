@@ -99,8 +99,9 @@ class _KVStream:
     """The visiting K/V blocks, in ``n`` pieces of K/V heads, with the next block's pieces in flight
     (:class:`~megatron_ring.rotation.Rotation`: ``n + 1`` piece slots instead of two whole blocks)."""
 
-    def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str, n: int) -> None:
-        self.plan, self.k, self.v = plan, k, v
+    def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str, n: int,
+                 steps: int) -> None:
+        self.plan, self.k, self.v, self.steps = plan, k, v, steps
         self.heads = head_groups(k.shape[1], n)
         b, h_kv, s, d = k.shape
         hj = h_kv // n
@@ -114,8 +115,12 @@ class _KVStream:
                                       [self.rot.piece(j) for j in range(n)])
 
     def block(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Piece ``j`` of the K, V visiting at ``step`` (local tensors at step 0, decoded wire data after)."""
+        """Piece ``j`` of the K, V visiting at ``step`` (local tensors at step 0, decoded wire data after).
+        Unless this is the last step, the piece is first passed on to the next rank, so that exchange
+        overlaps this piece's compute."""
         hs = self.heads[j]
+        if self.rot is not None and step + 1 < self.steps:
+            self.rot.pass_on(j, step)
         if step == 0:
             return self.k[:, hs], self.v[:, hs]
         self.rot.arrived(j, step)
@@ -123,6 +128,11 @@ class _KVStream:
         self.status.received((self.plan.ring.rank - step) % self.plan.ring.world, buf)
         with breakdown.timed(step, "decode"):
             return self.plan.codec.decode(buf[:-1], self.spec)
+
+    def advance(self) -> None:
+        """The step is over: the next block becomes the visiting one."""
+        if self.rot is not None:
+            self.rot.advance()
 
     def release(self, step: int) -> None:
         """Wait for what is in flight, then give the slots back to the pool."""
@@ -147,24 +157,21 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Ring attention forward. Returns ``(out [b,h,s,d] float32, lse [b,h,s] float32)``; ``out`` has q's
     memory order."""
     breakdown.set_phase("fwd")
-    with breakdown.timed(0, "copies"):
-        kv = _KVStream(plan, k, v, "fwd_kv", _pieces(plan, k))
     b, h, s, _ = q.shape
+    steps = plan.steps(s)
+    with breakdown.timed(0, "copies"):
+        kv = _KVStream(plan, k, v, "fwd_kv", _pieces(plan, k), steps)
     out = torch.empty_strided((b, h, s, v.shape[-1]), _strides_like((b, h, s, v.shape[-1]), q),
                               dtype=torch.float32, device=q.device)
     lse = q.new_empty((b, h, s), dtype=torch.float32)
     pieces = _piece_plans(plan, kv.heads, h // k.shape[1])
     fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
-    steps = plan.steps(s)
     for step in range(steps):
         tasks = plan.tasks(step, s)
         for j, (qs, piece_plan) in enumerate(pieces):
-            if step + 1 < steps:
-                kv.rot.pass_on(j, step)
             fresh[j] = _forward_step(q[:, qs], *kv.block(step, j), piece_plan, step, tasks,
                                      out[:, qs], lse[:, qs], fresh[j])
-        if kv.rot is not None:
-            kv.rot.advance()
+        kv.advance()
     kv.release(steps)
     if plan.ring.world > 1:
         kv.status.settle(plan)  # every rank raises if any rank's K/V (or input) was refused
@@ -212,23 +219,20 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     world = plan.ring.world
     breakdown.set_phase("bwd")
     n = _pieces(plan, k)
+    steps = plan.steps(s)
     with breakdown.timed(0, "copies"):
-        kv = _KVStream(plan, k, v, "bwd_kv", n)
+        kv = _KVStream(plan, k, v, "bwd_kv", n, steps)
         dkv = _Accumulators(plan.ring, k, v, n)
     dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
     pieces = _piece_plans(plan, kv.heads, q.shape[1] // k.shape[1])
-    steps = plan.steps(s)
     for step in range(steps):
         tasks = plan.tasks(step, s)
         for j, (qs, piece_plan) in enumerate(pieces):
-            if step + 1 < steps:
-                kv.rot.pass_on(j, step)
             kt, vt = kv.block(step, j)
             _backward_step(dout[:, qs], q[:, qs], kt, vt, out[:, qs], lse[:, qs], piece_plan, step, dq[:, qs],
                            lambda: dkv.arrived(j, step), *dkv.views(j), tasks)
             dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
-        if kv.rot is not None:
-            kv.rot.advance()
+        kv.advance()
         dkv.advance()
     for step in range(steps, world):  # a shortened ring: carry the accumulators home, nothing to add
         for j in range(n):
