@@ -44,9 +44,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.training import get_args, pretrain  # noqa: E402
 from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
 
-from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_batch_on_this_cp_rank,  # noqa: E402
-                                    get_gpt_layer_ring_spec, initialize_context_parallel,
-                                    is_context_parallel_initialized, use_layout_rope)
+from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_batch_on_this_cp_rank, get_gpt_layer_ring_spec, initialize_context_parallel, is_context_parallel_initialized, use_layout_rope)  # noqa: E402
 from megatron_ring.megatron import compat  # noqa: E402
 from megatron_ring.megatron.megatron_lm import check_attention_backend, uses_ring_attention  # noqa: E402
 from megatron_ring.megatron.training_cpu import megatron_training_cpu  # noqa: E402

@@ -1,12 +1,18 @@
 """megatron_ring: exact context-parallel (ring) attention for Megatron-style training stacks.
 
-Core API (no Megatron import): :func:`ring_attention`, :func:`shard_sequence`, :func:`gather_sequence`.
-Megatron-Core glue lives in :mod:`megatron_ring.megatron`.
+Public face (no Megatron import): :func:`ring_attention`, :func:`shard_sequence`, :func:`gather_sequence`,
+the layouts, the errors a caller may catch, and the tables of accepted comm types and wire dtypes.
+Megatron-Core glue lives in :mod:`megatron_ring.megatron`; tools (benchmark, planner, launcher) in
+:mod:`megatron_ring.tools`.
 """
-from .api import ring_attention
-from .comm import RingPeerError
-from .layouts import get_layout
-from .sequence import gather_sequence, shard_sequence
+from megatron_ring.api import ring_attention
+from megatron_ring.errors import RingInputError, RingPeerError, WireFiniteError
+from megatron_ring.kernels.block import set_deterministic
+from megatron_ring.schedules.layouts import LAYOUTS, get_layout
+from megatron_ring.sequence import gather_sequence, shard_sequence
+from megatron_ring.strategies import COMM_TYPES
+from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 
 __version__ = "0.1.0"
-__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "get_layout", "RingPeerError"]
+__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "get_layout", "LAYOUTS", "set_deterministic",
+           "COMM_TYPES", "COMM_DTYPE_ALIASES", "RingPeerError", "RingInputError", "WireFiniteError"]

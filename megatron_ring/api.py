@@ -8,16 +8,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .block_extras import NATIVE_HEAD_DIM_KERNELS, DropoutSpec, HeadDimPadKernel
-from .codec import make_codec
-from .comm import LoopbackRing, Ring
-from .engine import RingAttentionFunction, RingPlan, head_groups
-from .kernels import BlockKernel, select_kernel
-from .layouts import Layout, get_layout
-from .masks import AttentionMask, needed_steps
-from .ring_status import refuse_on_every_rank
-from .rotation import piece_count
-from .validation import call_signature, check_cu_seqlens, check_inputs, check_same_across_ranks, check_window
+from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, HeadDimPadKernel
+from megatron_ring.kernels.dropout import DropoutSpec
+from megatron_ring.wire.codecs import make_codec
+from megatron_ring.transport.ring import LoopbackRing, Ring
+from megatron_ring.core.engine import RingAttentionFunction, RingPlan
+from megatron_ring.core.heads import head_groups
+from megatron_ring.kernels.block import BlockKernel, select_kernel
+from megatron_ring.schedules.layouts import Layout, get_layout
+from megatron_ring.schedules.masks import AttentionMask, needed_steps
+from megatron_ring.core.status import refuse_on_every_rank
+from megatron_ring.core.rotation import piece_count
+from megatron_ring.core.validation import (call_signature, check_cu_seqlens, check_inputs, check_same_across_ranks, check_window)
 
 __all__ = ["ring_attention", "resolve_group"]
 
@@ -110,7 +112,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             compute, more and smaller kernel calls). Rounded down to a divisor of the K/V heads. Default
             (None): ``MEGATRON_RING_KV_PIECES`` if set, else automatic: as many as keep each piece's
             work large (on CPU up to 8; see ``rotation.piece_count``).
-        ring: advanced: a prepared :class:`~megatron_ring.comm.Ring` (e.g. ``LoopbackRing`` for
+        ring: advanced: a prepared :class:`~megatron_ring.transport.ring.Ring` (e.g. ``LoopbackRing`` for
             compute-only timing); overrides ``group``.
         comm_type: the exchange: "p2p" (the ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
             (Ulysses inside ``hierarchical_groups[0]``, ring across ``hierarchical_groups[1]``) or
@@ -161,13 +163,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     s_dim = 1 if qkv_format == "bshd" else 0
     pieces = _pieces(kv_pieces, q, k, s_dim)
 
-    def ring_steps() -> int:  # the forward ring's length, for a rank that refuses its input (ring_status)
+    def ring_steps() -> int:  # the forward ring's length, for a rank that refuses its input (core/status.py)
         lay_ = get_layout(layout)
         mask_ = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
         return ring.world if mask_.plain else needed_steps(lay_, mask_, ring.world, q.shape[s_dim])
 
-    def strategy_mirror(exc: BaseException) -> None:  # comm types other than p2p (strategies/status.py)
-        from .strategies import mirror
+    def strategy_mirror(exc: BaseException) -> None:  # comm types other than p2p (strategies/refusal.py)
+        from megatron_ring.strategies import mirror
         try:
             lay_ = get_layout(layout)
             mask_ = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
@@ -203,7 +205,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if comm_type == "p2p":
         out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks), sink)
     else:  # the other exchange patterns (megatron_ring/strategies), same plan and schedule (sinks, dropout too)
-        from .strategies import run_strategy
+        from megatron_ring.strategies import run_strategy
         out = run_strategy(comm_type, qh, kh, vh, plan, head_chunks=head_chunks,
                            hierarchical_groups=hierarchical_groups, sink=sink)
     out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
@@ -212,7 +214,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
 
 
 def _pieces(requested: Any, q: torch.Tensor, k: torch.Tensor, s_dim: int) -> int:
-    """``kv_pieces`` resolved (:func:`~megatron_ring.rotation.piece_count`); 1 for shapes ``check_inputs``
+    """``kv_pieces`` resolved (:func:`~megatron_ring.core.rotation.piece_count`); 1 for shapes ``check_inputs``
     refuses later anyway."""
     if q.ndim != 4 or k.ndim != 4:
         return 1

@@ -6,8 +6,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .api import resolve_group
-from .layouts import Layout, get_layout
+from megatron_ring.api import resolve_group
+from megatron_ring.schedules.layouts import Layout, get_layout
 
 __all__ = ["shard_sequence", "gather_sequence"]
 

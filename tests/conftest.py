@@ -1,6 +1,6 @@
 """Suite-wide settings.
 
-Multi-process tests start their workers from megatron_ring.launch's fork server (torch imported once
+Multi-process tests start their workers from megatron_ring.tools.launch's fork server (torch imported once
 instead of once per worker); on a machine without CUDA it also imports Megatron-Core and the glue once,
 so the Megatron tests' workers start in milliseconds too (a module that is not installed is skipped by
 the server). With CUDA only torch is preloaded: a module that touched CUDA at import would leave the

@@ -1,5 +1,5 @@
 """Test-side access to the multi-process launcher (gloo on 127.0.0.1, free port, hard timeouts)."""
-from megatron_ring.launch import WorkerError, run_on_ranks
+from megatron_ring.tools.launch import WorkerError, run_on_ranks
 
 
 def run_distributed(fn, world_size, *args, timeout=300.0, **kwargs):

@@ -3,13 +3,13 @@
 Full attention over the global stream ``[b, S, h, d]`` on one process, with an explicit visibility mask
 (causal / documents / window from index grids), an optional sink logit per head (an extra column of the
 softmax whose value row is 0), and an optional keep mask over (batch row * h + head, i, j) taken from
-``megatron_ring.block_extras.keep_mask`` evaluated ONCE on the full global grid.
+``megatron_ring.kernels.dropout.keep_mask`` evaluated ONCE on the full global grid.
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_ring.block_extras import keep_mask
+from megatron_ring.kernels.dropout import keep_mask
 
 
 def visible(S: int, causal: bool, cu=None, window=None) -> torch.Tensor:

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ring.comm import Exchange, Ring
-from megatron_ring.streams import SideStream
+from megatron_ring.transport.ring import Exchange, Ring
+from megatron_ring.transport.streams import SideStream
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ class ThreadRing(Ring):
     @staticmethod
     def make(world):
         import queue
-        from megatron_ring.comm import CHANNEL_TAGS
+        from megatron_ring.transport.ring import CHANNEL_TAGS
         qs = {(r, ch): queue.Queue() for r in range(world) for ch in CHANNEL_TAGS}
         return [ThreadRing(qs, world, r) for r in range(world)]
 

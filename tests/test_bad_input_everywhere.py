@@ -13,8 +13,8 @@ import torch
 
 from dist_utils import run_distributed
 from megatron_ring import ring_attention
-from megatron_ring.codec import WireFiniteError
-from megatron_ring.ring_status import RingInputError
+from megatron_ring.errors import WireFiniteError
+from megatron_ring.errors import RingInputError
 
 TIMEOUT_S = 20.0
 BAD = 2

@@ -2,7 +2,7 @@
 the breakdown per piece count. Times mean nothing here (speed claims live in the CLI's output)."""
 import pytest
 
-from megatron_ring import benchmark
+from megatron_ring.tools.bench import main as benchmark
 
 pytestmark = pytest.mark.slow
 

@@ -17,15 +17,8 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from megatron_ring.codec import (
-    CastCodec,
-    FP8Codec,
-    IdentityCodec,
-    KVCodec,
-    KVSpec,
-    WireFiniteError,
-    make_codec,
-)
+from megatron_ring.wire.codecs import CastCodec, FP8Codec, IdentityCodec, KVCodec, KVSpec, make_codec
+from megatron_ring.errors import WireFiniteError
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ import os
 import torch
 
 from dist_utils import run_distributed
-from megatron_ring import plan
+from megatron_ring.tools import planner as plan
 from megatron_ring.strategies.cost_model import Machine, Problem, activation_bytes, predict, predict_all, smallest_cp
 
 ISSUE_EXAMPLE = ["--seq-length", "1048576", "--hidden-size", "8192", "--num-attention-heads", "64",

@@ -96,8 +96,8 @@ def test_documents_and_windows_match_reference(world):
 def _aligned_window_worker(rank, world):
     """Windows whose edges fall on the default tiles (T = 128 * world: 64-row tiles), so the band's
     lower edge runs as reversed-causal tasks: every layout, causal and not, with documents, fp32/bf16."""
-    from megatron_ring.layouts import get_layout
-    from megatron_ring.masks import AttentionMask, schedule
+    from megatron_ring.schedules.layouts import get_layout
+    from megatron_ring.schedules.masks import AttentionMask, schedule
 
     T = 128 * world
     cases = [(True, None, (64, -1)), (False, None, (128, 64)), (True, [0, 64, 65, T - 8], (64, -1))]

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from ring_fakes import DoneWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
 from megatron_ring import RingPeerError, ring_attention
-from megatron_ring.failure_notes import who_is_lost
-from megatron_ring.launch import WorkerError
+from megatron_ring.transport.failure_notes import who_is_lost
+from megatron_ring.tools.launch import WorkerError
 
-# Upper bounds on the failure-note walk (megatron_ring.failure_notes.who_is_lost defaults): a rank that
+# Upper bounds on the failure-note walk (megatron_ring.transport.failure_notes.who_is_lost defaults): a rank that
 # raises spends at most NOTE_JOIN_S in it; its chain waits at most NOTE_WAIT_S for a missing note.
 NOTE_WAIT_S = 2.0
 NOTE_JOIN_S = NOTE_WAIT_S + 1.0

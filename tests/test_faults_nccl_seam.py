@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from ring_fakes import NcclLikeWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
 from megatron_ring import RingPeerError
-from megatron_ring.comm import looks_like_timeout
-from megatron_ring.deadline import watchdog
+from megatron_ring.transport.ring import looks_like_timeout
+from megatron_ring.transport.deadline import watchdog
 
 BOTH = "exchanging with ring peer global rank 3 (sending to) and ring peer global rank 1 (receiving from)"
 

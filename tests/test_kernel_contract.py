@@ -3,7 +3,7 @@ aligns bottom-right only ever see square causal or full blocks; supports() makes
 import pytest
 import torch
 
-from megatron_ring import kernels as K
+from megatron_ring.kernels import block as K
 
 
 class _SquareOnlyMath(K._SquareCausal):

@@ -14,7 +14,7 @@ import torch
 from dist_utils import run_distributed
 from feature_reference import feature_reference
 from megatron_ring import ring_attention, shard_sequence
-from megatron_ring.rotation import AUTO_PIECES_CPU, CPU_MIN_PIECE_WORK, CUDA_MIN_TILES, divisor_at_most, piece_count, start_for
+from megatron_ring.core.rotation import (AUTO_PIECES_CPU, CPU_MIN_PIECE_WORK, CUDA_MIN_TILES, divisor_at_most, piece_count, start_for)
 
 # fp32 ring vs float64 reference: fp32 rounding only (a wrong piece, slot or hop: O(0.1..1) errors)
 TOL = {torch.float32: 5e-6, torch.bfloat16: 6e-2}
@@ -114,11 +114,11 @@ def test_dropout_does_not_depend_on_pieces():
 
 
 def _views_worker(rank, world):
-    from megatron_ring.comm import Ring
-    from megatron_ring.engine import RingPlan, ring_backward, ring_forward
-    from megatron_ring.codec import make_codec
-    from megatron_ring.kernels import select_kernel
-    from megatron_ring.layouts import get_layout
+    from megatron_ring.transport.ring import Ring
+    from megatron_ring.core.engine import RingPlan, ring_backward, ring_forward
+    from megatron_ring.wire.codecs import make_codec
+    from megatron_ring.kernels.block import select_kernel
+    from megatron_ring.schedules.layouts import get_layout
 
     q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
     ring = Ring(torch.distributed.group.WORLD, q.device)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_ring.layouts import LAYOUTS, get_layout
+from megatron_ring.schedules.layouts import LAYOUTS, get_layout
 
 
 def task_mask(tasks, s):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from megatron_ring import ring_attention
-from megatron_ring.layouts import LAYOUTS, get_layout
-from megatron_ring import masks
-from megatron_ring.masks import AttentionMask, needed_steps, schedule
+from megatron_ring.schedules.layouts import LAYOUTS, get_layout
+from megatron_ring.schedules import masks
+from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
 
 
 def _rules(T, rnd):

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from megatron_ring.kernels import FlashCPUKernel, MathKernel, select_kernel
-from megatron_ring.merge import merge_into
+from megatron_ring.kernels.block import FlashCPUKernel, MathKernel, select_kernel
+from megatron_ring.core.merge import merge_into
 
 
 def test_merge_equals_softmax_over_union_without_overflow():
@@ -81,7 +81,7 @@ def test_select_kernel():
 def test_reversed_kernel_is_the_upper_triangle(inner):
     """ReversedKernel(causal=True) computes key row >= query row (a window's lower edge), unmasked, in
     forward and backward, vs float64 with that mask; GQA included."""
-    from megatron_ring.kernels import ReversedKernel
+    from megatron_ring.kernels.block import ReversedKernel
 
     torch.manual_seed(2)
     b, h, h_kv, n, d, scale = 2, 4, 2, 24, 16, 0.2

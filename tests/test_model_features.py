@@ -19,8 +19,8 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from feature_reference import feature_reference
 from megatron_ring import ring_attention, shard_sequence
-from megatron_ring.block_extras import keep_mask
-from megatron_ring.comm import LoopbackRing
+from megatron_ring.kernels.dropout import keep_mask
+from megatron_ring.transport.ring import LoopbackRing
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from reference import attention_reference
 from ring_fakes import run_threads
 from megatron_ring import ring_attention
-from megatron_ring.codec import WireFiniteError
-from megatron_ring.layouts import get_layout
+from megatron_ring.errors import WireFiniteError
+from megatron_ring.schedules.layouts import get_layout
 
 SETTINGS = dict(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
                 print_blob=True)

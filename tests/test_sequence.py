@@ -4,7 +4,7 @@ import torch
 
 from dist_utils import run_distributed
 from megatron_ring import gather_sequence, shard_sequence
-from megatron_ring.layouts import LAYOUTS
+from megatron_ring.schedules.layouts import LAYOUTS
 
 
 def _roundtrip_worker(rank, world, layout):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from feature_reference import feature_reference
 from megatron_ring import ring_attention, shard_sequence
-from megatron_ring.comm import LoopbackRing
+from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.strategies import make_hierarchical_groups
 
 TYPES = ("all_gather", "a2a", "a2a+p2p", "auto")  # auto: the bad-input test (its choice is made on every rank)
@@ -161,8 +161,8 @@ def test_bad_input_on_one_rank_raises_on_every_rank_for_every_comm_type():
 def test_deferred_status_check_raises_at_the_start_of_backward():
     """CUDA without a checking codec: the forward only launches the status gather; the layer's backward
     waits for it and raises (the mechanism, on CPU tensors: no GPU here)."""
-    from megatron_ring.ring_status import RingInputError
-    from megatron_ring.strategies.status import _CheckInBackward
+    from megatron_ring.errors import RingInputError
+    from megatron_ring.strategies.refusal import _CheckInBackward
 
     waited = []
 

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-import megatron_ring.engine as engine
+import megatron_ring.core.engine as engine
 from dist_utils import run_distributed
 from megatron_ring import ring_attention
-from megatron_ring.comm import LoopbackRing, Ring
-from megatron_ring.streams import SideStream
+from megatron_ring.transport.ring import LoopbackRing, Ring
+from megatron_ring.transport.streams import SideStream
 
 
 class RecordingStream(SideStream):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import megatron_ring.validation as validation
+import megatron_ring.core.validation as validation
 from dist_utils import run_distributed
 from megatron_ring import ring_attention
 

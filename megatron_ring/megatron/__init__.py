@@ -2,25 +2,23 @@
 
 Typical use (see examples/train_gpt.py)::
 
-    from megatron_ring.megatron import (megatron_cpu, initialize_context_parallel, RingConfig,
-        get_gpt_layer_ring_spec, use_layout_rope, get_batch_on_this_cp_rank, reduce_loss_over_cp)
+    from megatron_ring.megatron import (megatron_cpu, initialize_context_parallel, RingConfig, get_gpt_layer_ring_spec, use_layout_rope, get_batch_on_this_cp_rank, reduce_loss_over_cp)
 
     state = initialize_context_parallel(RingConfig(context_parallel_size=4, layout="zigzag"),
                                         tensor_model_parallel_size=1)
     model = GPTModel(config, get_gpt_layer_ring_spec(), ...); use_layout_rope(model)
     batch = get_batch_on_this_cp_rank(batch)
 """
-from .arguments import add_context_parallel_args, config_from_args
-from .attention import RingDotProductAttention
-from .batch import cp_positions, get_batch_on_this_cp_rank
-from .config import ContextParallelConfigError, RingConfig
-from .cpu import cpu_support_enabled, disable_cpu_support, enable_cpu_support, megatron_cpu
-from .layer_spec import get_gpt_layer_ring_spec, with_ring_attention
-from .megatron_lm import use_ring_attention_in_gpt_config, uses_ring_attention
-from .loss import CPLoss, allreduce_gradients, reduce_loss_over_cp
-from .provider import (RingState, destroy_context_parallel, get_ring_state, initialize_context_parallel,
-                       is_context_parallel_initialized)
-from .rope import LayoutRotaryEmbedding, use_layout_rope
+from megatron_ring.megatron.arguments import add_context_parallel_args, config_from_args
+from megatron_ring.megatron.attention import RingDotProductAttention
+from megatron_ring.megatron.batch import cp_positions, get_batch_on_this_cp_rank
+from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig
+from megatron_ring.megatron.cpu import cpu_support_enabled, disable_cpu_support, enable_cpu_support, megatron_cpu
+from megatron_ring.megatron.layer_spec import get_gpt_layer_ring_spec, with_ring_attention
+from megatron_ring.megatron.megatron_lm import use_ring_attention_in_gpt_config, uses_ring_attention
+from megatron_ring.megatron.loss import CPLoss, allreduce_gradients, reduce_loss_over_cp
+from megatron_ring.megatron.provider import (RingState, destroy_context_parallel, get_ring_state, initialize_context_parallel, is_context_parallel_initialized)
+from megatron_ring.megatron.rope import LayoutRotaryEmbedding, use_layout_rope
 
 __all__ = [
     "add_context_parallel_args", "config_from_args", "RingConfig", "ContextParallelConfigError",

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_ring.layouts import LAYOUTS
+from megatron_ring import LAYOUTS
 
-from .config import COMM_DTYPES, RingConfig
+from megatron_ring.megatron.config import COMM_DTYPES, RingConfig
 
 __all__ = ["add_context_parallel_args", "config_from_args"]
 

@@ -16,14 +16,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 import megatron_ring
-from megatron_ring.kernels import set_deterministic
 
-from . import comm_types
-from .config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
-from .documents import DocumentsFromMask, packed_cu_seqlens
-from .extras import dropout_seed, make_softmax_offset, ring_softmax_offset
-from .provider import get_ring_state, is_context_parallel_initialized
-from .rope import apply_packed_rope
+from megatron_ring.megatron import comm_types
+from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
+from megatron_ring.megatron.documents import DocumentsFromMask, packed_cu_seqlens
+from megatron_ring.megatron.dropout import dropout_seed
+from megatron_ring.megatron.sinks import make_softmax_offset, ring_softmax_offset
+from megatron_ring.megatron.provider import get_ring_state, is_context_parallel_initialized
+from megatron_ring.megatron.packed_rope import apply_packed_rope
 
 __all__ = ["RingDotProductAttention"]
 
@@ -86,7 +86,7 @@ class RingDotProductAttention(MegatronModule):
         self._documents = DocumentsFromMask()
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
         if getattr(config, "deterministic_mode", False):  # --deterministic-mode: deterministic CUDA backward
-            set_deterministic(True)
+            megatron_ring.set_deterministic(True)
         # a model built with a process-group collection names its CP group: honour it (checked in _ring)
         self._pg_cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if is_context_parallel_initialized():

@@ -5,7 +5,7 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron_ring.layouts import get_layout
+from megatron_ring import get_layout
 
 __all__ = ["get_batch_on_this_cp_rank", "cp_positions"]
 
@@ -18,7 +18,7 @@ GLOBAL_KEYS = frozenset({"cu_seqlens", "cu_seqlens_q", "cu_seqlens_kv", "cu_seql
 
 
 def _resolve(layout: str | None, cp_group: Any, cp_size: int | None, cp_rank: int | None) -> tuple[str, int, int]:
-    from .provider import get_ring_state, is_context_parallel_initialized
+    from megatron_ring.megatron.provider import get_ring_state, is_context_parallel_initialized
 
     if is_context_parallel_initialized():
         state = get_ring_state()

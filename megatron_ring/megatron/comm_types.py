@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import CP_COMM_TYPES, ContextParallelConfigError, RingConfig
+from megatron_ring.megatron.config import CP_COMM_TYPES, ContextParallelConfigError, RingConfig
 
 __all__ = ["layer_comm_type", "strategy_kwargs"]
 

@@ -11,8 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_ring.codec import COMM_DTYPE_ALIASES
-from megatron_ring.layouts import LAYOUTS, get_layout
+from megatron_ring import COMM_DTYPE_ALIASES, COMM_TYPES, LAYOUTS, get_layout
 
 __all__ = [
     "ContextParallelConfigError",
@@ -25,7 +24,7 @@ __all__ = [
 #: ``--cp-comm-dtype`` choices; the codec's alias table says which wire dtype each one means.
 COMM_DTYPES: tuple[str, ...] = ("none", "bf16", "fp8")
 #: ``--cp-comm-type`` values (Megatron-LM's names, plus "auto"); see docs/strategies.md.
-CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")
+CP_COMM_TYPES: tuple[str, ...] = COMM_TYPES  # the library's one table (megatron_ring.strategies)
 
 
 class ContextParallelConfigError(ValueError):

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron_ring.layouts import get_layout
+from megatron_ring import get_layout
 
 __all__ = ["enable_cpu_support", "disable_cpu_support", "megatron_cpu", "cpu_support_enabled"]
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ring.layouts import get_layout
+from megatron_ring import get_layout
 
 __all__ = ["packed_cu_seqlens", "DocumentsFromMask", "document_mask", "packed_batch"]
 

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from . import compat
-from .attention import RingDotProductAttention
+from megatron_ring.megatron import compat
+from megatron_ring.megatron.attention import RingDotProductAttention
 
 __all__ = ["get_gpt_layer_ring_spec", "with_ring_attention"]
 

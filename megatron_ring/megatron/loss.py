@@ -24,7 +24,7 @@ class CPLoss:
 def _cp_group(group: Any) -> Any:
     if group is not None:
         return group
-    from .provider import get_ring_state, is_context_parallel_initialized
+    from megatron_ring.megatron.provider import get_ring_state, is_context_parallel_initialized
 
     if is_context_parallel_initialized():
         return get_ring_state().group

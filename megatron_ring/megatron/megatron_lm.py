@@ -12,11 +12,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from .arguments import config_from_args
-from .config import ContextParallelConfigError
-from .layer_spec import with_ring_attention
-from .provider import initialize_context_parallel
-from .rope import use_layout_rope
+from megatron_ring.megatron.arguments import config_from_args
+from megatron_ring.megatron.config import ContextParallelConfigError
+from megatron_ring.megatron.layer_spec import with_ring_attention
+from megatron_ring.megatron.provider import initialize_context_parallel
+from megatron_ring.megatron.rope import use_layout_rope
 
 __all__ = ["use_ring_attention_in_gpt_config", "uses_ring_attention", "check_attention_backend"]
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ContextParallelConfigError, RingConfig
+from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig
 
 __all__ = [
     "RingState",

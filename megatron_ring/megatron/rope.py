@@ -22,7 +22,7 @@ from torch import Tensor
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from megatron_ring.layouts import get_layout
+from megatron_ring import get_layout
 
 __all__ = ["LayoutRotaryEmbedding", "use_layout_rope", "apply_packed_rope"]
 
@@ -56,11 +56,11 @@ def use_layout_rope(model: torch.nn.Module, layout: str | None = None) -> int:
     non-zigzag layouts (they slice zigzag internally).
     """
     if layout is None:
-        from .provider import get_ring_state
+        from megatron_ring.megatron.provider import get_ring_state
 
         layout = get_ring_state().layout
     get_layout(layout)  # validate the name
-    from .attention import RingDotProductAttention
+    from megatron_ring.megatron.attention import RingDotProductAttention
 
     n = 0
     for chunk in (model if isinstance(model, (list, tuple)) else [model]):
@@ -81,36 +81,6 @@ def use_layout_rope(model: torch.nn.Module, layout: str | None = None) -> int:
                 m.packed_rope = (rotary[0],)  # a tuple: not registered as a submodule
     return n
 
-
-def _doc_positions(pos: Tensor, cu: Tensor) -> Tensor:
-    """Position of each global stream position ``pos`` inside its document (boundaries ``cu``); tokens
-    past ``cu[-1]`` (end padding) count from ``cu[-1]``."""
-    cu = cu.detach().to("cpu", torch.int64)
-    return pos - cu[(torch.searchsorted(cu, pos, right=True) - 1).clamp_(0, len(cu) - 1)]
-
-
-def apply_packed_rope(rotary: RotaryEmbedding, config: Any, query: Tensor, key: Tensor, params: Any,
-                      layout: str, group: Any) -> tuple[Tensor, Tensor]:
-    """RoPE on this rank's packed ``query [t, np, hn]`` / ``key [t, ng, hn]`` (THD, split by ``layout``
-    over ``group``): token at global stream position p of a document starting at c gets angle p - c.
-
-    Document starts come from ``params.cu_seqlens_q_padded`` (``_kv_padded`` for K) when set, else
-    ``cu_seqlens_q`` / ``_kv``: the positions Megatron's own THD RoPE gives at CP = 1."""
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-    world = group.size() if group is not None else 1
-    rank = group.rank() if group is not None else 0
-    t = query.size(0)
-    pos = get_layout(layout).positions(t * world, world, rank)
-    out = []
-    for x, padded, cu in ((query, params.cu_seqlens_q_padded, params.cu_seqlens_q),
-                          (key, params.cu_seqlens_kv_padded, params.cu_seqlens_kv)):
-        rel = _doc_positions(pos, padded if padded is not None else cu)
-        emb = rotary.get_emb(int(rel.max()) + 1)
-        freqs = emb.index_select(0, rel.to(emb.device))  # [t, 1, 1, dim]
-        out.append(apply_rotary_pos_emb(x.unsqueeze(1), freqs, config=config, cu_seqlens=None,
-                                        cp_group=group).squeeze(1))
-    return out[0], out[1]
 
 
 def _modules(model: Any):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .cpu import megatron_cpu
+from megatron_ring.megatron.cpu import megatron_cpu
 
 __all__ = ["megatron_training_cpu", "REPLACED", "training_cpu_enabled"]
 

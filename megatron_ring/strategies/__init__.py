@@ -1,6 +1,6 @@
 """Context-parallel exchange patterns behind one switch: ``ring_attention(..., comm_type=...)``.
 
-One file per strategy; each consumes the same :class:`~megatron_ring.engine.RingPlan` (layout schedule,
+One file per strategy; each consumes the same :class:`~megatron_ring.core.engine.RingPlan` (layout schedule,
 kernel, codec) and reuses the engine's ring forward/backward for its compute:
 
 * ``p2p`` (:mod:`.p2p`): the ring;
@@ -16,10 +16,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..engine import RingPlan
-from . import a2a, a2a_p2p, all_gather, p2p
-from .a2a_p2p import make_hierarchical_groups
-from .status import StrategyStatus
+from megatron_ring.core.engine import RingPlan
+from megatron_ring.strategies import a2a, a2a_p2p, all_gather, p2p
+from megatron_ring.strategies.a2a_p2p import make_hierarchical_groups
+from megatron_ring.strategies.refusal import StrategyStatus
 
 __all__ = ["STRATEGIES", "COMM_TYPES", "run_strategy", "check_comm_type", "make_hierarchical_groups"]
 
@@ -65,7 +65,7 @@ def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool
 def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
                  head_chunks: int = 1, hierarchical_groups: Any = None, sink: torch.Tensor | None = None,
                  refusal: BaseException | None = None) -> torch.Tensor:
-    """BHSD views in (as :class:`~megatron_ring.engine.RingAttentionFunction` takes them), output out.
+    """BHSD views in (as :class:`~megatron_ring.core.engine.RingAttentionFunction` takes them), output out.
 
     ``sink``: fp32 ``[h]`` softmax offsets (attention sinks); dropout rides in ``plan.dropout``.
     ``refusal``: this rank rejected its input (the tensors are zeros): run the forward's collectives
@@ -81,11 +81,11 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
     if comm_type == "a2a+p2p":
         hierarchical_usable(plan, hierarchical_groups, required=True, device=qh.device)
     if comm_type == "auto":
-        from .auto import choose  # noqa: PLC0415 - the probe and cost model load on first use
+        from megatron_ring.strategies.auto import choose  # noqa: PLC0415 - the probe and cost model load on first use
 
         usable = hierarchical_usable(plan, hierarchical_groups, required=False, device=qh.device)  # on every rank
-        comm_type = choose(qh, kh, plan, head_chunks, hierarchical_groups if usable else None, vh)
-    if comm_type == "p2p":  # the ring carries its own status (ring_status)
+        comm_type = choose(qh, kh, plan, head_chunks, hierarchical_groups if usable else None, vh, runners=STRATEGIES)
+    if comm_type == "p2p":  # the ring carries its own status (core/status.py)
         if refusal is not None:
             refuse_on_ring(plan, kh, vh, head_chunks)
             raise refusal
@@ -99,7 +99,7 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
 
 
 def refuse_on_ring(plan: RingPlan, kh: torch.Tensor, vh: torch.Tensor, head_chunks: int) -> None:
-    from ..ring_status import _refusal_ring  # noqa: PLC0415
+    from megatron_ring.core.status import _refusal_ring  # noqa: PLC0415
 
     k_bshd, v_bshd = kh.transpose(1, 2), vh.transpose(1, 2)  # BHSD views -> the bshd shapes it expects
     _refusal_ring(plan.ring, plan.codec, k_bshd, v_bshd, "bshd", head_chunks, plan.steps(kh.shape[2]),

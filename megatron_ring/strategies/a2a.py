@@ -4,7 +4,7 @@ for a slice of heads, all-to-all back.
 After the all-to-all, group rank j holds query heads ``[j*h/P, (j+1)*h/P)`` (and the K/V heads they
 use) for every shard of the sequence, shard i at rows ``[i*s, (i+1)*s)``. The attention over that
 sequence is the SAME schedule as the ring: for every (query shard i, key shard j) the layout's
-``block_tasks(causal, P, i, j, s)`` (:class:`~.schedule_views.GroupedView`), run by the engine as a
+``block_tasks(causal, P, i, j, s)`` (:class:`~megatron_ring.schedules.views.GroupedView`), run by the engine as a
 world-size-1 plan; so causal skipping, and any mask a layout puts into its tasks, is the ring's.
 
 ``a2a+p2p`` is the same with the all-to-all over the inner group and the engine's ring, with
@@ -25,12 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..codec import IdentityCodec, KVCodec, KVSpec
-from ..comm import LoopbackRing, Ring
-from ..engine import RingPlan, head_groups
-from .collectives import all_to_all
-from .schedule_views import GroupedView
-from .status import encode_or_record, outer_ring
+from megatron_ring.wire.codecs import IdentityCodec, KVCodec, KVSpec
+from megatron_ring.transport.ring import LoopbackRing, Ring
+from megatron_ring.core.engine import RingPlan
+from megatron_ring.core.heads import head_groups
+from megatron_ring.transport.collectives import all_to_all
+from megatron_ring.schedules.views import GroupedView
+from megatron_ring.strategies.refusal import encode_or_record, outer_ring
 
 __all__ = ["run", "run_grouped", "kv_replication", "check_heads"]
 

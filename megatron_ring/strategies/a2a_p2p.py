@@ -5,7 +5,7 @@ convention: with ``group`` ranks ``g_0..g_{P-1}`` and inner size ``n``, rank ``o
 ``g_{o*n} .. g_{o*n+n-1}`` (consecutive) and outer group ``g_i, g_{n+i}, g_{2n+i}, ...`` (same inner
 index). After the inner all-to-all a rank holds ``h/n`` heads of its ``n`` inner shards (a super-block);
 the engine's ring then passes those super-blocks around the outer group with the layout's own tasks
-(:class:`~.schedule_views.GroupedView`). The wire codec applies on the outer ring (the inter-node hop,
+(:class:`~megatron_ring.schedules.views.GroupedView`). The wire codec applies on the outer ring (the inter-node hop,
 where bytes cost most), so each block is quantised once; the inner all-to-all carries the compute dtype.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from ..codec import IdentityCodec
-from ..comm import Ring
-from ..engine import RingPlan
-from .a2a import _A2A, check_heads, run_grouped
-from .collectives import group_ranks
-from .status import precheck_kv
+from megatron_ring.wire.codecs import IdentityCodec
+from megatron_ring.transport.ring import Ring
+from megatron_ring.core.engine import RingPlan
+from megatron_ring.strategies.a2a import _A2A, check_heads, run_grouped
+from megatron_ring.transport.collectives import group_ranks
+from megatron_ring.strategies.refusal import precheck_kv
 
 __all__ = ["run", "check_hierarchical_groups", "make_hierarchical_groups", "HIER_HINT"]
 

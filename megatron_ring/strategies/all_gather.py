@@ -2,7 +2,7 @@
 them; dK/dV are reduce-scattered back to their owners.
 
 Schedule: the layout's tasks for (this rank, every source) against the gathered K/V
-(:class:`~.schedule_views.GatheredView`), run by the engine as a world-size-1 plan — so under a causal
+(:class:`~megatron_ring.schedules.views.GatheredView`), run by the engine as a world-size-1 plan — so under a causal
 mask a rank computes only the sub-blocks it can see, exactly as the ring does.
 
 Overlap and memory: K/V are gathered in ``pieces`` groups of K/V heads; the gather of piece i+1 is in
@@ -14,17 +14,31 @@ Wire codecs apply to the gathered K/V (each block is quantised once, by its owne
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..block_extras import fold_sink, sink_grad
-from ..codec import KVSpec
-from ..comm import LoopbackRing
-from ..engine import RingPlan, head_groups, ring_backward, ring_forward
-from .collectives import Pending, all_gather, reduce_scatter
-from .schedule_views import GatheredPlan, GatheredView
-from .status import encode_or_record
+from megatron_ring.kernels.sinks import fold_sink, sink_grad
+from megatron_ring.wire.codecs import KVSpec
+from megatron_ring.transport.ring import LoopbackRing
+from megatron_ring.core.engine import RingPlan, ring_backward, ring_forward
+from megatron_ring.core.heads import head_groups
+from megatron_ring.transport.collectives import Pending, all_gather, reduce_scatter
+from megatron_ring.schedules.views import GatheredView
+from megatron_ring.strategies.refusal import encode_or_record
 
 __all__ = ["run", "AllGatherAttention"]
+
+
+
+@dataclasses.dataclass
+class GatheredPlan(RingPlan):
+    """The world-size-1 plan over a :class:`GatheredView`: its keys are every shard (position-keyed
+    dropout needs their true global positions, which differ from the queries')."""
+
+    def positions(self, task, step: int) -> dict:
+        view, n = self.layout, self.dropout.seq_len
+        return {"qpos": view.positions(n, 1, 0)[task.q], "kpos": view.key_positions(n)[task.kv]}
 
 
 def _local_plan(plan: RingPlan, device: torch.device, qs: slice) -> RingPlan:

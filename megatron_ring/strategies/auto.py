@@ -38,15 +38,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ..codec import KVSpec
-from ..comm import Ring
-from ..engine import RingPlan, _memory_order
-from .cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
+from megatron_ring.wire.codecs import KVSpec
+from megatron_ring.transport.ring import Ring
+from megatron_ring.core.engine import RingPlan, _memory_order
+from megatron_ring.strategies.cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
 
 __all__ = ["choose", "set_machine", "machine_for", "probe_machine", "measure", "to_measure", "last_choice"]
 
@@ -205,11 +205,12 @@ def to_measure(rows: list[dict]) -> tuple[list[str], int]:
 
 
 def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan,
-            head_chunks: int, hierarchical_groups: Any, rounds: int) -> tuple[dict[str, float], float]:
+            head_chunks: int, hierarchical_groups: Any, rounds: int,
+            runners: dict[str, Callable[..., torch.Tensor]]) -> tuple[dict[str, float], float]:
     """Forward+backward seconds of each candidate on random tensors of the call's shapes and strides
     (``rounds`` interleaved rounds; each one's median round, the mean when ``rounds`` <= 2; MAX over the
     group: the same numbers on every rank), and the measurement's own relative uncertainty (:func:`noise`,
-    MAX over the group)."""
+    MAX over the group). ``runners``: comm type -> strategy function (the registry passes itself)."""
     dev = qh.device
     q, k, v = (torch.randn_like(t).requires_grad_() for t in (qh, kh, vh))  # the call's strides too
     # the output gradient arrives with the output's strides, which follow q's (bshd callers: a transposed view)
@@ -220,7 +221,7 @@ def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch
     times: dict[str, list[float]] = {ct: [] for ct in candidates}
     kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups)
     with torch.enable_grad():  # also when the call itself runs without gradients
-        _rounds(candidates, q, k, v, dout, plan, kw, rounds, times)
+        _rounds(candidates, q, k, v, dout, plan, kw, rounds, times, runners)
     agreed = torch.tensor([typical(times[ct]) for ct in candidates] + [noise(times)], dtype=torch.float64,
                           device=dev)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=plan.ring.group)
@@ -228,15 +229,13 @@ def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch
     return dict(zip(candidates, typicals)), spread
 
 
-def _rounds(candidates, q, k, v, dout, plan, kw, rounds, times) -> None:
-    from . import STRATEGIES  # noqa: PLC0415 - the registry imports this module lazily
-
+def _rounds(candidates, q, k, v, dout, plan, kw, rounds, times, runners) -> None:
     for _ in range(rounds):
         for ct in candidates:
             dist.barrier(group=plan.ring.group)
             _sync(q.device)
             t0 = time.perf_counter()
-            STRATEGIES[ct](q, k, v, plan, **kw).backward(dout)
+            runners[ct](q, k, v, plan, **kw).backward(dout)
             _sync(q.device)
             times[ct].append(time.perf_counter() - t0)
             q.grad = k.grad = v.grad = None
@@ -265,8 +264,9 @@ def _fastest(times: dict[str, float], tie: float = TIE) -> str:
 
 
 def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int, hierarchical_groups: Any,
-           vh: torch.Tensor | None = None) -> str:
-    """The comm type for this call (cached per signature and group); the same on every rank."""
+           vh: torch.Tensor | None = None, *, runners: dict[str, Callable[..., torch.Tensor]]) -> str:
+    """The comm type for this call (cached per signature and group); the same on every rank. ``runners``:
+    the strategies to time (comm type -> function), passed by the registry."""
     inner = outer = None
     if hierarchical_groups is not None:
         inner_g, outer = hierarchical_groups
@@ -283,7 +283,7 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
     measured, tie = {}, TIE
     if near:
         measured, spread = measure(near, qh, kh, vh if vh is not None else kh, plan, head_chunks,
-                                   hierarchical_groups, rounds)
+                                   hierarchical_groups, rounds, runners)
         tie = max(TIE, spread)
         _choices[key] = _fastest(measured, tie)
     log.info("megatron_ring auto comm_type: chose %s for S=%d b=%d h=%d h_kv=%d d=%d %s causal=%s wire=%s over %d "

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..layouts import get_layout
+from megatron_ring.schedules.layouts import get_layout
 
 __all__ = ["Machine", "Problem", "predict", "predict_all", "pick", "activation_bytes", "workspace_bytes",
            "candidate_types", "BWD_FLOP_FACTOR"]

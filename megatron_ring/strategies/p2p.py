@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import RingAttentionFunction, RingPlan, head_groups
+from megatron_ring.core.engine import RingAttentionFunction, RingPlan
+from megatron_ring.core.heads import head_groups
 
 __all__ = ["run"]
 

@@ -5,10 +5,10 @@ first real run, never the contract."""
 import pytest
 import torch
 
-from megatron_ring import kernels as K
+from megatron_ring.kernels import block as K
 from megatron_ring import ring_attention
-from megatron_ring.codec import make_codec, KVSpec
-from megatron_ring.streams import SideStream
+from megatron_ring.wire.codecs import make_codec, KVSpec
+from megatron_ring.transport.streams import SideStream
 
 CUDA_KERNELS = ["sdpa_cuda", "flash_attn", "flash_cuda", "cudnn", "te_fused"]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-4}
@@ -52,7 +52,7 @@ def test_cuda_kernel_vs_float64(name, dtype, head_dim, sq, sk, causal, heads):
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
 def test_engine_on_one_gpu_matches_one_gpu_reference(world, layout):
     from ring_fakes import run_threads
-    from megatron_ring.layouts import get_layout
+    from megatron_ring.schedules.layouts import get_layout
     S, dev = 128 * world, "cuda"
     q = torch.randn(1, S, 8, 64, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, S, 2, 64, device=dev, dtype=torch.bfloat16)
@@ -95,7 +95,7 @@ def test_codecs_on_cuda(comm_dtype):
 
 
 def test_gpu_benchmark_row():
-    from megatron_ring.gpu_benchmark import gpu_row
+    from megatron_ring.tools.bench.gpu import gpu_row
     row = gpu_row(2, 2048, 8, 8, 64, torch.bfloat16, iters=3)
     print(row)
     assert row["efficiency"] > 0

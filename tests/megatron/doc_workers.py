@@ -93,9 +93,7 @@ def ring_configs_worker(rank: int, world: int, m: dict, configs: list[tuple[int,
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel,
-                                        get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu,
-                                        reduce_loss_over_cp)
+    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp)
     from megatron_ring.megatron.documents import packed_batch
 
     def reduce(tok, loss_mask):
@@ -136,8 +134,7 @@ def packed_attention_worker(rank: int, world: int, layout: str) -> dict:
 
     from doc_reference import doc_attention_reference
     from megatron_ring import shard_sequence
-    from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel,
-                                        initialize_context_parallel, megatron_cpu)
+    from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel, initialize_context_parallel, megatron_cpu)
     from reference import outputs_and_grads
 
     errs = {}

@@ -147,9 +147,7 @@ def ring_worker(rank: int, world: int, layouts: list[str], steps: int, cases=CAS
     torch.set_num_threads(1)
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel,
-                                        get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu,
-                                        reduce_loss_over_cp)
+    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp)
 
     def reduce(tok, mask):
         red = reduce_loss_over_cp(tok, mask)

@@ -148,9 +148,7 @@ def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel,
-                                        get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu,
-                                        reduce_loss_over_cp)
+    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp)
 
     out: dict[str, Any] = {"layouts": {}}
     with megatron_cpu():
@@ -202,8 +200,7 @@ def bad_config_worker(rank: int, world: int, case: str) -> dict[str, Any]:
 
     from megatron.core import parallel_state as ps
 
-    from megatron_ring.megatron import (RingConfig, add_context_parallel_args, config_from_args,
-                                        destroy_context_parallel, initialize_context_parallel, megatron_cpu)
+    from megatron_ring.megatron import (RingConfig, add_context_parallel_args, config_from_args, destroy_context_parallel, initialize_context_parallel, megatron_cpu)
 
     def parse(argv: list[str]):
         p = argparse.ArgumentParser()

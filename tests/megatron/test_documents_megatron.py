@@ -87,7 +87,7 @@ def test_batch_helper_shards_packed_batches():
     """THD batch: [1, T] tensors split with the layout, cu_seqlens kept global; padded params -> boundaries."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_ring.layouts import get_layout
+    from megatron_ring.schedules.layouts import get_layout
     from megatron_ring.megatron import get_batch_on_this_cp_rank
     from megatron_ring.megatron.documents import packed_cu_seqlens
 

@@ -94,7 +94,7 @@ def _install_fault(fault: dict) -> None:
     import torch
 
     import megatron_ring
-    from megatron_ring import comm
+    from megatron_ring.transport import ring as comm
 
     kind = fault.get("kind")
     orig_exchange = comm.Ring.exchange

@@ -1,6 +1,6 @@
 """GPU benchmark row: the ring schedule's compute on one GPU vs one-GPU SDPA on the same problem.
 
-Every rank's schedule (P = 2, 4, 8...) runs through :class:`~megatron_ring.comm.LoopbackRing` on the one
+Every rank's schedule (P = 2, 4, 8...) runs through :class:`~megatron_ring.transport.ring.LoopbackRing` on the one
 GPU, one rank after another; the row reports the slowest rank's forward+backward time x P (what P GPUs
 would spend in total) against torch SDPA on the whole sequence: the efficiency the engine leaves on the
 table (block splitting, merges, kernel choice). No communication is timed. Needs CUDA.
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .api import ring_attention
-from .comm import LoopbackRing
-from .layouts import get_layout
+from megatron_ring.api import ring_attention
+from megatron_ring.transport.ring import LoopbackRing
+from megatron_ring.schedules.layouts import get_layout
 
 __all__ = ["gpu_row"]
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..comm import RingPeerError
+from megatron_ring.errors import RingPeerError
 
 __all__ = ["Pending", "all_to_all", "all_gather", "reduce_scatter", "group_ranks"]
 

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from megatron_ring.errors import WireFiniteError
 
 __all__ = [
     "KVSpec",
@@ -70,9 +71,6 @@ class KVCodec(abc.ABC):
         buf = self.new_buffer(KVSpec(spec.k_shape, spec.v_shape, spec.dtype, torch.device("meta")))
         return buf.numel() * buf.element_size()
 
-
-class WireFiniteError(ValueError):
-    """K or V handed to a checking wire codec holds inf or NaN (see ``docs/numerics.md``)."""
 
 
 def _first_bad(mask_ok: torch.Tensor) -> tuple[int, ...]:

@@ -41,16 +41,17 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
-    from megatron_ring import masks, ring_attention
-    from megatron_ring.benchmark import _peak_mib, _rss_mib, _warm_up
-    from megatron_ring.comm import Ring
-    from megatron_ring.layouts import get_layout
-    from megatron_ring.masks import AttentionMask, needed_steps, schedule
+    from megatron_ring.schedules import masks
+    from megatron_ring import ring_attention
+    from megatron_ring.tools.bench.measure import peak_mib, rss_mib, warm_up
+    from megatron_ring.transport.ring import Ring
+    from megatron_ring.schedules.layouts import get_layout
+    from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
 
     torch.set_num_threads(1)
     layout = cfg["layout"]
-    _warm_up(lambda *t: ring_attention(*t, causal=True, layout=layout), 2 * world, torch.float32)
-    base = _rss_mib()
+    warm_up(lambda *t: ring_attention(*t, causal=True, layout=layout), 2 * world, torch.float32)
+    base = rss_mib()
     ring = Ring(dist.group.WORLD, torch.device("cpu"))
     default_policy = masks.EDGE_POLICY
     runs = []
@@ -86,12 +87,12 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             r["fn"]()
             r["times"].append(time.perf_counter() - t0)
-    peak = _peak_mib() - base
+    peak = peak_mib() - base
     return [dict(times=r["times"], bytes=r["bytes"], calls=r["calls"], steps=r["steps"], peak=peak) for r in runs]
 
 
 def _spawn_all(world: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    from megatron_ring.launch import run_on_ranks
+    from megatron_ring.tools.launch import run_on_ranks
 
     per_rank = run_on_ranks(_worker, world, cfg, timeout=timeout)
     out = []
@@ -115,7 +116,7 @@ def _per_doc_calls(cu: list[int], world: int, T: int, layout: str) -> int:
     """Kernel calls per forward if every (document, visiting block) piece were its own call (max rank)."""
     import torch
 
-    from megatron_ring.layouts import get_layout
+    from megatron_ring.schedules.layouts import get_layout
 
     lay = get_layout(layout)
     ids = torch.searchsorted(torch.tensor(cu), torch.arange(T), right=True) - 1
@@ -147,8 +148,8 @@ def run_docs(world: int, seq: int, n_docs: int, cfg: dict[str, Any], timeout: fl
 def run_window(world: int, seq: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """Windows vs full causal, per layout, timed interleaved in the same processes (peak memory is then
     the max over the variants, so it is not reported per row). ``cfg["policies"]`` (default: the current
-    :data:`~megatron_ring.masks.EDGE_POLICY`) times each window under each edge policy side by side."""
-    from megatron_ring import masks
+    :data:`~megatron_ring.schedules.masks.EDGE_POLICY`) times each window under each edge policy side by side."""
+    from megatron_ring.schedules import masks
 
     rows = []
     cases = (("full causal", None), ("S/2", seq // 2), ("S/4", seq // 4), ("S/16", seq // 16))
@@ -175,10 +176,10 @@ def run_window_compute(world: int, seq: int, cfg: dict[str, Any], reps: int = 5)
 
     import torch
 
-    from megatron_ring import masks
-    from megatron_ring.engine import RingPlan
-    from megatron_ring.kernels import FlashCPUKernel
-    from megatron_ring.layouts import get_layout
+    from megatron_ring.schedules import masks
+    from megatron_ring.core.engine import RingPlan
+    from megatron_ring.kernels.block import FlashCPUKernel
+    from megatron_ring.schedules.layouts import get_layout
 
     torch.set_num_threads(1)
     s, h, d = seq // world, cfg["heads"], cfg["head_dim"]
@@ -251,8 +252,8 @@ def mixes(T: int, seed: int = 0) -> dict[str, list[int]]:
 
 def run_balance(worlds: list[int], T: int, seeds: int = 3) -> list[dict[str, Any]]:
     """Causal work (visible pairs) per rank: max/mean per layout and mix (worst over ``seeds`` seeds)."""
-    from megatron_ring.layouts import get_layout
-    from megatron_ring.masks import AttentionMask, visible_pairs
+    from megatron_ring.schedules.layouts import get_layout
+    from megatron_ring.schedules.masks import AttentionMask, visible_pairs
 
     rows = []
     for world in worlds:

@@ -26,10 +26,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import breakdown
-from .deadline import watchdog
-from .failure_notes import who_is_lost
-from .streams import SideStream, side_stream_for
+from megatron_ring import breakdown
+from megatron_ring.transport.deadline import watchdog
+from megatron_ring.transport.failure_notes import who_is_lost
+from megatron_ring.transport.streams import SideStream, side_stream_for
+from megatron_ring.errors import RingPeerError
 
 __all__ = ["Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS", "looks_like_timeout"]
 
@@ -38,9 +39,6 @@ CHANNEL_TAGS = {"fwd_kv": 11, "bwd_kv": 12, "bwd_dkv": 13}
 
 Role = tuple[str, int]  # ("sending to" | "receiving from", peer global rank)
 
-
-class RingPeerError(RuntimeError):
-    """A ring neighbour failed, vanished or did not answer in time."""
 
 
 def looks_like_timeout(text: str) -> bool:

@@ -2,7 +2,7 @@
 makes EVERY rank raise, without a per-step host synchronisation.
 
 Each K/V wire buffer carries one trailing element (in the wire's own dtype) holding its sender's status
-code: 0 = fine, 1 = K/V the wire codec refuses (:class:`~megatron_ring.codec.WireFiniteError`: inf/NaN,
+code: 0 = fine, 1 = K/V the wire codec refuses (:class:`~megatron_ring.wire.codecs.WireFiniteError`: inf/NaN,
 or beyond the fp16 range), 2 = any other input error this rank detected (after the cross-rank check, e.g.
 a kernel that does not run on this rank's device). The code is written once by the block's owner and
 forwarded unchanged with the block, so after the forward ring every rank has seen every rank's code.
@@ -27,16 +27,15 @@ from typing import Any
 
 import torch
 
-from .buffers import POOL
-from .codec import KVCodec, KVSpec, WireFiniteError
+from megatron_ring.core.buffers import POOL
+from megatron_ring.wire.codecs import KVCodec, KVSpec
+from megatron_ring.errors import WireFiniteError
+from megatron_ring.errors import RingInputError
 
 __all__ = ["RingInputError", "RingStatus", "status_buffers", "check_pending", "refuse_on_every_rank"]
 
 OK, BAD_VALUES, BAD_INPUT = 0, 1, 2
 
-
-class RingInputError(ValueError):
-    """Another rank of the ring rejected its input; it raised the detailed error."""
 
 
 def status_buffers(codec: KVCodec, spec: KVSpec, count: int) -> list[torch.Tensor]:
@@ -153,9 +152,9 @@ def refuse_on_every_rank(ring: Any, codec: KVCodec | None, k: torch.Tensor, v: t
 def _refusal_ring(ring: Any, codec: KVCodec, k: torch.Tensor, v: torch.Tensor, qkv_format: str,
                   head_chunks: Any, steps: int, pieces: int = 1) -> None:
     """The forward ring's exchanges, every piece marked :data:`BAD_INPUT`, received blocks forwarded
-    unchanged (the same messages, in the same order, as :func:`~megatron_ring.engine.ring_forward`)."""
-    from .engine import head_groups  # noqa: PLC0415 - the engine imports this module
-    from .rotation import Rotation, divisor_at_most  # noqa: PLC0415
+    unchanged (the same messages, in the same order, as :func:`~megatron_ring.core.engine.ring_forward`)."""
+    from megatron_ring.core.heads import head_groups  # noqa: PLC0415 - the engine imports this module
+    from megatron_ring.core.rotation import Rotation, divisor_at_most  # noqa: PLC0415
 
     if not (isinstance(head_chunks, int) and head_chunks >= 1):
         return  # every rank refuses head_chunks itself, before any exchange

@@ -78,10 +78,10 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
             times[ct].append(time.perf_counter() - t0)
     res: dict[str, Any] = {"times": times}
     from megatron_ring.api import _ring_for
-    from megatron_ring.codec import make_codec
-    from megatron_ring.engine import RingPlan
-    from megatron_ring.kernels import select_kernel
-    from megatron_ring.layouts import get_layout
+    from megatron_ring.wire.codecs import make_codec
+    from megatron_ring.core.engine import RingPlan
+    from megatron_ring.kernels.block import select_kernel
+    from megatron_ring.schedules.layouts import get_layout
 
     qh, kh = q.transpose(1, 2), k.transpose(1, 2)
     plan = RingPlan(ring=_ring_for(dist.group.WORLD, q.device, None), layout=get_layout(cfg["layout"]),
@@ -103,7 +103,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
 
 def _memory_worker(rank: int, world: int, cfg: dict[str, Any], ct: str) -> float:
     from megatron_ring import ring_attention
-    from megatron_ring.benchmark import _peak_mib, _rss_mib
+    from megatron_ring.tools.bench.measure import peak_mib, rss_mib
 
     inner = _inner(world)
     hier = _hier(world, inner) if inner else None
@@ -113,19 +113,19 @@ def _memory_worker(rank: int, world: int, cfg: dict[str, Any], ct: str) -> float
     leaves = [t.requires_grad_() for t in (q, k, v)]
     ring_attention(*leaves, **kw).backward(dout)
     q, k, v, dout = _inputs(cfg, rank, world)
-    base = _rss_mib()
+    base = rss_mib()
     leaves = [t.requires_grad_() for t in (q, k, v)]
     ring_attention(*leaves, **kw).backward(dout)
-    return _peak_mib() - base
+    return peak_mib() - base
 
 
 def run_comm_types(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    from megatron_ring.benchmark import _ENV
-    from megatron_ring.launch import run_on_ranks
+    from megatron_ring.tools.bench.measure import BENCH_ENV
+    from megatron_ring.tools.launch import run_on_ranks
 
     rows = []
     for world in cfg["world_sizes"]:
-        per_rank = run_on_ranks(_timing_worker, world, cfg, timeout=cfg["timeout"], env=_ENV)
+        per_rank = run_on_ranks(_timing_worker, world, cfg, timeout=cfg["timeout"], env=BENCH_ENV)
         r0 = per_rank[0]
         types = list(r0["times"])
         med = {ct: statistics.median(max(ts) for ts in zip(*(r["times"][ct] for r in per_rank))) for ct in types}
@@ -144,7 +144,7 @@ def run_comm_types(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 row["choice_over_best"] = measured[r0["choice"]] / med[best]
         if cfg.get("memory"):
             row["peak_mib_per_rank"] = {
-                ct: max(run_on_ranks(_memory_worker, world, cfg, ct, timeout=cfg["timeout"], env=_ENV))
+                ct: max(run_on_ranks(_memory_worker, world, cfg, ct, timeout=cfg["timeout"], env=BENCH_ENV))
                 for ct in types if ct != "auto"}
         rows.append(row)
         print_rows([row])

@@ -15,7 +15,7 @@ block, in the same pieces. Each rank adds its contribution to a piece and passes
 piece computes; after P hops every piece is back on its owner, in slots that make the returned dK/dV
 views of the accumulator (:class:`_Accumulators`). Only the last piece's hop home is left in the open.
 
-K/V slots come from :data:`~megatron_ring.buffers.POOL` and go back to it after the ring, so steps and
+K/V slots come from :data:`~megatron_ring.core.buffers.POOL` and go back to it after the ring, so steps and
 calls reuse the same memory (no fresh pages per call on CPU).
 """
 from __future__ import annotations
@@ -24,17 +24,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import breakdown
-from .buffers import POOL
-from .block_extras import DropoutKernel, DropoutSpec, fold_sink, sink_grad
-from .codec import KVCodec, KVSpec
-from .comm import Ring
-from .kernels import BlockKernel, MathKernel, ReversedKernel
-from .layouts import Layout
-from .masks import AttentionMask, needed_steps, schedule
-from .merge import merge_into
-from .rotation import Rotation, divisor_at_most, start_for
-from .ring_status import RingStatus, check_pending, status_buffers
+from megatron_ring import breakdown
+from megatron_ring.core.buffers import POOL
+from megatron_ring.kernels.dropout import DropoutKernel, DropoutSpec
+from megatron_ring.kernels.sinks import fold_sink, sink_grad
+from megatron_ring.wire.codecs import KVCodec, KVSpec
+from megatron_ring.transport.ring import Ring
+from megatron_ring.kernels.block import BlockKernel, MathKernel, ReversedKernel
+from megatron_ring.schedules.layouts import Layout
+from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
+from megatron_ring.core.merge import merge_into
+from megatron_ring.core.rotation import Rotation, divisor_at_most, start_for
+from megatron_ring.core.status import RingStatus, check_pending, status_buffers
+from megatron_ring.core.heads import head_groups
 
 __all__ = ["RingPlan", "ring_forward", "ring_backward", "RingAttentionFunction", "head_groups"]
 
@@ -50,7 +52,7 @@ class RingPlan:
     kernel: BlockKernel
     codec: KVCodec
     mask: AttentionMask | None = None  # documents / window (None: the layout's causal or full structure)
-    dropout: DropoutSpec | None = None  # attention dropout by global positions (see block_extras)
+    dropout: DropoutSpec | None = None  # attention dropout by global positions (see kernels/dropout.py)
     pieces: int = 1  # K/V heads pieces a ring step streams a block in, at most (see rotation.py)
 
     def tasks(self, step: int, s: int):
@@ -97,7 +99,7 @@ def _mask_kernel(kernel: BlockKernel) -> BlockKernel:
 
 class _KVStream:
     """The visiting K/V blocks, in ``n`` pieces of K/V heads, with the next block's pieces in flight
-    (:class:`~megatron_ring.rotation.Rotation`: ``n + 1`` piece slots instead of two whole blocks)."""
+    (:class:`~megatron_ring.core.rotation.Rotation`: ``n + 1`` piece slots instead of two whole blocks)."""
 
     def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str, n: int,
                  steps: int) -> None:
@@ -311,12 +313,6 @@ def _memory_order(like: torch.Tensor) -> list[int]:
     """``like``'s dimensions from outermost to innermost in memory."""
     return sorted(range(like.ndim), key=lambda i: like.stride(i), reverse=True)
 
-
-def head_groups(h_kv: int, groups: int) -> list[slice]:
-    """Split K/V heads ``[0, h_kv)`` into ``groups`` near-equal slices (at most one slice per head)."""
-    n = max(1, min(int(groups), h_kv))
-    bounds = [round(i * h_kv / n) for i in range(n + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 class RingAttentionFunction(torch.autograd.Function):

@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Any
 
-from .breakdown import CATEGORIES
+from megatron_ring.breakdown import CATEGORIES
 
 __all__ = ["run_breakdown", "format_breakdown"]
 
@@ -21,8 +21,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from megatron_ring import breakdown, ring_attention
-    from megatron_ring.comm import Ring
+    from megatron_ring import breakdown
+    from megatron_ring import ring_attention
+    from megatron_ring.transport.ring import Ring
 
     dtype = getattr(torch, cfg["dtype_name"])
     s = cfg["seq"] // world
@@ -47,7 +48,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_breakdown(cfg: dict[str, Any], world: int) -> dict[str, Any]:
-    from .launch import run_on_ranks
+    from megatron_ring.tools.launch import run_on_ranks
 
     per_rank = run_on_ranks(_worker, world, cfg, timeout=cfg["timeout"],
                             env={"MALLOC_MMAP_THRESHOLD_": "65536"})

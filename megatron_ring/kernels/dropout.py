@@ -1,21 +1,8 @@
-"""Block-level extensions of the engine for today's models: MLA head dims, attention sinks, dropout.
-
-* :class:`HeadDimPadKernel` — V's head dim ``d_v`` differs from Q/K's ``d_qk`` (multi-latent
-  attention). torch's CPU flash op (and flash-attn 2) require equal head dims, so the wrapped kernel
-  sees zero-padded operands: V (and dO, O in backward) padded to ``d_qk`` when ``d_v < d_qk``, Q and K
-  padded to ``d_v`` otherwise. Zero columns change neither the scores nor the other output columns,
-  so the result is exact; the padded columns are sliced off. Only the kernel's operands are padded:
-  K and V travel the ring unpadded, as one packed buffer (the codecs pack K and V with separate shapes).
-* attention sinks (``softmax_offset``) — a virtual key with zero value whose logit takes part in the
-  softmax denominator only. It is folded into the log-sum-exp of the ring's fp32 accumulator
-  (:func:`fold_sink`: one more term of the same merge, no extra kernel call or ring pass); the
-  backward uses the folded lse, so every block gradient is exact, and the sink's own gradient is
-  ``-sum_i exp(sink - lse_i) * (dO_i . O_i)`` over this rank's queries (:func:`sink_grad`).
-* :class:`DropoutSpec` / :class:`DropoutKernel` — attention dropout whose keep/drop decision is a
-  counter-based hash of ``(seed, batch row, head, GLOBAL query position, GLOBAL key position)``
-  (:func:`keep_mask`). It is generated per block from the block's global positions, so forward,
-  backward and any recompute see the same mask, and the result does not depend on the CP size or the
-  layout: CP=P equals CP=1 with the same seed up to floating-point summation order.
+""":class:`DropoutSpec` / :class:`DropoutKernel` — attention dropout whose keep/drop decision is a
+counter-based hash of ``(seed, batch row, head, GLOBAL query position, GLOBAL key position)``
+(:func:`keep_mask`). It is generated per block from the block's global positions, so forward,
+backward and any recompute see the same mask, and the result does not depend on the CP size or the
+layout: CP=P equals CP=1 with the same seed up to floating-point summation order.
 """
 from __future__ import annotations
 
@@ -23,66 +10,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .kernels import BlockKernel
+from megatron_ring.kernels.block import BlockKernel
 
-__all__ = ["HeadDimPadKernel", "DropoutSpec", "DropoutKernel", "keep_mask", "fold_sink", "sink_grad",
-           "NATIVE_HEAD_DIM_KERNELS"]
-
-NATIVE_HEAD_DIM_KERNELS = ("math", "dropout")  # kernels that take d_v != d_qk without padding
-
-
-def _pad_last(x: torch.Tensor, d: int) -> torch.Tensor:
-    if x.shape[-1] == d:
-        return x
-    out = x.new_zeros(*x.shape[:-1], d)
-    out[..., : x.shape[-1]].copy_(x)
-    return out
-
-
-class HeadDimPadKernel(BlockKernel):
-    """Runs ``base`` on operands zero-padded to one head dim (exact; see the module docstring)."""
-
-    def __init__(self, base: BlockKernel) -> None:
-        self.base = base
-        self.name = f"{base.name}+pad"
-        self.supports_mask = base.supports_mask
-
-    def supports(self, q):
-        return self.base.supports(q)
-
-    def forward(self, q, k, v, causal, scale, **kw):
-        dqk, dv = q.shape[-1], v.shape[-1]
-        d = max(dqk, dv)
-        out, lse = self.base.forward(_pad_last(q, d), _pad_last(k, d), _pad_last(v, d), causal, scale, **kw)
-        return out[..., :dv], lse
-
-    def backward(self, dout, q, k, v, out, lse, causal, scale, **kw):
-        dqk, dv_dim = q.shape[-1], v.shape[-1]
-        d = max(dqk, dv_dim)
-        dq, dk, dv = self.base.backward(_pad_last(dout, d), _pad_last(q, d), _pad_last(k, d), _pad_last(v, d),
-                                        _pad_last(out, d), lse, causal, scale, **kw)
-        return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]
-
-
-# ---------------------------------------------------------------------------------------------- sinks
-def fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> None:
-    """Merge the virtual sink key (logit ``sink[h]``, value 0) into ``(out [b,h,s,d], lse [b,h,s])``,
-    both fp32, in place: the log-sum-exp merge with a block whose output is 0."""
-    s = sink.to(lse.dtype).view(1, -1, 1)
-    new = torch.logaddexp(lse, s.expand_as(lse))
-    out.mul_(torch.exp(lse - new).unsqueeze(-1))  # rows without keys: exp(-inf) = 0, out stays 0
-    lse.copy_(new)
-
-
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """d loss / d sink ``[h]`` (fp32) from THIS rank's queries (sum over the CP group for the full one)."""
-    delta = (dout.float() * out.float()).sum(-1)  # [b, h, s]
-    p_sink = torch.exp(sink.float().view(1, -1, 1) - lse)
-    return -(p_sink * delta).sum((0, 2))
-
-
-# -------------------------------------------------------------------------------------------- dropout
 _M32 = 0xFFFFFFFF
+
+__all__ = ["DropoutSpec", "DropoutKernel", "keep_mask"]
 
 
 def _fmix(x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +74,7 @@ class DropoutKernel(BlockKernel):
     """fp32 block attention with the positional dropout mask (after softmax, scaled by 1/(1-p)).
 
     The lse is that of the undropped scores (dropout does not change the denominator), so the engine's
-    merge is unchanged. Masks (causal, documents, windows) as :class:`~megatron_ring.kernels.MathKernel`.
+    merge is unchanged. Masks (causal, documents, windows) as :class:`~megatron_ring.kernels.block.MathKernel`.
     """
 
     name = "dropout"

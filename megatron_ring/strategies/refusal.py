@@ -1,11 +1,11 @@
 """In-band refusal of bad input for the collective strategies (all_gather, a2a, a2a+p2p).
 
-The ring (p2p) carries a status element with every K/V block (:mod:`megatron_ring.ring_status`). The
+The ring (p2p) carries a status element with every K/V block (:mod:`megatron_ring.core.status`). The
 other exchange patterns cannot: a2a+p2p's ring runs over the outer group only and its blocks are mixtures
 of several ranks' heads. They share one rule instead:
 
 * a rank whose input fails after the cross-rank check does NOT raise at once. K/V its wire codec refuses
-  (:class:`~megatron_ring.codec.WireFiniteError`) are recorded where they are encoded
+  (:class:`~megatron_ring.wire.codecs.WireFiniteError`) are recorded where they are encoded
   (:func:`encode_or_record`) and the forward goes on; a rank-local input error (``refuse_on_every_rank``
   in ``api.py``) makes the rank run the same strategy forward on zeros (:func:`mirror`), so it takes part
   in every collective the other ranks issue;
@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
-from ..codec import KVCodec, WireFiniteError
-from ..engine import RingAttentionFunction, RingPlan
-from ..ring_status import BAD_INPUT, BAD_VALUES, OK, RingInputError, _raise_for
-from .collectives import all_gather
+from megatron_ring.wire.codecs import KVCodec
+from megatron_ring.errors import WireFiniteError
+from megatron_ring.core.engine import RingAttentionFunction, RingPlan
+from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, _raise_for
+from megatron_ring.errors import RingInputError
+from megatron_ring.transport.collectives import all_gather
 
 __all__ = ["StrategyStatus", "encode_or_record", "outer_ring", "precheck_kv", "status_of"]
 
@@ -107,7 +109,7 @@ def precheck_kv(plan: RingPlan, codec: KVCodec, k: torch.Tensor, v: torch.Tensor
     status = status_of(plan)
     if status is None or not codec.checks_values:
         return k, v
-    from ..codec import KVSpec  # noqa: PLC0415
+    from megatron_ring.wire.codecs import KVSpec  # noqa: PLC0415
 
     before = status.error
     with torch.no_grad():

@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from . import breakdown
-from .comm import Exchange, Ring
+from megatron_ring import breakdown
+from megatron_ring.transport.ring import Exchange, Ring
 
 __all__ = ["Rotation", "start_for", "piece_count", "AUTO_PIECES_CPU", "CPU_MIN_PIECE_WORK", "CUDA_MIN_TILES"]
 

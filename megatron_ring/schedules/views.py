@@ -14,11 +14,10 @@ import dataclasses
 
 import torch
 
-from ..engine import RingPlan
-from ..layouts import BlockTask, Layout
-from ..masks import schedule
+from megatron_ring.schedules.layouts import BlockTask, Layout
+from megatron_ring.schedules.masks import schedule
 
-__all__ = ["GatheredView", "GroupedView", "GatheredPlan"]
+__all__ = ["GatheredView", "GroupedView"]
 
 
 def _shift(sl: slice, by: int) -> slice:
@@ -113,13 +112,3 @@ class GroupedView(_View):
         return tuple(_moved(t, i * c, j * c)
                      for i in range(n) for j in range(n)
                      for t in schedule(self.base, rule, world * n, rank * n + i, src * n + j, c))
-
-
-@dataclasses.dataclass
-class GatheredPlan(RingPlan):
-    """The world-size-1 plan over a :class:`GatheredView`: its keys are every shard (position-keyed
-    dropout needs their true global positions, which differ from the queries')."""
-
-    def positions(self, task, step: int) -> dict:
-        view, n = self.layout, self.dropout.seq_len
-        return {"qpos": view.positions(n, 1, 0)[task.q], "kpos": view.key_positions(n)[task.kv]}

@@ -9,7 +9,7 @@
   unbounded on that side).
 
 :func:`schedule` turns it, for one (layout, P, rank, source rank, local length), into the list of
-:class:`~megatron_ring.layouts.BlockTask` the engine computes at that ring step. Without documents and
+:class:`~megatron_ring.schedules.layouts.BlockTask` the engine computes at that ring step. Without documents and
 window it IS the layout's own causal schedule (same tasks, same cost). Otherwise local rows are cut into
 tiles; tile pairs are classified from their position/document ranges (no visible pair: skipped; every
 pair visible: a full block) and only the ambiguous ones are checked element-wise. Each query tile then
@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from .layouts import BlockTask, Layout
+from megatron_ring.schedules.layouts import BlockTask, Layout
 
 __all__ = ["AttentionMask", "BlockMask", "schedule", "visible_pairs", "needed_steps", "doc_ids"]
 
@@ -100,7 +100,7 @@ class MaskedTask(BlockTask):
     ``reversed``: the mask is exactly the upper triangle of a square block (key row >= query row: the
     lower edge ``j >= i - left`` of a window). Reversing the order of both query and key rows makes it a
     top-left causal block, so the engine runs it on the plain kernel, unmasked
-    (:class:`~megatron_ring.kernels.ReversedKernel`); ``mask`` still describes it (for kernels that
+    (:class:`~megatron_ring.kernels.block.ReversedKernel`); ``mask`` still describes it (for kernels that
     need the mask anyway, e.g. position-keyed dropout)."""
 
     mask: BlockMask | None = None
@@ -267,7 +267,7 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
     """The tasks rank ``rank`` computes against the K/V block of rank ``src`` (cached)."""
     if rule.plain:
         return layout.block_tasks(rule.causal, world, rank, src, s)
-    if hasattr(layout, "masked_tasks"):  # a strategy's view of several shards (strategies/schedule_views)
+    if hasattr(layout, "masked_tasks"):  # a strategy's view of several shards (schedules/views.py)
         return layout.masked_tasks(rule, world, rank, src, s)
     key = (layout.name, rule, world, rank, src, s, tile, EDGE_POLICY)
     hit = _CACHE.get(key)

@@ -1,0 +1,22 @@
+"""Every error a user of megatron_ring may catch, in one place (also exported by ``megatron_ring``).
+
+Bad input (fix the call): :class:`ValueError` subclasses -- :class:`RingInputError` (another rank's input
+was refused; that rank raised the detailed error), :class:`WireFiniteError` (K/V with inf/NaN for a
+checking wire codec). A failed or silent peer (fix the job): :class:`RingPeerError`, a :class:`RuntimeError`.
+Plain ``ValueError`` / ``TypeError`` name the argument to change for local checks.
+"""
+from __future__ import annotations
+
+__all__ = ["RingInputError", "WireFiniteError", "RingPeerError"]
+
+
+class RingInputError(ValueError):
+    """Another rank of the ring rejected its input; it raised the detailed error."""
+
+
+class WireFiniteError(ValueError):
+    """K or V handed to a checking wire codec holds inf or NaN (see ``docs/numerics.md``)."""
+
+
+class RingPeerError(RuntimeError):
+    """A ring neighbour failed, vanished or did not answer in time."""

@@ -1,0 +1,49 @@
+""":class:`HeadDimPadKernel` — V's head dim ``d_v`` differs from Q/K's ``d_qk`` (multi-latent
+attention). torch's CPU flash op (and flash-attn 2) require equal head dims, so the wrapped kernel
+sees zero-padded operands: V (and dO, O in backward) padded to ``d_qk`` when ``d_v < d_qk``, Q and K
+padded to ``d_v`` otherwise. Zero columns change neither the scores nor the other output columns,
+so the result is exact; the padded columns are sliced off. Only the kernel's operands are padded:
+K and V travel the ring unpadded, as one packed buffer (the codecs pack K and V with separate shapes).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_ring.kernels.block import BlockKernel
+
+__all__ = ["HeadDimPadKernel", "NATIVE_HEAD_DIM_KERNELS"]
+
+NATIVE_HEAD_DIM_KERNELS = ("math", "dropout")  # kernels that take d_v != d_qk without padding
+
+
+def _pad_last(x: torch.Tensor, d: int) -> torch.Tensor:
+    if x.shape[-1] == d:
+        return x
+    out = x.new_zeros(*x.shape[:-1], d)
+    out[..., : x.shape[-1]].copy_(x)
+    return out
+
+
+class HeadDimPadKernel(BlockKernel):
+    """Runs ``base`` on operands zero-padded to one head dim (exact; see the module docstring)."""
+
+    def __init__(self, base: BlockKernel) -> None:
+        self.base = base
+        self.name = f"{base.name}+pad"
+        self.supports_mask = base.supports_mask
+
+    def supports(self, q):
+        return self.base.supports(q)
+
+    def forward(self, q, k, v, causal, scale, **kw):
+        dqk, dv = q.shape[-1], v.shape[-1]
+        d = max(dqk, dv)
+        out, lse = self.base.forward(_pad_last(q, d), _pad_last(k, d), _pad_last(v, d), causal, scale, **kw)
+        return out[..., :dv], lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, **kw):
+        dqk, dv_dim = q.shape[-1], v.shape[-1]
+        d = max(dqk, dv_dim)
+        dq, dk, dv = self.base.backward(_pad_last(dout, d), _pad_last(q, d), _pad_last(k, d), _pad_last(v, d),
+                                        _pad_last(out, d), lse, causal, scale, **kw)
+        return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]

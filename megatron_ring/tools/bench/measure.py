@@ -1,0 +1,42 @@
+"""Measuring helpers shared by the benchmark's parts: resident and peak memory, warm-up, timed loops."""
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+__all__ = ["rss_mib", "peak_mib", "warm_up", "timed", "BENCH_ENV"]
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def warm_up(attn, seq: int, dtype) -> None:
+    """One tiny forward+backward, so one-off start-up memory is not counted as the run's peak.
+
+    The backward takes an explicit gradient, as the measured calls do: the first such call costs
+    ~40 MiB of one-off autograd state (a ``.sum().backward()`` warm-up does not take that path).
+    """
+    import torch
+
+    q, k, v = (torch.randn(1, seq, 2, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = attn(q, k, v)
+    out.backward(torch.randn_like(out))
+
+
+def timed(fn, iters: int, sync) -> list[float]:
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+BENCH_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks via mmap: freed memory leaves RSS at once
