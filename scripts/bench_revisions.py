@@ -1,0 +1,127 @@
+"""Paired timing of ring attention at two revisions of this repository (e.g. before and after a refactor).
+
+    .venv/bin/python scripts/bench_revisions.py 34cad64 HEAD --world-sizes 2 4 --seq 8192 --rounds 3
+
+Each revision is checked out into a temporary git worktree. Per round, for every (P, causal) the two
+revisions run one after the other (their order alternates between rounds), each as P gloo processes with
+one thread each, timing forward+backward of ``megatron_ring.ring_attention`` (zigzag, fp32) over
+``--iters`` calls after one warm-up call; a call's time is the slowest rank's. Printed per (P, causal):
+each revision's median, and the median over rounds of the within-round ratio B/A with its spread (min-max),
+which is the noise to compare against. Uses only ``ring_attention``, whose signature both revisions share.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+WORKER = r"""
+import json, os, sys, time
+import torch, torch.distributed as dist
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+cfg = json.loads(sys.argv[4])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+from megatron_ring import ring_attention, shard_sequence
+g = torch.Generator().manual_seed(0)
+S, H, D = cfg["seq"], cfg["heads"], cfg["head_dim"]
+q, k, v = (torch.randn(1, S, H, D, generator=g) for _ in range(3))
+q, k, v = (shard_sequence(x, dim=1, layout="zigzag").clone().requires_grad_(True) for x in (q, k, v))
+dout = torch.randn_like(q)
+times = []
+for i in range(cfg["iters"] + 1):
+    dist.barrier()
+    t0 = time.perf_counter()
+    ring_attention(q, k, v, causal=cfg["causal"], layout="zigzag").backward(dout)
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if i:
+        times.append(float(t))
+if rank == 0:
+    print("RESULT " + json.dumps(times), flush=True)
+dist.barrier()
+# leave without interpreter finalisation: a gloo thread may still drop its last all-reduce Work object,
+# which takes the GIL, and a thread taking the GIL during finalisation aborts the process
+os._exit(0)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tree: str, world: int, cfg: dict, timeout: float) -> float:
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), json.dumps(cfg)],
+                              env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode:
+            raise RuntimeError(f"worker failed in {tree}:\n{err[-2000:]}")
+    line = next(ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT "))
+    return statistics.median(json.loads(line[len("RESULT "):]))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rev_a")
+    ap.add_argument("rev_b")
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    repo = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = []
+        for i, rev in enumerate((a.rev_a, a.rev_b)):
+            path = os.path.join(tmp, f"rev{i}")
+            subprocess.check_call(["git", "-C", repo, "worktree", "add", "-q", "--detach", path, rev])
+            trees.append(path)
+        try:
+            rows = []
+            for world in a.world_sizes:
+                for causal in (True, False):
+                    cfg = dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, iters=a.iters, causal=causal)
+                    t = {0: [], 1: []}
+                    for rnd in range(a.rounds):
+                        for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
+                            t[i].append(_run(trees[i], world, cfg, a.timeout))
+                    ratios = [b / x for x, b in zip(t[0], t[1])]
+                    row = dict(P=world, causal=causal, a_s=statistics.median(t[0]), b_s=statistics.median(t[1]),
+                               ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+                               a_rounds=t[0], b_rounds=t[1])
+                    rows.append(row)
+                    print(f"P={world} causal={causal!s:5}  {a.rev_a}: {row['a_s']:.3f} s  {a.rev_b}: {row['b_s']:.3f} s"
+                          f"  ratio {row['ratio']:.3f} (rounds {row['ratio_min']:.3f}-{row['ratio_max']:.3f})",
+                          flush=True)
+        finally:
+            for path in trees:
+                subprocess.call(["git", "-C", repo, "worktree", "remove", "--force", path])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(rev_a=a.rev_a, rev_b=a.rev_b, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
