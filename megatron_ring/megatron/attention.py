@@ -96,6 +96,15 @@ class RingDotProductAttention(MegatronModule):
         refuse_mtp_without_zigzag(getattr(config, "mtp_num_layers", None), cfg.layout, config.context_parallel_size)
         comm_types.layer_comm_type(config, self.layer_number, cp_comm_type, cfg)  # fail at build on a bad name
 
+        pg_cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        known = pg_cp.size() if pg_cp is not None else (
+            get_ring_state().size if is_context_parallel_initialized() else None)
+        if known is not None and known != config.context_parallel_size:  # group sizes are local: no collective
+            raise ContextParallelConfigError(
+                "--context-parallel-size", f"the model config has context_parallel_size="
+                                           f"{config.context_parallel_size} but its CP group "
+                                           f"({'pg_collection.cp' if pg_cp is not None else 'the registered ring'}) "
+                                           f"has {known} ranks; pass the same --context-parallel-size to both")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.pg_collection = pg_collection  # Megatron may replace it on live modules (eval CP rebinding)

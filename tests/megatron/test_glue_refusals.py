@@ -105,3 +105,17 @@ def test_allgather_spelling_is_all_gather():
     assert layer_comm_type(SimpleNamespace(cp_comm_type="allgather"), 1, None, None) == "all_gather"
     assert layer_comm_type(SimpleNamespace(cp_comm_type=["p2p", "allgather"]), 2, None, None) == "all_gather"
     assert layer_comm_type(SimpleNamespace(cp_comm_type=None), 1, "allgather", None) == "all_gather"
+
+
+def test_per_group_facts_are_released_with_the_group(monkeypatch):
+    import gc
+
+    from megatron_ring.megatron import groups
+
+    monkeypatch.setattr(groups.dist, "get_process_group_ranks", lambda g: list(g.ranks))
+    many = [_Group([i, i + 1]) for i in range(50)]
+    assert [groups.group_ranks(g) for g in many] == [(i, i + 1) for i in range(50)]
+    assert len(groups._RANKS) >= 50
+    del many
+    gc.collect()
+    assert len(groups._RANKS) == 0, "per-group entries must not outlive their groups"
