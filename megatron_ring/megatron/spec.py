@@ -126,7 +126,11 @@ def _ring_mtp() -> None:
 
         def wrapped(*args: Any, __fn: Callable = fn, **kwargs: Any) -> Any:
             out = __fn(*args, **kwargs)
-            return _swap(out) if out is not None else out
+            if out is None:
+                return out
+            out = _swap(out)
+            _announce("multi-token prediction", out, args[0] if args else kwargs.get("config"))
+            return out
 
         wrapped._megatron_ring = True  # type: ignore[attr-defined]
         wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
