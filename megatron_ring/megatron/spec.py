@@ -32,7 +32,7 @@ import inspect
 import sys
 from typing import Any, Callable
 
-__all__ = ["ring_layer_spec", "ring_spec", "describe_core_attention"]
+__all__ = ["ring_layer_spec", "ring_spec", "describe_core_attention", "install_mtp_ring_attention"]
 
 
 def _ring_core() -> Any:
@@ -106,10 +106,15 @@ def _spec_from_transformer_config(tc: Any, vp_stage: int | None) -> Any:
     return compat.gpt_layer_local_spec(normalization=tc.normalization, **kwargs)
 
 
-def _ring_mtp() -> None:
+_MTP_CORE: list[Any] = []  # the core attention the wrapped MTP builders swap in (set by the last installer)
+
+
+def _ring_mtp(core: Any = None) -> None:
     """Give multi-token-prediction layers ring attention: Megatron rebuilds the MTP block from its own
     layer specs (``mtp_block_spec`` in Megatron-LM main / r0.19, ``get_gpt_mtp_block_spec`` in the
-    core_v0.16 ``gpt_builders``), not from ``--spec``. Wraps those builders once (idempotent)."""
+    core_v0.16 ``gpt_builders``), not from ``--spec``. Wraps those builders once (idempotent).
+    ``core``: the core attention to swap in (default: the stock-split ring core attention)."""
+    _MTP_CORE[:] = [core if core is not None else _ring_core()]
     targets = []
     try:
         import megatron.training.models.gpt as gpt_models
@@ -128,13 +133,21 @@ def _ring_mtp() -> None:
             out = __fn(*args, **kwargs)
             if out is None:
                 return out
-            out = _swap(out)
+            from megatron_ring.megatron.layer_spec import with_ring_attention
+
+            _check_stock_layout()
+            out = with_ring_attention(out, _MTP_CORE[0])
             _announce("multi-token prediction", out, args[0] if args else kwargs.get("config"))
             return out
 
         wrapped._megatron_ring = True  # type: ignore[attr-defined]
         wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
         setattr(module, name, wrapped)
+
+
+def install_mtp_ring_attention(core: Any = None) -> None:
+    """Make Megatron-LM's rebuilt multi-token-prediction block use ring attention (see :func:`_ring_mtp`)."""
+    _ring_mtp(core)
 
 
 def describe_core_attention(spec: Any) -> str:
