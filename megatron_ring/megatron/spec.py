@@ -191,9 +191,13 @@ def _announce(where: str, spec: Any, config: Any) -> None:
 
     cfg = get_ring_state().config if is_context_parallel_initialized() else ring_config_from_env()
     tc = _transformer(config)
+    from megatron_ring.megatron.config import normalize_comm_type
+
+    model_ct = normalize_comm_type(getattr(tc, "cp_comm_type", None))  # Megatron's --cp-comm-type wins
+    comm = (model_ct if isinstance(model_ct, str) else ",".join(model_ct)) if model_ct else ",".join(cfg.cp_comm_type)
     print(f"> megatron_ring ({where}): core attention of the layer spec: {describe_core_attention(spec)} "
           f"(CP={getattr(tc, 'context_parallel_size', '?')}, layout {cfg.layout}, wire {cfg.comm_dtype}, "
-          f"comm {','.join(cfg.cp_comm_type)}; CP group from Megatron at each call)", flush=True)
+          f"comm {comm}; CP group from Megatron at each call)", flush=True)
 
 
 def ring_layer_spec(config: Any, vp_stage: int | None = None) -> Any:

@@ -4,7 +4,7 @@ tests/megatron/stock_pretrain_gpt.py builds the run the way Megatron-LM's ``pret
 (``gpt_config_from_args`` imports ``--spec``; Megatron's own zigzag batch split, RoPE and loss): nothing
 from megatron_ring is called except through ``--spec``. Reference: the same script at CP=1 without
 ``--spec`` (Megatron's own local attention), one process. Per-iteration masked mean loss, fp32:
-CP=2 equals CP=1 within 1e-5. Multi-token prediction (``--mtp-num-layers 1``): Megatron rebuilds the MTP
+CP=2 equals CP=1 within 1e-5, with ``--cp-comm-type p2p`` and ``allgather`` (Megatron's spelling). Multi-token prediction (``--mtp-num-layers 1``): Megatron rebuilds the MTP
 block from its own layer specs; with the local implementation its attention would assert at CP > 1, so
 the run finishing at all shows the MTP layers got ring attention (the start-up line names it); its loss
 is compared on the first iteration (before any update) within 1e-5.
@@ -74,13 +74,21 @@ def launch(tmp_path, name: str, nproc: int, *extra: str) -> tuple[list[float], s
     return losses, p.stdout
 
 
-def test_stock_spec_cp2_equals_megatron_cp1(tmp_path):
-    ref, out1 = launch(tmp_path, "cp1", 1)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref, out = launch(tmp_path_factory.mktemp("ref"), "cp1", 1)
     assert ref[-1] < ref[0], f"the reference must train: {ref}"
-    assert "megatron_ring" not in out1
-    got, out2 = launch(tmp_path, "cp2", 2, *SPEC)
-    assert "core attention of the layer spec: RingDotProductAttention" in out2, out2[-3000:]
-    assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    assert "megatron_ring" not in out
+    return ref
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])  # Megatron's own spelling of all_gather
+def test_stock_spec_cp2_equals_megatron_cp1(tmp_path, reference, comm_type):
+    got, out = launch(tmp_path, "cp2", 2, "--cp-comm-type", comm_type, *SPEC)
+    want = comm_type.replace("allgather", "all_gather")
+    assert "core attention of the layer spec: RingDotProductAttention" in out and f"comm {want};" in out, \
+        out[-3000:]
+    assert max(abs(a - b) for a, b in zip(got, reference)) <= 1e-5, (got, reference)
 
 
 def test_stock_spec_gives_mtp_layers_ring_attention(tmp_path):
