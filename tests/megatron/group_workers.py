@@ -91,3 +91,21 @@ class _One:
 
     def rank(self) -> int:
         return 0
+
+
+def collection_registration_worker(rank: int, world: int) -> dict[str, Any]:
+    """initialize_context_parallel(pg_collection=...) with parallel_state empty (Megatron-Bridge's
+    decentralized process groups): uses the collection's cp group and builds no groups of its own."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ring.megatron import RingConfig, destroy_context_parallel, initialize_context_parallel
+
+    cp = dist.new_group(list(range(world)))
+    collection = _Collection(cp)
+    collection.dp_cp = cp
+    try:
+        state = initialize_context_parallel(RingConfig(context_parallel_size=world), pg_collection=collection)
+        return {"same_group": state.group is cp, "ranks": list(state.global_ranks),
+                "parallel_state_built": ps.model_parallel_is_initialized()}
+    finally:
+        destroy_context_parallel()

@@ -22,3 +22,8 @@ def test_per_call_groups_of_1_2_4_are_exact_for_every_comm_type(run):
                 assert err <= TOL_FP32, (rank, ct, size, err)
         assert errs["a2a+p2p"].startswith("--cp-comm-type") and "a2a+p2p needs the hierarchical" in errs["a2a+p2p"], \
             (rank, errs["a2a+p2p"])
+
+
+def test_registration_on_a_pg_collection_builds_no_second_set_of_groups(run):
+    for r in run(G.collection_registration_worker, 2):
+        assert r == {"same_group": True, "ranks": [0, 1], "parallel_state_built": False}, r
