@@ -39,16 +39,21 @@ class RingDotProductAttention(MegatronModule):
     output ``[sq, b, np * hn]``. ``sq`` is this rank's share of the sequence, split with the configured
     layout (see :func:`~megatron_ring.megatron.batch.get_batch_on_this_cp_rank`).
 
-    The ring runs over the group registered by
-    :func:`~megatron_ring.megatron.provider.initialize_context_parallel` (its layout and wire dtype);
-    without a registered ring it uses Megatron's CP group (only valid at CP size 1, zigzag, no wire cast).
+    The CP group is looked up at each call, never in ``__init__`` (no collective at model build):
+    ``packed_seq_params.cp_group`` / ``local_cp_size`` (a per-call group: Megatron's hybrid / dynamic CP),
+    else the model's ``pg_collection.cp`` (followed when Megatron replaces it, e.g. eval-time CP
+    rebinding), else the group registered by
+    :func:`~megatron_ring.megatron.provider.initialize_context_parallel`, else ``parallel_state``'s. The
+    options (layout, wire dtype, comm type, timeout) come from the registered ring, else from the
+    ``MEGATRON_RING_*`` environment variables (:mod:`.env`). ``batch_split="megatron"`` (set by
+    :mod:`.spec`): the batch was split by stock Megatron, so packed THD batches at CP > 1 are refused.
     Supported masks: ``causal`` and ``no_mask``; documents from ``packed_seq_params`` (THD, global
     ``cu_seqlens``) or, with ``causal``, from an ``attention_mask`` that is causal within documents
     (``--reset-attention-mask``; see :mod:`.documents`); ``config.window_size`` (sliding window).
     Multi-latent attention (``k_channels != v_channels``, passed by Megatron's ``MLASelfAttention``),
     ``config.softmax_type`` "off-by-one" / "learnable" (attention sinks; the learnable ``softmax_offset``
     parameter is named and initialised like Megatron's), and ``attention_dropout > 0`` in training mode
-    (positional dropout: the same mask at every CP size and layout; see :mod:`.extras`).
+    (positional dropout: the same mask at every CP size and layout; see :mod:`.dropout`).
     """
 
     def __init__(
