@@ -3,6 +3,8 @@
 #   1. .venv    (Python 3.11, megatron-core 0.16.1): pytest "$@" (default: the whole suite, tests/);
 #   2. .venv312 (Python 3.12, megatron-core 0.19.2, ships megatron.training): tests/megatron, which includes
 #      the real-loop tests (Megatron's own pretrain()); only the options of "$@" pass.
+# On a machine with NVIDIA GPUs (and a CUDA build of torch in .venv) step 1 also runs tests/gpu (part of
+# tests/; skipped with a reason elsewhere); scripts/gpu_check.sh is the GPU users' one command.
 # Both venvs are set up if needed (idempotent). MEGATRON_RING_SKIP_PY312=1 runs step 1 only.
 # pytest's exit code 5 ("no tests collected", e.g. a -k that selects nothing in one venv) is not a failure.
 set -uo pipefail
@@ -15,6 +17,8 @@ run_pytest() {  # venv, args...
   return "$rc"
 }
 bash scripts/setup_env.sh test || exit $?
+.venv/bin/python -c 'import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(f"[test] {n} CUDA GPU(s): tests/gpu " + ("runs" if n else "is skipped (no usable GPU)"))' || true
 run_pytest .venv "$@"; rc311=$?
 rc312=0
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then

@@ -1,6 +1,9 @@
 """Megatron-Core integration of megatron_ring (the only subpackage that imports megatron).
 
-Typical use (see examples/train_gpt.py)::
+Stock Megatron-LM: ``--spec megatron_ring.megatron.spec ring_layer_spec``; Megatron-Bridge:
+``cfg.model.transformer_layer_spec = ring_spec(cfg.model.transformer_layer_spec)`` (see :mod:`.spec`).
+
+Typical use in your own loop (see examples/train_gpt.py)::
 
     from megatron_ring.megatron import (megatron_cpu, initialize_context_parallel, RingConfig, get_gpt_layer_ring_spec, use_layout_rope, get_batch_on_this_cp_rank, reduce_loss_over_cp)
 
@@ -19,6 +22,7 @@ from megatron_ring.megatron.megatron_lm import use_ring_attention_in_gpt_config,
 from megatron_ring.megatron.loss import CPLoss, allreduce_gradients, reduce_loss_over_cp
 from megatron_ring.megatron.provider import (RingState, destroy_context_parallel, get_ring_state, initialize_context_parallel, is_context_parallel_initialized)
 from megatron_ring.megatron.rope import LayoutRotaryEmbedding, use_layout_rope
+from megatron_ring.megatron.spec import ring_layer_spec, ring_spec
 
 __all__ = [
     "add_context_parallel_args", "config_from_args", "RingConfig", "ContextParallelConfigError",
@@ -27,4 +31,5 @@ __all__ = [
     "LayoutRotaryEmbedding", "use_layout_rope", "get_batch_on_this_cp_rank", "cp_positions",
     "reduce_loss_over_cp", "allreduce_gradients", "CPLoss", "megatron_cpu", "enable_cpu_support",
     "disable_cpu_support", "cpu_support_enabled", "use_ring_attention_in_gpt_config", "uses_ring_attention",
+    "ring_layer_spec", "ring_spec",
 ]

@@ -35,7 +35,7 @@ def add_context_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argum
     if not _has(parser, "--cp-comm-type"):
         group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
                            help="Communication type for context parallelism, one value or one per layer: "
-                                "p2p (ring), all_gather, a2a (Ulysses), a2a+p2p (a2a inside "
+                                "p2p (ring), all_gather (also spelled allgather), a2a (Ulysses), a2a+p2p (a2a inside "
                                 "--hierarchical-context-parallel-sizes' inner group, ring across), auto.")
     if not _has(parser, "--cp-comm-dtype"):
         group.add_argument("--cp-comm-dtype", type=str, default="none", choices=list(COMM_DTYPES),

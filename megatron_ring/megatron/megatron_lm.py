@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_ring.megatron.arguments import config_from_args
 from megatron_ring.megatron.config import ContextParallelConfigError
+from megatron_ring.megatron.attention import RingDotProductAttention
 from megatron_ring.megatron.layer_spec import with_ring_attention
 from megatron_ring.megatron.provider import initialize_context_parallel
 from megatron_ring.megatron.rope import use_layout_rope
@@ -66,6 +67,9 @@ def use_ring_attention_in_gpt_config(args: Any, model_cfg: Any) -> Any:
         else:
             spec = base
         spec = with_ring_attention(spec)
+        from megatron_ring.megatron.spec import install_mtp_ring_attention
+
+        install_mtp_ring_attention(RingDotProductAttention)  # Megatron rebuilds the MTP block from its own specs
         import torch.distributed as dist
 
         if dist.get_rank() == 0:
