@@ -7,7 +7,6 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -17,19 +16,17 @@ from megatron.core.utils import divide
 
 import megatron_ring
 
-from megatron_ring.megatron import comm_types
+from megatron_ring.megatron import comm_types, groups
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
 from megatron_ring.megatron.documents import DocumentsFromMask, packed_cu_seqlens
 from megatron_ring.megatron.dropout import dropout_seed
+from megatron_ring.megatron.env import kv_pieces_from_env, ring_config_from_env
 from megatron_ring.megatron.sinks import make_softmax_offset, ring_softmax_offset
 from megatron_ring.megatron.provider import get_ring_state, is_context_parallel_initialized
 from megatron_ring.megatron.packed_rope import apply_packed_rope
 
 __all__ = ["RingDotProductAttention"]
 
-
-def _ranks(group: Any) -> tuple[int, ...]:
-    return tuple(torch.distributed.get_process_group_ranks(group))
 
 _CAUSAL = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
@@ -66,6 +63,7 @@ class RingDotProductAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
         k_channels: Optional[int] = None,
         v_channels: Optional[int] = None,
+        batch_split: str = "ring",
     ):
         super().__init__(config=config)
         self.config: TransformerConfig = config
@@ -87,17 +85,20 @@ class RingDotProductAttention(MegatronModule):
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
         if getattr(config, "deterministic_mode", False):  # --deterministic-mode: deterministic CUDA backward
             megatron_ring.set_deterministic(True)
-        # a model built with a process-group collection names its CP group: honour it (checked in _ring)
-        self._pg_cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        if is_context_parallel_initialized():
-            _, cfg = self._ring()  # fail at model build if the ring and the model config disagree
-            refuse_mtp_without_zigzag(getattr(config, "mtp_num_layers", None), cfg.layout,
-                                      config.context_parallel_size)
-            self._comm_type()  # ... or on the comm type
+        if batch_split not in ("ring", "megatron"):
+            raise ValueError(f"batch_split must be 'ring' or 'megatron', got {batch_split!r}")
+        # "megatron": the batch is split by stock Megatron (zigzag sequences; packed THD refused at CP > 1)
+        self.batch_split = batch_split
+        # No collective and no group lookup here (a pipeline stage may hold no layers): the CP group is
+        # taken at each call (see _ring). Only options that need no group are checked now.
+        cfg = get_ring_state().config if is_context_parallel_initialized() else \
+            ring_config_from_env(config.context_parallel_size)
+        refuse_mtp_without_zigzag(getattr(config, "mtp_num_layers", None), cfg.layout, config.context_parallel_size)
+        comm_types.layer_comm_type(config, self.layer_number, cp_comm_type, cfg)  # fail at build on a bad name
 
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
-        self.pg_collection = pg_collection
+        self.pg_collection = pg_collection  # Megatron may replace it on live modules (eval CP rebinding)
         tp = pg_collection.tp.size()
         # MLA passes k_channels (Q/K head dim) and v_channels (V head dim, which sets the output size)
         k_ch = config.kv_channels if k_channels is None else k_channels
@@ -112,15 +113,27 @@ class RingDotProductAttention(MegatronModule):
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
                               if softmax_scale is None else softmax_scale)
 
-    def _comm_type(self) -> dict[str, Any]:
-        """``comm_type`` / ``hierarchical_groups`` of this layer (see :mod:`.comm_types`)."""
-        state = get_ring_state() if is_context_parallel_initialized() else None
-        ct = comm_types.layer_comm_type(self.config, self.layer_number, self._cp_comm_type_arg,
-                                        state.config if state is not None else None)
-        if state is not None:
-            comm_types.check_heads(ct, divide(self.config.num_attention_heads,
-                                              self.config.tensor_model_parallel_size), state.config)
-        return comm_types.strategy_kwargs(ct, state)
+    def _comm_type(self, group: Any, registered: Any, cfg: RingConfig) -> dict[str, Any]:
+        """``comm_type`` / ``hierarchical_groups`` of this layer on ``group`` (see :mod:`.comm_types`).
+
+        ``registered``: the registered :class:`RingState` when ``group`` is its group (its hierarchical
+        sub-rings apply), else None (a group Megatron or the caller brought: no sub-rings)."""
+        ct = comm_types.layer_comm_type(self.config, self.layer_number, self._cp_comm_type_arg, cfg)
+        size = group.size() if group is not None else 1
+        if ct == "a2a+p2p" and registered is None and size > 1:
+            raise ContextParallelConfigError(
+                "--cp-comm-type", f"layer {self.layer_number}: a2a+p2p needs the hierarchical sub-rings of the "
+                                  "registered CP group, but this call runs on another group (pg_collection.cp or "
+                                  "packed_seq_params.cp_group); use p2p, all_gather, a2a or auto there")
+        heads = divide(self.config.num_attention_heads, self.config.tensor_model_parallel_size)
+        if ct == "a2a" and size > 1 and heads % size:
+            raise ContextParallelConfigError(
+                "--cp-comm-type", f"layer {self.layer_number}: a2a splits the {heads} attention heads of a rank "
+                                  f"over the {size} ranks of this call's CP group, which does not divide them; "
+                                  "use p2p, all_gather or auto")
+        if registered is not None:
+            comm_types.check_heads(ct, heads, registered.config)
+        return comm_types.strategy_kwargs(ct, registered)
 
     # ------------------------------------------------------------------------------------------
     @staticmethod
@@ -131,28 +144,30 @@ class RingDotProductAttention(MegatronModule):
             raise NotImplementedError(f"ring attention supports attn_mask_type causal or no_mask, got "
                                       f"{mask_type}") from None
 
-    def _ring(self) -> tuple[Any, RingConfig]:
-        """(CP process group, ring config) for this forward."""
-        cp_size = self.config.context_parallel_size
-        if is_context_parallel_initialized():
-            state = get_ring_state()
-            if state.size != cp_size:
+    def _ring(self, packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[Any, RingConfig, Any]:
+        """(CP process group, ring config, registered state if the group is its group) for this call.
+
+        The group, first found: ``packed_seq_params.cp_group`` / ``local_cp_size`` (per call: Megatron's
+        hybrid/dynamic CP); the model's ``pg_collection.cp`` (read now: Megatron's eval-time CP rebinding
+        replaces ``pg_collection`` on live modules); the registered ring's group; ``parallel_state``'s CP
+        group. The options come from the registered ring, else from ``MEGATRON_RING_*`` (:mod:`.env`).
+        """
+        state = get_ring_state() if is_context_parallel_initialized() else None
+        cfg = state.config if state is not None else ring_config_from_env(self.config.context_parallel_size)
+        per_call, group = groups.per_call_group(packed_seq_params)
+        if not per_call:
+            group = groups.model_group(self.pg_collection, state)
+            size = group.size() if group is not None else 1
+            cp_size = self.config.context_parallel_size
+            if size != cp_size:
                 raise ContextParallelConfigError(
-                    "--context-parallel-size", f"the model config has context_parallel_size={cp_size} but the "
-                                               f"registered ring has {state.size} ranks")
-            if self._pg_cp is not None and _ranks(self._pg_cp) != tuple(state.global_ranks):
-                raise ContextParallelConfigError(
-                    "--context-parallel-size", f"the model's pg_collection.cp has global ranks "
-                                               f"{list(_ranks(self._pg_cp))} but the registered ring is "
-                                               f"{list(state.global_ranks)}; build the model with the ring's group "
-                                               "(megatron_ring.megatron.get_ring_state().group) or register that one")
-            return state.group, state.config
-        if cp_size != 1:
-            raise RuntimeError("RingDotProductAttention with context_parallel_size > 1 needs the ring "
-                               "registered first: call megatron_ring.megatron.initialize_context_parallel()")
-        if self._pg_cp is not None:
-            return self._pg_cp, RingConfig()
-        return parallel_state.get_context_parallel_group(), RingConfig()
+                    "--context-parallel-size", f"the model config has context_parallel_size={cp_size} but its CP "
+                                               f"group has {size} ranks; give the model the group it was configured "
+                                               "for (pg_collection.cp, or initialize_context_parallel)")
+        registered = state if state is not None and groups.same_ranks(group, state) else None
+        if registered is not None:
+            group = state.group  # the registered object: its sub-rings and caches
+        return group, cfg, registered
 
     def forward(
         self,
@@ -168,11 +183,21 @@ class RingDotProductAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by RingDotProductAttention")
         causal = self._mask_causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
-        group, cfg = self._ring()
+        group, cfg, registered = self._ring(packed_seq_params)
+        if packed_seq_params is not None and self.batch_split == "megatron" and group is not None \
+                and group.size() > 1:
+            raise ContextParallelConfigError(
+                "--cp-layout", "packed (THD) batches at CP > 1 with the stock --spec: Megatron splits each "
+                "document with TransformerEngine's per-document zigzag and slices RoPE that way, which is not "
+                "the ring's split of the packed stream; use examples/pretrain_ring_gpt.py or the patch "
+                "(patches/), which split and rotate the packed stream the ring's way")
+        strategy = self._comm_type(group, registered, cfg)
+        pieces = kv_pieces_from_env()
         run = lambda q, k, v, fmt, cu=None: megatron_ring.ring_attention(  # noqa: E731
             q, k, v, group=group, causal=causal, layout=cfg.layout, softmax_scale=self.softmax_scale,
             qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
-            window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed, **self._comm_type())
+            window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed, kv_pieces=pieces,
+            **strategy)
         offset = ring_softmax_offset(self.config, self.softmax_offset)
         p_drop = self.attention_dropout_p if self.training else 0.0
         seed = dropout_seed_base = dropout_seed(self.layer_number, query.device) if p_drop else None

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_ring.megatron.config import CP_COMM_TYPES, ContextParallelConfigError, RingConfig
+from megatron_ring.megatron.config import CP_COMM_TYPES, ContextParallelConfigError, RingConfig, normalize_comm_type
 
 __all__ = ["layer_comm_type", "strategy_kwargs"]
 
 
 def layer_comm_type(model_config: Any, layer_number: int, passed: str | None, ring: RingConfig | None) -> str:
     """The comm type of this layer (validated)."""
-    cfg_value = getattr(model_config, "cp_comm_type", None)
+    cfg_value = normalize_comm_type(getattr(model_config, "cp_comm_type", None))  # "allgather" too
+    passed = normalize_comm_type(passed)
     if isinstance(cfg_value, (list, tuple)):
         if not 1 <= layer_number <= len(cfg_value):
             raise ContextParallelConfigError(

@@ -17,6 +17,7 @@ __all__ = [
     "ContextParallelConfigError",
     "RingConfig",
     "refuse_mtp_without_zigzag",
+    "normalize_comm_type",
     "COMM_DTYPES",
     "CP_COMM_TYPES",
 ]
@@ -25,6 +26,19 @@ __all__ = [
 COMM_DTYPES: tuple[str, ...] = ("none", "bf16", "fp8")
 #: ``--cp-comm-type`` values (Megatron-LM's names, plus "auto"); see docs/strategies.md.
 CP_COMM_TYPES: tuple[str, ...] = COMM_TYPES  # the library's one table (megatron_ring.strategies)
+
+
+#: Megatron-LM's help text spells the all-gather comm type ``allgather``; the ring's name is ``all_gather``.
+_SPELLINGS = {"allgather": "all_gather"}
+
+
+def normalize_comm_type(value: Any) -> Any:
+    """``allgather`` -> ``all_gather`` in a string or in each entry of a per-layer list (others as given)."""
+    if isinstance(value, str):
+        return _SPELLINGS.get(value, value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_SPELLINGS.get(v, v) if isinstance(v, str) else v for v in value)
+    return value
 
 
 class ContextParallelConfigError(ValueError):
@@ -67,7 +81,7 @@ class RingConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        cct = self.cp_comm_type
+        cct = normalize_comm_type(self.cp_comm_type)  # Megatron's "allgather" spelling is "all_gather"
         object.__setattr__(self, "cp_comm_type", (cct,) if isinstance(cct, str) else tuple(cct or ("p2p",)))
         hcp = self.hierarchical_context_parallel_sizes
         object.__setattr__(self, "hierarchical_context_parallel_sizes", tuple(hcp) if hcp else None)

@@ -60,7 +60,7 @@ def _is_self_attention(spec: ModuleSpec) -> bool:
         and hasattr(spec.submodules, "core_attention")
 
 
-def with_ring_attention(spec: Any, core_attention: type = RingDotProductAttention) -> Any:
+def with_ring_attention(spec: Any, core_attention: Any = RingDotProductAttention) -> Any:
     """A copy of ``spec`` (``ModuleSpec``, ``TransformerBlockSubmodules``, MTP block spec, or a list of
     them) in which every self-attention's ``core_attention`` is ``core_attention`` (ring attention).
 
@@ -68,6 +68,7 @@ def with_ring_attention(spec: Any, core_attention: type = RingDotProductAttentio
     specs (MTP layers hold a transformer-layer spec). Everything that is not a self-attention core
     attention is kept as is — TransformerEngine linears/norms, MoE experts, cross attention. The input
     is not modified. Multi-latent attention (MLA) layers get ring attention too (V's head dim may differ).
+    ``core_attention`` is a class or a ``ModuleSpec`` (e.g. with ``params``).
 
     Raises ``ValueError`` when the tree holds no self-attention (nothing would change: never silent).
     """
@@ -79,7 +80,7 @@ def with_ring_attention(spec: Any, core_attention: type = RingDotProductAttentio
     return out
 
 
-def _swap(node: Any, core: type, count: list[int], memo: dict[int, Any]) -> Any:
+def _swap(node: Any, core: Any, count: list[int], memo: dict[int, Any]) -> Any:
     """A copy of ``node`` with core attention swapped; copies only containers (specs, submodule
     dataclasses, lists, tuples, dicts, partials), never the modules or callables they name."""
     if id(node) in memo:

@@ -67,8 +67,16 @@ def _ranks(group: Any) -> tuple[int, ...]:
 
 def initialize_context_parallel(config: RingConfig | None = None, *, context_parallel_size: int | None = None,
                                 tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                                seq_length: int | None = None, **model_parallel_kwargs: Any) -> RingState:
-    """Register the context-parallel ring with ``parallel_state`` and return its :class:`RingState`.
+                                seq_length: int | None = None, pg_collection: Any = None,
+                                **model_parallel_kwargs: Any) -> RingState:
+    """Register the ring's options (and its group) and return its :class:`RingState`.
+
+    Optional: without it, :class:`~megatron_ring.megatron.attention.RingDotProductAttention` takes the CP
+    group Megatron gives it at first use and its options from ``MEGATRON_RING_*`` (:mod:`.env`). Call it to
+    validate the options against the job and set them in code. It never creates a second set of groups:
+    with ``pg_collection`` (Megatron-Bridge's decentralized process groups, ``HyperCommGrid``) its ``cp``
+    (and ``dp_cp``) are used as they are; else Megatron's ``parallel_state`` groups when they exist; only
+    when neither exists does it ask ``parallel_state.initialize_model_parallel`` to build them.
 
     Args:
         config: the ring settings (default: ``RingConfig(context_parallel_size=...)``).
@@ -105,6 +113,8 @@ def initialize_context_parallel(config: RingConfig | None = None, *, context_par
 
     cp = config.context_parallel_size
     world = dist.get_world_size()
+    if pg_collection is not None:
+        return _register_collection(config, pg_collection, seq_length)
     if ps.model_parallel_is_initialized():
         have = ps.get_context_parallel_world_size()
         if have != cp:
@@ -139,6 +149,32 @@ def initialize_context_parallel(config: RingConfig | None = None, *, context_par
         hierarchical_groups=hgroups,
         hierarchical_ranks=hranks,
     )
+    return _STATE
+
+
+def _register_collection(config: RingConfig, pg_collection: Any, seq_length: int | None) -> RingState:
+    """Register the ring on ``pg_collection.cp`` (no group is created)."""
+    global _STATE
+    group = getattr(pg_collection, "cp", None)
+    if group is None:
+        raise ContextParallelConfigError("--context-parallel-size", "pg_collection has no 'cp' group; build the "
+                                                                    "collection with a CP dimension")
+    ranks = _ranks(group)
+    if len(ranks) != config.context_parallel_size:
+        raise ContextParallelConfigError(
+            "--context-parallel-size", f"pg_collection.cp has {len(ranks)} ranks but the ring config asks for "
+                                       f"{config.context_parallel_size}; pass the same --context-parallel-size")
+    tp = getattr(pg_collection, "tp", None)
+    pp = getattr(pg_collection, "pp", None)
+    config.validate(world_size=dist.get_world_size(), tensor_model_parallel_size=tp.size() if tp is not None else 1,
+                    pipeline_model_parallel_size=pp.size() if pp is not None else 1, seq_length=seq_length)
+    me = dist.get_rank()
+    r = ranks.index(me)
+    hgroups, hranks = _build_hierarchical(ranks, config.hierarchical_context_parallel_sizes)
+    _STATE = RingState(config=config, group=group, global_ranks=ranks, rank=r,
+                       next_rank=ranks[(r + 1) % len(ranks)], prev_rank=ranks[(r - 1) % len(ranks)],
+                       dp_cp_group=getattr(pg_collection, "dp_cp", None), hierarchical_groups=hgroups,
+                       hierarchical_ranks=hranks)
     return _STATE
 
 

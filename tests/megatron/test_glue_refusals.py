@@ -29,28 +29,79 @@ class _Group:
     def __init__(self, ranks):
         self.ranks = tuple(ranks)
 
+    def size(self):
+        return len(self.ranks)
 
-def _attention_like(monkeypatch, pg_cp, registered_ranks):
+
+def _attention_like(monkeypatch, pg_cp, registered_ranks, cp=None):
     ranks = registered_ranks or [0]
     state = SimpleNamespace(size=len(ranks), group=_Group(ranks), global_ranks=tuple(ranks),
                             config=RingConfig(len(ranks)))
     monkeypatch.setattr(attn, "is_context_parallel_initialized", lambda: registered_ranks is not None)
     monkeypatch.setattr(attn, "get_ring_state", lambda: state)
-    monkeypatch.setattr(attn, "_ranks", lambda g: g.ranks)
-    cp = len(registered_ranks) if registered_ranks else 1
-    return SimpleNamespace(config=SimpleNamespace(context_parallel_size=cp), _pg_cp=pg_cp), state
+    monkeypatch.setattr(attn.groups, "group_ranks", lambda g: g.ranks)
+    if cp is None:
+        cp = pg_cp.size() if pg_cp is not None else len(ranks)
+    return SimpleNamespace(config=SimpleNamespace(context_parallel_size=cp),
+                           pg_collection=SimpleNamespace(cp=pg_cp)), state
 
 
-def test_pg_collection_cp_must_be_the_registered_ring(monkeypatch):
+def test_pg_collection_cp_is_followed_even_when_another_ring_is_registered(monkeypatch):
+    """Megatron's group wins (eval-time CP rebinding replaces pg_collection on live modules); the
+    registered ring's options still apply, its sub-rings only on its own group."""
     fake, state = _attention_like(monkeypatch, _Group([0, 2]), [0, 1])
-    with pytest.raises(ContextParallelConfigError, match=r"pg_collection.cp has global ranks \[0, 2\]"):
-        attn.RingDotProductAttention._ring(fake)
+    group, cfg, registered = attn.RingDotProductAttention._ring(fake)
+    assert group is fake.pg_collection.cp and cfg is state.config and registered is None
     fake, state = _attention_like(monkeypatch, _Group([0, 1]), [0, 1])
-    assert attn.RingDotProductAttention._ring(fake)[0] is state.group
+    group, cfg, registered = attn.RingDotProductAttention._ring(fake)
+    assert group is state.group and registered is state
+
+
+def test_pg_collection_replaced_on_a_live_module_is_followed(monkeypatch):
+    fake, _ = _attention_like(monkeypatch, _Group([0, 1, 2, 3]), None)
+    assert attn.RingDotProductAttention._ring(fake)[0].ranks == (0, 1, 2, 3)
+    fake.pg_collection = SimpleNamespace(cp=_Group([0, 1]))  # Megatron rebinds for eval at CP=2 ...
+    with pytest.raises(ContextParallelConfigError, match="context_parallel_size=4 but its CP group has 2"):
+        attn.RingDotProductAttention._ring(fake)  # ... and must rebind the config too
+    fake.config.context_parallel_size = 2
+    assert attn.RingDotProductAttention._ring(fake)[0].ranks == (0, 1)
 
 
 def test_pg_collection_cp_is_used_without_a_registered_ring(monkeypatch):
     fake, _ = _attention_like(monkeypatch, _Group([3]), None)
     monkeypatch.setattr(attn, "is_context_parallel_initialized", lambda: False)
-    group, cfg = attn.RingDotProductAttention._ring(fake)
-    assert group is fake._pg_cp and cfg == RingConfig()
+    group, cfg, registered = attn.RingDotProductAttention._ring(fake)
+    assert group is fake.pg_collection.cp and cfg == RingConfig() and registered is None
+
+
+def test_options_come_from_the_environment_without_a_registered_ring(monkeypatch):
+    fake, _ = _attention_like(monkeypatch, _Group([0, 1]), None)
+    monkeypatch.setenv("MEGATRON_RING_COMM_DTYPE", "bf16")
+    monkeypatch.setenv("MEGATRON_RING_CP_COMM_TYPE", "allgather")
+    _, cfg, _ = attn.RingDotProductAttention._ring(fake)
+    assert cfg.comm_dtype == "bf16" and cfg.cp_comm_type == ("all_gather",)
+    monkeypatch.setenv("MEGATRON_RING_COMM_DTYPE", "fp16")
+    with pytest.raises(ContextParallelConfigError) as e:
+        attn.RingDotProductAttention._ring(fake)
+    assert e.value.flag == "MEGATRON_RING_COMM_DTYPE"
+
+
+def test_per_call_group_fields_are_checked(monkeypatch):
+    fake, _ = _attention_like(monkeypatch, _Group([0, 1]), None)
+    call = _Group([0, 1, 2, 3])
+    group, _, _ = attn.RingDotProductAttention._ring(fake, SimpleNamespace(cp_group=call, local_cp_size=4))
+    assert group is call  # the call's group, not the model's
+    with pytest.raises(ContextParallelConfigError, match="local_cp_size=2 but packed_seq_params.cp_group has 4"):
+        attn.RingDotProductAttention._ring(fake, SimpleNamespace(cp_group=call, local_cp_size=2))
+    with pytest.raises(ContextParallelConfigError, match="local_cp_size=2 without a cp_group"):
+        attn.RingDotProductAttention._ring(fake, SimpleNamespace(cp_group=None, local_cp_size=2))
+
+
+def test_allgather_spelling_is_all_gather():
+    assert RingConfig(cp_comm_type="allgather").cp_comm_type == ("all_gather",)
+    assert RingConfig(cp_comm_type=["p2p", "allgather"]).cp_comm_type == ("p2p", "all_gather")
+    from megatron_ring.megatron.comm_types import layer_comm_type
+
+    assert layer_comm_type(SimpleNamespace(cp_comm_type="allgather"), 1, None, None) == "all_gather"
+    assert layer_comm_type(SimpleNamespace(cp_comm_type=["p2p", "allgather"]), 2, None, None) == "all_gather"
+    assert layer_comm_type(SimpleNamespace(cp_comm_type=None), 1, "allgather", None) == "all_gather"

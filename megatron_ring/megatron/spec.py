@@ -1,0 +1,218 @@
+"""Ring attention in stock Megatron-LM and Megatron-Bridge, with one line and no patch.
+
+Stock Megatron-LM (``pretrain_gpt.py``)::
+
+    --spec megatron_ring.megatron.spec ring_layer_spec
+
+* Megatron-LM main and core_r0.19 (``GPTModelConfig`` -> ``GPTModelBuilder``): ``ring_layer_spec`` is a
+  callable ``ring_layer_spec(config, vp_stage=None)`` returning the spec Megatron would build for this
+  config (local or TransformerEngine, dense or MoE, heterogeneous) with only core attention swapped; the
+  multi-token-prediction block Megatron rebuilds from its own layer specs gets ring attention too.
+* Megatron-LM core_v0.16.1 hands the ``--spec`` object to ``GPTModel`` as it is (a ``ModuleSpec``, built
+  before the config exists): use the patch or ``examples/pretrain_ring_gpt.py`` there (docs/megatron-lm.md).
+
+Megatron-Bridge (any GPT provider)::
+
+    cfg.model.transformer_layer_spec = ring_spec(cfg.model.transformer_layer_spec)
+
+What stock Megatron does at CP > 1 is exactly what the ring needs for the zigzag layout: it splits each
+sequence zigzag (``get_batch_on_this_cp_rank``), slices RoPE the same way, sums the loss over CP and
+averages gradients over DP x CP. The CP group is taken from Megatron at each call. Options a stock script
+cannot pass as flags come from ``MEGATRON_RING_*`` environment variables (:mod:`.env`). Other layouts,
+and packed (THD) batches at CP > 1, need a batch split and RoPE stock Megatron does not do: they are
+refused by name, pointing to ``examples/pretrain_ring_gpt.py`` or the patch.
+
+This module imports nothing from Megatron at import time: Megatron's ``import_module`` (used by ``--spec``)
+swallows an ``ImportError`` and falls back to its default spec, so every failure here is raised when the
+spec is built, never at import. One line at start-up (rank 0) says which core attention the layers got.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Callable
+
+__all__ = ["ring_layer_spec", "ring_spec", "describe_core_attention"]
+
+
+def _ring_core() -> Any:
+    """Core attention for specs run by stock Megatron: batches split by Megatron (zigzag)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_ring.megatron.attention import RingDotProductAttention
+
+    return ModuleSpec(module=RingDotProductAttention, params={"batch_split": "megatron"})
+
+
+def _check_stock_layout() -> None:
+    from megatron_ring.megatron.config import ContextParallelConfigError
+    from megatron_ring.megatron.env import ring_config_from_env
+    from megatron_ring.megatron.provider import get_ring_state, is_context_parallel_initialized
+
+    cfg = get_ring_state().config if is_context_parallel_initialized() else ring_config_from_env()
+    if cfg.layout != "zigzag":
+        raise ContextParallelConfigError(
+            "MEGATRON_RING_LAYOUT", f"layout {cfg.layout!r} needs a batch split and RoPE that stock Megatron does "
+                                    "not do (it splits zigzag); use zigzag with --spec / ring_spec, or run "
+                                    "examples/pretrain_ring_gpt.py --cp-layout ... or the patch in patches/")
+
+
+def _swap(spec: Any) -> Any:
+    from megatron_ring.megatron.layer_spec import with_ring_attention
+
+    _check_stock_layout()
+    return with_ring_attention(spec, _ring_core())
+
+
+def _transformer(config: Any) -> Any:
+    """The ``TransformerConfig`` inside a ``GPTModelConfig`` (or the config itself)."""
+    return getattr(config, "transformer", config)
+
+
+def _megatron_default_spec(config: Any, vp_stage: int | None) -> Any:
+    """The layer/block spec Megatron builds for ``config`` (``GPTModelConfig`` or ``TransformerConfig``)."""
+    if hasattr(config, "transformer"):  # Megatron-LM main / core_r0.19: GPTModelConfig
+        from megatron.training.models.gpt import default_layer_spec
+
+        return default_layer_spec(config, vp_stage)
+    return _spec_from_transformer_config(config, vp_stage)
+
+
+def _spec_from_transformer_config(tc: Any, vp_stage: int | None) -> Any:
+    """What Megatron's GPT builders choose for a ``TransformerConfig``: MoE block, heterogeneous, or layer."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from megatron_ring.megatron import compat
+
+    use_te = getattr(tc, "transformer_impl", "local") == "transformer_engine"
+    if getattr(tc, "experimental_attention_variant", None) is not None:
+        raise NotImplementedError("ring_layer_spec: experimental attention variants have their own core "
+                                  "attention; ring attention replaces dot-product attention only")
+    if getattr(tc, "num_moe_experts", None):
+        return compat.call_with_supported_kwargs(
+            specs.get_gpt_decoder_block_spec, dict(config=tc, use_transformer_engine=use_te,
+                                                   normalization=tc.normalization,
+                                                   qk_l2_norm=getattr(tc, "qk_l2_norm", False), vp_stage=vp_stage),
+            defaults={})
+    if type(tc).__name__ == "HeterogeneousTransformerConfig":
+        from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
+
+        return get_gpt_heterogeneous_layer_spec(tc, use_te)
+    kwargs = dict(num_experts=None, moe_grouped_gemm=False, qk_layernorm=tc.qk_layernorm,
+                  multi_latent_attention=tc.multi_latent_attention, qk_l2_norm=getattr(tc, "qk_l2_norm", False))
+    if use_te:
+        return compat.call_with_supported_kwargs(specs.get_gpt_layer_with_transformer_engine_spec, kwargs,
+                                                 defaults={})
+    return compat.gpt_layer_local_spec(normalization=tc.normalization, **kwargs)
+
+
+def _ring_mtp() -> None:
+    """Give multi-token-prediction layers ring attention: Megatron rebuilds the MTP block from its own
+    layer specs (``mtp_block_spec`` in Megatron-LM main / r0.19, ``get_gpt_mtp_block_spec`` in the
+    core_v0.16 ``gpt_builders``), not from ``--spec``. Wraps those builders once (idempotent)."""
+    targets = []
+    try:
+        import megatron.training.models.gpt as gpt_models
+
+        targets.append((gpt_models, "mtp_block_spec"))
+    except ImportError:
+        pass
+    if "gpt_builders" in sys.modules:  # Megatron-LM's top-level gpt_builders (core_v0.16 / v0.19 tags)
+        targets.append((sys.modules["gpt_builders"], "get_gpt_mtp_block_spec"))
+    for module, name in targets:
+        fn = getattr(module, name, None)
+        if fn is None or getattr(fn, "_megatron_ring", False):
+            continue
+
+        def wrapped(*args: Any, __fn: Callable = fn, **kwargs: Any) -> Any:
+            out = __fn(*args, **kwargs)
+            return _swap(out) if out is not None else out
+
+        wrapped._megatron_ring = True  # type: ignore[attr-defined]
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        setattr(module, name, wrapped)
+
+
+def describe_core_attention(spec: Any) -> str:
+    """``"RingDotProductAttention x2, DotProductAttention x1"``: the core attentions named in a spec tree."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    seen: dict[str, int] = {}
+
+    def walk(node: Any, memo: set) -> None:
+        if id(node) in memo:
+            return
+        memo.add(id(node))
+        if isinstance(node, (list, tuple)):
+            for x in node:
+                walk(x, memo)
+        elif isinstance(node, ModuleSpec):
+            core = getattr(node.submodules, "core_attention", None) if node.submodules is not None else None
+            if core is not None:
+                mod = core.module if isinstance(core, ModuleSpec) else core
+                name = getattr(mod, "__name__", type(mod).__name__)
+                seen[name] = seen.get(name, 0) + 1
+            else:
+                walk(node.submodules, memo)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name), memo)
+
+    walk(spec, set())
+    return ", ".join(f"{k} x{v}" for k, v in seen.items()) or "none"
+
+
+def _announce(where: str, spec: Any, config: Any) -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    from megatron_ring.megatron.env import ring_config_from_env
+    from megatron_ring.megatron.provider import get_ring_state, is_context_parallel_initialized
+
+    cfg = get_ring_state().config if is_context_parallel_initialized() else ring_config_from_env()
+    tc = _transformer(config)
+    print(f"> megatron_ring ({where}): core attention of the layer spec: {describe_core_attention(spec)} "
+          f"(CP={getattr(tc, 'context_parallel_size', '?')}, layout {cfg.layout}, wire {cfg.comm_dtype}, "
+          f"comm {','.join(cfg.cp_comm_type)}; CP group from Megatron at each call)", flush=True)
+
+
+def ring_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """Megatron's own spec for ``config`` with ring attention as core attention: ``--spec
+    megatron_ring.megatron.spec ring_layer_spec`` on Megatron-LM main / core_r0.19 (``GPTModelBuilder``
+    calls it with the ``GPTModelConfig``), or any builder that calls ``f(config, vp_stage=...)`` with a
+    ``TransformerConfig``."""
+    spec = _swap(_megatron_default_spec(config, vp_stage))
+    _ring_mtp()
+    _announce("--spec ring_layer_spec", spec, config)
+    return spec
+
+
+def ring_spec(spec: Any) -> Any:
+    """Megatron-Bridge's one line: ``cfg.model.transformer_layer_spec = ring_spec(cfg.model.transformer_layer_spec)``.
+
+    ``spec``: a ``ModuleSpec`` / block spec (returned with core attention swapped), or a callable spec
+    provider ``f(config[, vp_stage])`` (returned as a callable of the same form whose result is swapped).
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec) or hasattr(spec, "layer_specs") or not callable(spec):
+        return _swap(spec)
+    takes_vp = "vp_stage" in inspect.signature(spec).parameters
+
+    if takes_vp:
+        def provider(config: Any, vp_stage: int | None = None) -> Any:
+            out = _swap(spec(config, vp_stage=vp_stage))
+            _announce("ring_spec", out, config)
+            return out
+    else:
+        def provider(config: Any) -> Any:  # type: ignore[misc]
+            out = _swap(spec(config))
+            _announce("ring_spec", out, config)
+            return out
+    provider.__name__ = f"ring_spec({getattr(spec, '__name__', type(spec).__name__)})"
+    provider.__wrapped__ = spec  # type: ignore[attr-defined]
+    return provider
+

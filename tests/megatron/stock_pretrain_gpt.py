@@ -1,0 +1,98 @@
+"""A stock-style ``pretrain_gpt.py`` for the CI test of ``--spec megatron_ring.megatron.spec ring_layer_spec``.
+
+Built the way Megatron-LM's ``pretrain_gpt.py`` (core_r0.19 / main) builds a run: ``parse_and_validate_args``
+-> ``gpt_config_from_args`` (which imports ``--spec``) -> ``pretrain_cfg_container_from_args`` -> ``pretrain``;
+Megatron's own ``get_batch_on_this_cp_rank`` (zigzag) and a ``pretrain_gpt``-style loss (masked sum and
+token count; Megatron's schedule does the CP scaling). Nothing from megatron_ring is called here: the ring
+comes in only through ``--spec``. The data set is a deterministic learnable token stream (no files).
+CPU runs enter megatron_ring's scoped CPU opt-in (Megatron's loop assumes CUDA).
+
+Env: ``MEGATRON_RING_LOSS_LOG``: one line per micro-batch on rank 0, loss sum and token count over DP x CP.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from functools import partial
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
+from megatron.training import get_args, pretrain  # noqa: E402
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+
+
+class PatternDataset(torch.utils.data.Dataset):
+    """Sample i: an arithmetic token sequence mod V with a per-sample start and stride, 10% noise."""
+
+    def __init__(self, n: int, seq_length: int, vocab: int, seed: int):
+        self.n, self.s, self.v, self.seed = n, seq_length, vocab, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        start, stride = torch.randint(0, self.v, (2,), generator=g).tolist()
+        seq = (start + (stride % 7 + 1) * torch.arange(self.s + 1)) % self.v
+        noise = torch.rand(self.s + 1, generator=g) < 0.1
+        seq = torch.where(noise, torch.randint(0, self.v, (self.s + 1,), generator=g), seq)
+        return {"tokens": seq[:-1].clone(), "labels": seq[1:].clone(), "loss_mask": torch.ones(self.s),
+                "position_ids": torch.arange(self.s)}
+
+
+def datasets_provider(num_samples, vp_stage=None):
+    args = get_args()
+    vocab = args.vocab_size or args.padded_vocab_size
+    return tuple(PatternDataset(max(int(n), 1), args.seq_length, vocab, args.seed + k)
+                 for k, n in enumerate(num_samples))
+
+
+datasets_provider.is_distributed = True
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    log = os.environ.get("MEGATRON_RING_LOSS_LOG")
+    if log:
+        stats = torch.stack([loss.detach().double(), mask.sum().double()])
+        dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
+        if dist.get_rank() == 0:
+            with open(log, "a") as f:
+                f.write(f"{stats[0].item():.17g} {stats[1].item():.17g}\n")
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    batch = get_batch_on_this_cp_rank(batch, False, cp_group=ps.get_context_parallel_group())  # zigzag
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def main() -> None:
+    cpu = contextlib.nullcontext()
+    if not torch.cuda.is_available():
+        from megatron_ring.megatron.training_cpu import megatron_training_cpu
+
+        cpu = megatron_training_cpu()
+    with cpu:
+        args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+        model_cfg = gpt_config_from_args(args)  # imports --spec, as pretrain_gpt.py does
+        pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step)
+
+
+if __name__ == "__main__":
+    main()
