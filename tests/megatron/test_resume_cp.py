@@ -1,7 +1,15 @@
 """Resume at another CP size with Megatron's own distributed checkpointing, attention dropout ON.
 
-Megatron-LM's ``pretrain()`` (the megatron-core 0.19 wheel; skipped where ``megatron.training`` is absent)
-runs examples/pretrain_ring_gpt_any_cp.py (ring attention at every CP size) at CP = 4 for ITERS iterations
+Two loops, each saving at CP = 4 and resuming at CP = 2 and CP = 1 (continued per-iteration loss equal to
+the uninterrupted CP = 4 run within 1e-5), each with a negative control:
+
+* Megatron-LM's ``pretrain()`` with ``--save/--load --ckpt-format torch_dist`` where ``megatron.training``
+  is installed (the megatron-core 0.19 wheel: the Python 3.12 venv);
+* otherwise (megatron-core 0.16.1: the Python 3.11 venv) a Megatron-Core loop with
+  ``megatron.core.dist_checkpointing`` (tests/megatron/resume_workers.py). One loop per venv keeps the
+  file's runtime near 90 s on a quiet 2-core machine (each case is a torchrun launch).
+
+``pretrain()``: it runs examples/pretrain_ring_gpt_any_cp.py (ring attention at every CP size) at CP = 4 for ITERS iterations
 and saves a ``torch_dist`` checkpoint at iteration SAVE_AT. Resumed from it at CP = 2 and at CP = 1, the
 continued per-iteration loss (masked mean token loss, fp32 model, float64 sums over DP x CP) must equal the
 uninterrupted CP = 4 run within 1e-5. Attention dropout is 0.1: the ring's dropout mask depends only on
@@ -13,6 +21,7 @@ from its seed, the dropout masks differ and the loss must differ by more than 1e
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -22,13 +31,18 @@ import pytest
 
 from megatron_ring.megatron.compat import has_megatron_training
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not has_megatron_training(),
-                                 reason="megatron.training is not installed (megatron-core >= 0.19 wheel or "
-                                        "a Megatron-LM checkout); CI runs this in the Python 3.12 venv")]
+pytestmark = [pytest.mark.slow]
+needs_training = pytest.mark.skipif(not has_megatron_training(),
+                                    reason="megatron.training is not installed (megatron-core >= 0.19 wheel or "
+                                           "a Megatron-LM checkout); CI runs this in the Python 3.12 venv")
+core_loop_only = pytest.mark.skipif(has_megatron_training(),
+                                    reason="megatron.training is installed: the resume is tested through "
+                                           "Megatron-LM's pretrain() here; the Megatron-Core loop runs in the "
+                                           "venv without it (megatron-core 0.16.1)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_ring_gpt_any_cp.py")
+CORE_WORKER = os.path.join(ROOT, "tests", "megatron", "resume_workers.py")
 ITERS, SAVE_AT = 6, 3
 MICRO_BATCHES = 2  # global batch 4 / (micro batch 2 x DP 1)
 MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
@@ -85,6 +99,7 @@ def resume(tmp_path, saved_cp4, cp: int, *extra: str) -> tuple[list[float], list
     return got, full[SAVE_AT:]
 
 
+@needs_training
 @pytest.mark.parametrize("cp", [2, 1])
 def test_resume_at_another_cp_size_continues_the_cp4_curve(tmp_path, saved_cp4, cp):
     got, want = resume(tmp_path, saved_cp4, cp)
@@ -92,7 +107,50 @@ def test_resume_at_another_cp_size_continues_the_cp4_curve(tmp_path, saved_cp4, 
     assert max(diffs) <= 1e-5, (cp, got, want)
 
 
+@needs_training
 def test_resume_without_the_rng_state_differs(tmp_path, saved_cp4):
     """The dropout masks come from the checkpointed RNG tracker: without it the curve must move."""
     got, want = resume(tmp_path, saved_cp4, 1, "--no-load-rng")
     assert max(abs(a - b) for a, b in zip(got, want)) > 1e-4, (got, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-Core loop with megatron.core.dist_checkpointing (any megatron-core)
+# ----------------------------------------------------------------------------------------------
+def core_run(tmp_path, name: str, cp: int, ckpt, start: int, save_at: int | None, load_rng: bool = True) -> list[float]:
+    out = tmp_path / f"{name}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), CORE_WORKER, str(cp), str(ckpt), str(start),
+           str(ITERS), str(-1 if save_at is None else save_at), "1" if load_rng else "0", str(out)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    losses = json.loads(out.read_text())
+    assert len(losses) == ITERS - start, losses
+    return losses
+
+
+@pytest.fixture(scope="module")
+def core_saved_cp4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("core-cp4")
+    ckpt = tmp / "ckpt"
+    losses = core_run(tmp, "cp4", 4, ckpt, 0, SAVE_AT)
+    assert (ckpt / "metadata.json").is_file(), "no torch_dist checkpoint was written"
+    assert losses[-1] < losses[0] - 0.05, f"the run must actually train: {losses}"
+    return ckpt, losses
+
+
+@core_loop_only
+@pytest.mark.parametrize("cp", [2, 1])
+def test_core_loop_resume_at_another_cp_size(tmp_path, core_saved_cp4, cp):
+    ckpt, full = core_saved_cp4
+    got = core_run(tmp_path, f"resume-cp{cp}", cp, ckpt, SAVE_AT, None)
+    diffs = [abs(a - b) for a, b in zip(got, full[SAVE_AT:])]
+    assert max(diffs) <= 1e-5, (cp, got, full[SAVE_AT:])
+
+
+@core_loop_only
+def test_core_loop_resume_without_the_rng_state_differs(tmp_path, core_saved_cp4):
+    ckpt, full = core_saved_cp4
+    got = core_run(tmp_path, "resume-norng", 1, ckpt, SAVE_AT, None, load_rng=False)
+    assert max(abs(a - b) for a, b in zip(got, full[SAVE_AT:])) > 1e-4, (got, full[SAVE_AT:])
