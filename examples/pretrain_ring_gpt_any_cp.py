@@ -1,0 +1,117 @@
+"""Megatron-LM's own training loop with ring attention at EVERY context-parallel size, CP = 1 included.
+
+examples/pretrain_ring_gpt.py uses Megatron's own attention at CP = 1 (the reference for parity tests).
+This script always uses ring attention, so a run can be saved at one CP size with Megatron's distributed
+checkpointing (``--save DIR --ckpt-format torch_dist``) and resumed at another (``--load DIR``), CP = 1
+included, with attention dropout ON: the ring's dropout mask depends only on (seed, layer, head, global
+positions), so it is the same at every CP size, and Megatron checkpoints the RNG tracker it is drawn from
+per (PP, TP) rank, shared over DP x CP. See docs/megatron-runs.md, "Resume at another CP size"::
+
+    # CP = 4, save at iteration 4 (and at the end):
+    torchrun --nproc-per-node 4 examples/pretrain_ring_gpt_any_cp.py --context-parallel-size 4 \\
+        --save ckpt --save-interval 4 --ckpt-format torch_dist <model, training and CPU flags>
+    # resume at CP = 2 from iteration 4:
+    torchrun --nproc-per-node 2 examples/pretrain_ring_gpt_any_cp.py --context-parallel-size 2 \\
+        --load ckpt --ckpt-step 4 --ckpt-format torch_dist <the same flags>
+
+The data, forward step and CP-aware loss are examples/pretrain_ring_gpt.py's (imported, not copied).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Iterator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import pretrain_ring_gpt as base  # noqa: E402  (sets the environment and warning filters first)
+import torch  # noqa: E402
+
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.training import get_args, pretrain  # noqa: E402
+from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
+
+from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_gpt_layer_ring_spec, initialize_context_parallel, use_layout_rope)  # noqa: E402
+from megatron_ring.megatron import compat  # noqa: E402
+from megatron_ring.megatron.megatron_lm import check_attention_backend  # noqa: E402
+from megatron_ring.megatron.training_cpu import megatron_training_cpu  # noqa: E402
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """``GPTModel`` with ring core attention at any CP size (the ring registered on Megatron's CP groups)."""
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    check_attention_backend(args)
+    initialize_context_parallel(config_from_args(args), seq_length=args.seq_length)
+    spec = get_gpt_layer_ring_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+    kwargs = dict(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_position_embeddings, fp16_lm_cross_entropy=False,
+                     parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                     rotary_base=args.rotary_base, **kwargs)
+    use_layout_rope(model)
+    return model
+
+
+@contextlib.contextmanager
+def _cpu_rng_state() -> Iterator[None]:
+    """Megatron's checkpoint saves ``torch.cuda.get_rng_state()`` next to the RNG tracker states, which
+    raises without a GPU; on CPU the generator Megatron means is the CPU one (the CPU opt-in's RNG
+    tracker forks it too). Scoped like the opt-in; restored on exit."""
+    saved = torch.cuda.get_rng_state, torch.cuda.set_rng_state
+
+    def get_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        torch.set_rng_state(state)
+
+    torch.cuda.get_rng_state, torch.cuda.set_rng_state = get_state, set_state
+    try:
+        yield
+    finally:
+        torch.cuda.get_rng_state, torch.cuda.set_rng_state = saved
+
+
+@contextlib.contextmanager
+def _without_psutil() -> Iterator[None]:
+    """megatron-core's checkpoint writer (``filesystem_async``) reads the process memory with psutil, only
+    for a debug log, and fails the save without it; psutil is not a dependency of the megatron-core wheel.
+    Where psutil is missing, the peak RSS from ``resource`` stands in (scoped; restored on exit)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if getattr(fa, "HAVE_PSUTIL", True):
+        yield
+        return
+    import resource
+
+    saved = fa._process_memory
+    fa._process_memory = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        yield
+    finally:
+        fa._process_memory = saved
+
+
+def main() -> None:
+    if torch.cuda.is_available():
+        cpu: contextlib.AbstractContextManager = contextlib.nullcontext()
+    else:
+        cpu = contextlib.ExitStack()
+        cpu.enter_context(megatron_training_cpu())
+        cpu.enter_context(_cpu_rng_state())
+    with cpu, _without_psutil():
+        compat.run_pretrain(pretrain, base.train_valid_test_datasets_provider, model_provider,
+                            ModelType.encoder_or_decoder, base.forward_step, extra_args_provider=add_context_parallel_args,
+                            args_defaults={"tokenizer_type": "NullTokenizer"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Resume at another CP size with Megatron's own distributed checkpointing, attention dropout ON.
+
+Two loops, each saving at CP = 4 and resuming at CP = 2 and CP = 1 (continued per-iteration loss equal to
+the uninterrupted CP = 4 run within 1e-5), each with a negative control:
+
+* Megatron-LM's ``pretrain()`` with ``--save/--load --ckpt-format torch_dist`` where ``megatron.training``
+  is installed (the megatron-core 0.19 wheel: the Python 3.12 venv);
+* otherwise (megatron-core 0.16.1: the Python 3.11 venv) a Megatron-Core loop with
+  ``megatron.core.dist_checkpointing`` (tests/megatron/resume_workers.py). One loop per venv keeps the
+  file's runtime near 90 s on a quiet 2-core machine (each case is a torchrun launch).
+
+``pretrain()``: it runs examples/pretrain_ring_gpt_any_cp.py (ring attention at every CP size) at CP = 4 for ITERS iterations
+and saves a ``torch_dist`` checkpoint at iteration SAVE_AT. Resumed from it at CP = 2 and at CP = 1, the
+continued per-iteration loss (masked mean token loss, fp32 model, float64 sums over DP x CP) must equal the
+uninterrupted CP = 4 run within 1e-5. Attention dropout is 0.1: the ring's dropout mask depends only on
+(seed, layer, head, global positions), and Megatron checkpoints the RNG tracker it is drawn from per
+(PP, TP) rank (shared over DP x CP), so the masks continue identically at any CP size.
+
+Negative control (so the test can fail): resumed at CP = 1 with ``--no-load-rng`` the tracker restarts
+from its seed, the dropout masks differ and the loss must differ by more than 1e-4.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ring.megatron.compat import has_megatron_training
+
+pytestmark = [pytest.mark.slow]
+needs_training = pytest.mark.skipif(not has_megatron_training(),
+                                    reason="megatron.training is not installed (megatron-core >= 0.19 wheel or "
+                                           "a Megatron-LM checkout); CI runs this in the Python 3.12 venv")
+core_loop_only = pytest.mark.skipif(has_megatron_training(),
+                                    reason="megatron.training is installed: the resume is tested through "
+                                           "Megatron-LM's pretrain() here; the Megatron-Core loop runs in the "
+                                           "venv without it (megatron-core 0.16.1)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_ring_gpt_any_cp.py")
+CORE_WORKER = os.path.join(ROOT, "tests", "megatron", "resume_workers.py")
+ITERS, SAVE_AT = 6, 3
+MICRO_BATCHES = 2  # global batch 4 / (micro batch 2 x DP 1)
+MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+         "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 "
+         f"--train-iters {ITERS} --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 "
+         "--weight-decay 0.01 --clip-grad 1.0 --position-embedding-type rope --normalization RMSNorm --swiglu "
+         "--disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.1 --hidden-dropout 0 "
+         "--vocab-size 128 --make-vocab-size-divisible-by 64 --tokenizer-type NullTokenizer --seed 1234 "
+         "--log-interval 1 --eval-iters 0 --eval-interval 1000 --ckpt-format torch_dist").split()
+CPU = ("--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion "
+       "--transformer-impl local --rerun-mode disabled --no-rope-fusion --no-bias-swiglu-fusion "
+       "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-persist-layer-norm").split()
+TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pretrain(tmp_path, name: str, cp: int, *extra: str) -> list[float]:
+    """Per-iteration masked mean loss of one torchrun launch at CP = ``cp`` (the iterations it ran)."""
+    log = tmp_path / f"{name}.loss"
+    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, *MODEL, *CPU,
+           "--context-parallel-size", str(cp), *extra]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    rows = [tuple(map(float, line.split()[:2])) for line in log.read_text().splitlines()]
+    assert len(rows) % MICRO_BATCHES == 0, rows
+    return [sum(r[0] for r in rows[i:i + MICRO_BATCHES]) / sum(r[1] for r in rows[i:i + MICRO_BATCHES])
+            for i in range(0, len(rows), MICRO_BATCHES)]
+
+
+@pytest.fixture(scope="module")
+def saved_cp4(tmp_path_factory):
+    """The uninterrupted CP = 4 run (its checkpoint at SAVE_AT is the one every resume loads)."""
+    tmp = tmp_path_factory.mktemp("cp4")
+    ckpt = tmp / "ckpt"
+    losses = pretrain(tmp, "cp4", 4, "--save", str(ckpt), "--save-interval", str(SAVE_AT))
+    assert len(losses) == ITERS, losses
+    assert (ckpt / f"iter_{SAVE_AT:07d}").is_dir(), sorted(os.listdir(ckpt))
+    assert losses[-1] < losses[0] - 0.05, f"the run must actually train: {losses}"
+    return ckpt, losses
+
+
+def resume(tmp_path, saved_cp4, cp: int, *extra: str) -> tuple[list[float], list[float]]:
+    ckpt, full = saved_cp4
+    got = pretrain(tmp_path, f"resume-cp{cp}", cp, "--load", str(ckpt), "--ckpt-step", str(SAVE_AT),
+                   "--exit-on-missing-checkpoint", *extra)
+    assert len(got) == ITERS - SAVE_AT, f"the resumed run must start after iteration {SAVE_AT}: {got}"
+    return got, full[SAVE_AT:]
+
+
+@needs_training
+@pytest.mark.parametrize("cp", [2, 1])
+def test_resume_at_another_cp_size_continues_the_cp4_curve(tmp_path, saved_cp4, cp):
+    got, want = resume(tmp_path, saved_cp4, cp)
+    diffs = [abs(a - b) for a, b in zip(got, want)]
+    assert max(diffs) <= 1e-5, (cp, got, want)
+
+
+@needs_training
+def test_resume_without_the_rng_state_differs(tmp_path, saved_cp4):
+    """The dropout masks come from the checkpointed RNG tracker: without it the curve must move."""
+    got, want = resume(tmp_path, saved_cp4, 1, "--no-load-rng")
+    assert max(abs(a - b) for a, b in zip(got, want)) > 1e-4, (got, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-Core loop with megatron.core.dist_checkpointing (any megatron-core)
+# ----------------------------------------------------------------------------------------------
+def core_run(tmp_path, name: str, cp: int, ckpt, start: int, save_at: int | None, load_rng: bool = True) -> list[float]:
+    out = tmp_path / f"{name}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), CORE_WORKER, str(cp), str(ckpt), str(start),
+           str(ITERS), str(-1 if save_at is None else save_at), "1" if load_rng else "0", str(out)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    losses = json.loads(out.read_text())
+    assert len(losses) == ITERS - start, losses
+    return losses
+
+
+@pytest.fixture(scope="module")
+def core_saved_cp4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("core-cp4")
+    ckpt = tmp / "ckpt"
+    losses = core_run(tmp, "cp4", 4, ckpt, 0, SAVE_AT)
+    assert (ckpt / "metadata.json").is_file(), "no torch_dist checkpoint was written"
+    assert losses[-1] < losses[0] - 0.05, f"the run must actually train: {losses}"
+    return ckpt, losses
+
+
+@core_loop_only
+@pytest.mark.parametrize("cp", [2, 1])
+def test_core_loop_resume_at_another_cp_size(tmp_path, core_saved_cp4, cp):
+    ckpt, full = core_saved_cp4
+    got = core_run(tmp_path, f"resume-cp{cp}", cp, ckpt, SAVE_AT, None)
+    diffs = [abs(a - b) for a, b in zip(got, full[SAVE_AT:])]
+    assert max(diffs) <= 1e-5, (cp, got, full[SAVE_AT:])
+
+
+@core_loop_only
+def test_core_loop_resume_without_the_rng_state_differs(tmp_path, core_saved_cp4):
+    ckpt, full = core_saved_cp4
+    got = core_run(tmp_path, "resume-norng", 1, ckpt, SAVE_AT, None, load_rng=False)
+    assert max(abs(a - b) for a, b in zip(got, full[SAVE_AT:])) > 1e-4, (got, full[SAVE_AT:])
