@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Iterator
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -60,54 +60,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     return model
 
 
-@contextlib.contextmanager
-def _cpu_rng_state() -> Iterator[None]:
-    """Megatron's checkpoint saves ``torch.cuda.get_rng_state()`` next to the RNG tracker states, which
-    raises without a GPU; on CPU the generator Megatron means is the CPU one (the CPU opt-in's RNG
-    tracker forks it too). Scoped like the opt-in; restored on exit."""
-    saved = torch.cuda.get_rng_state, torch.cuda.set_rng_state
-
-    def get_state(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def set_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        torch.set_rng_state(state)
-
-    torch.cuda.get_rng_state, torch.cuda.set_rng_state = get_state, set_state
-    try:
-        yield
-    finally:
-        torch.cuda.get_rng_state, torch.cuda.set_rng_state = saved
-
-
-@contextlib.contextmanager
-def _without_psutil() -> Iterator[None]:
-    """megatron-core's checkpoint writer (``filesystem_async``) reads the process memory with psutil, only
-    for a debug log, and fails the save without it; psutil is not a dependency of the megatron-core wheel.
-    Where psutil is missing, the peak RSS from ``resource`` stands in (scoped; restored on exit)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-
-    if getattr(fa, "HAVE_PSUTIL", True):
-        yield
-        return
-    import resource
-
-    saved = fa._process_memory
-    fa._process_memory = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    try:
-        yield
-    finally:
-        fa._process_memory = saved
-
-
 def main() -> None:
-    if torch.cuda.is_available():
-        cpu: contextlib.AbstractContextManager = contextlib.nullcontext()
-    else:
-        cpu = contextlib.ExitStack()
-        cpu.enter_context(megatron_training_cpu())
-        cpu.enter_context(_cpu_rng_state())
-    with cpu, _without_psutil():
+    cpu = contextlib.nullcontext() if torch.cuda.is_available() else megatron_training_cpu()
+    with cpu:
         compat.run_pretrain(pretrain, base.train_valid_test_datasets_provider, model_provider,
                             ModelType.encoder_or_decoder, base.forward_step, extra_args_provider=add_context_parallel_args,
                             args_defaults={"tokenizer_type": "NullTokenizer"})

@@ -142,6 +142,8 @@ _TORCH_CUDA = {
     "max_memory_reserved": _peak_rss_bytes, "reset_peak_memory_stats": _none, "reset_max_memory_allocated": _none,
     "memory_stats": lambda *a, **k: {}, "manual_seed": _none, "manual_seed_all": _none,
     "ipc_collect": _none,
+    # checkpoints save/restore the "CUDA" generator next to the RNG tracker states: on CPU, the CPU one
+    "get_rng_state": _cpu_get_rng_state, "set_rng_state": _cpu_set_rng_state,
 }
 
 #: megatron.training functions replaced in the scope: (module, attribute) -> wrapper factory / replacement

@@ -47,19 +47,11 @@ def _build(m: dict, cp: int):
 def _cpu_checkpointing() -> Iterator[None]:
     """Scoped CPU stand-ins for megatron-core's checkpoint writer: it calls ``torch.cuda.synchronize()``
     before copying tensors (a no-op on CPU) and puts its failure flag on ``torch.cuda.current_device()``
-    (the CPU here), and reads the process memory with psutil for a debug log only
-    (psutil is not a megatron-core dependency; without it the save fails)."""
-    import resource
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-
+    (the CPU here)."""
     saved = [(torch.cuda, "synchronize", torch.cuda.synchronize),
              (torch.cuda, "current_device", torch.cuda.current_device)]
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: torch.device("cpu")
-    if not getattr(fa, "HAVE_PSUTIL", True) and hasattr(fa, "_process_memory"):
-        saved.append((fa, "_process_memory", fa._process_memory))
-        fa._process_memory = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:
         yield
     finally:

@@ -22,6 +22,7 @@ EXPECTED = {
     ("torch.cuda", "max_memory_reserved"), ("torch.cuda", "reset_peak_memory_stats"),
     ("torch.cuda", "reset_max_memory_allocated"), ("torch.cuda", "memory_stats"), ("torch.cuda", "manual_seed"),
     ("torch.cuda", "manual_seed_all"), ("torch.cuda", "ipc_collect"),
+    ("torch.cuda", "get_rng_state"), ("torch.cuda", "set_rng_state"),
     ("megatron.training.training", "initialize_megatron"),
     ("megatron.training.initialize", "_initialize_distributed"),
     ("megatron.training.initialize", "_set_random_seed"),
