@@ -31,27 +31,34 @@ def _check_schedule(s: dc.Schedule, lens: list[int], world: int, cap: int | None
     assert _placed(s) == [d for d, n in enumerate(lens) if n > 0]  # every document exactly once
     need = get_layout(layout).local_multiple()
     for rnd in s.rounds:
-        owner = {}
         for sub in rnd:
             assert sub.ranks == tuple(range(sub.ranks[0], sub.ranks[0] + sub.size))  # consecutive ranks
             assert 0 <= sub.ranks[0] and sub.ranks[-1] < world
-            for r in sub.ranks:  # within a round a rank belongs to one group only (no cross waits)
-                assert owner.setdefault(r, sub.ranks) == sub.ranks
             assert sub.lengths == tuple(lens[d] for d in sub.docs)
             assert sub.padded >= sum(sub.lengths) and sub.padded % (need * sub.size) == 0
             assert sub.padded - sum(sub.lengths) < need * sub.size or sum(sub.lengths) < need * sub.size
             if cap is not None:
                 assert sub.padded // sub.size <= cap
-    # the prediction is the schedule's own: per round the busiest rank, summed; ranks' busy time
+    # the prediction is the schedule's own: per round, every rank runs its sub-samples in list order and
+    # one starts when its last rank is free (an event simulation, written here independently); rounds add
     step = 0.0
     busy = [0.0] * world
     for rnd in s.rounds:
-        per = [0.0] * world
-        for sub in rnd:
-            for r in sub.ranks:
-                per[r] += sub.predicted_s
-        step += max(per)
-        busy = [a + b for a, b in zip(busy, per)]
+        pending = {r: [i for i, sub in enumerate(rnd) if r in sub.ranks] for r in range(world)}
+        done_at: dict[int, float] = {}
+        clock = [0.0] * world
+        while any(pending.values()):
+            ready = [i for i in {q[0] for q in pending.values() if q}
+                     if all(pending[r] and pending[r][0] == i for r in rnd[i].ranks)]
+            assert ready, "deadlock: no sub-sample has all its ranks at its turn"
+            i = min(ready)
+            start = max(clock[r] for r in rnd[i].ranks)
+            for r in rnd[i].ranks:
+                clock[r] = start + rnd[i].predicted_s
+                busy[r] += rnd[i].predicted_s
+                pending[r].pop(0)
+            done_at[i] = start + rnd[i].predicted_s
+        step += max(clock)
     assert s.step_s == pytest.approx(step, rel=1e-12)
     assert list(s.rank_s) == pytest.approx(busy, rel=1e-12)
     assert max(s.rank_s) <= s.step_s * (1 + 1e-12)
@@ -171,3 +178,11 @@ def test_property_random_length_mixes(lens, world, seed, layout, machine):
         assert ours.step_s <= f.step_s * (1 + 1e-9)
     meg = dc.schedule_megatron_balanced(lens, world, pb, machine, max_tokens_per_rank=cap)
     _check_schedule(meg, lens, world, cap, layout)
+
+
+def test_aligned_pow2_groups_are_megatrons_hybrid_groups():
+    lens = long_tail(60, seed=9)
+    s = dc.schedule_dynamic_cp(lens, 8, PB, GPU, max_tokens_per_rank=32768, sizes="pow2", aligned=True)
+    _check_schedule(s, lens, 8, 32768)
+    for sub in s.subsamples:
+        assert sub.size in (1, 2, 4, 8) and sub.ranks[0] % sub.size == 0

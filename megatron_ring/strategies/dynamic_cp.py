@@ -3,13 +3,15 @@
 Given the documents of one global batch (their lengths) and the ``world`` DP x CP ranks, a schedule says
 which consecutive ranks run which documents: every :class:`SubSample` is ONE ``ring_attention`` call
 (``qkv_format="thd"``, ``cu_seqlens`` of its documents, padded at the end to the layout's multiple) on
-the group of its ranks. Ranks of a round run their sub-samples one after another; a round ends with a
-barrier (ours need one round: the groups of a round partition the ranks, so no rank ever waits for a
-group it is not in). See docs/dynamic_cp.md.
+the group of its ranks. Every rank runs its sub-samples in the round's one list order (a sub-sample
+starts when the last of its ranks is free: no deadlock, as the earliest unfinished sub-sample always has
+all its ranks free); a round ends with a barrier (Megatron's policy uses several rounds, ours one). See
+docs/dynamic_cp.md.
 
 * :func:`schedule_dynamic_cp`: ours. Minimises the slowest rank's PREDICTED time (cost model: causal work
-  per rank of the packed documents, exchange bytes and latency, overlap, per comm type), group sizes any
-  integer ``1..world`` (the ring is exact for any P) or powers of two (``sizes="pow2"``, Megatron's groups).
+  per rank of the packed documents, exchange bytes and latency, overlap, per comm type) by list
+  scheduling on a timeline without barriers; group sizes any integer ``1..world`` (the ring is exact for
+  any P) or powers of two (``sizes="pow2"``, Megatron's groups; ``aligned=True``: its exact groups).
 * :func:`schedule_megatron_balanced`: our own implementation of the policy of megatron-core's
   ``BalancedCPScheduler`` (token-count workload ``L^2/cp``, power-of-two groups, rounds with barriers),
   as the baseline.
@@ -239,16 +241,19 @@ class PackCost:
 
 
 def predict_schedule(rounds: Sequence[Sequence[SubSample]], world: int, policy: str) -> Schedule:
-    """A :class:`Schedule` with its prediction: per round the busiest rank's sum; ranks' busy time."""
+    """A :class:`Schedule` with its prediction. Within a round every rank runs its sub-samples in the
+    round's list order, and a sub-sample starts when the last of its ranks is free (the ring exchange
+    itself waits for the partners); a round ends when its last rank is done (the barrier)."""
     rank_s = [0.0] * world
     step = 0.0
     for rnd in rounds:
-        busy = [0.0] * world
-        for s in rnd:
-            for r in s.ranks:
-                busy[r] += s.predicted_s
-        step += max(busy)
-        rank_s = [a + b for a, b in zip(rank_s, busy)]
+        free = [0.0] * world
+        for sub in rnd:
+            start = max(free[r] for r in sub.ranks)
+            for r in sub.ranks:
+                free[r] = start + sub.predicted_s
+                rank_s[r] += sub.predicted_s
+        step += max(free)
     return Schedule(world, tuple(tuple(r) for r in rounds), policy, step, tuple(rank_s))
 
 
@@ -286,99 +291,67 @@ def _too_long(n: int, world: int, cap: int | None) -> ValueError:
                       f"raise max_tokens_per_rank (memory allowing) or use more ranks")
 
 
-def _pack(order: Sequence[int], lens: Sequence[int], size: int, cost: PackCost, cap: int | None) -> list[list[int]]:
-    """First-fit of the group's documents (in ``order``) into packs of at most ``cap`` tokens per rank."""
-    packs: list[list[int]] = []
-    room: list[int] = []
-    limit = None if cap is None else cap * size
-    for d in order:
-        for i, pk in enumerate(packs):
-            if limit is None or cost.pad(room[i] + lens[d], size) <= limit:
-                pk.append(d)
-                room[i] += lens[d]
-                break
-        else:
-            packs.append([d])
-            room.append(lens[d])
-    return packs
-
-
-def _evaluate(parts: Sequence[Sequence[int]], order: Sequence[int], lens: Sequence[int], cost: PackCost,
-              cap: int | None) -> tuple[float, list[list[SubSample]]] | None:
-    """Documents onto the groups of the rounds' partitions ``parts`` (consecutive rank ranges per round):
-    each document, longest first, where it adds least to the sum of the rounds' spans (then: where it
-    finishes first) by its own prediction; then each group's documents packed. None: one fits nowhere."""
-    load = [[0.0] * len(part) for part in parts]
-    span = [0.0] * len(parts)
-    members: list[list[list[int]]] = [[[] for _ in part] for part in parts]
+def _timeline(order: Sequence[int], lens: Sequence[int], world: int, cost: PackCost, cap: int | None,
+              sizes: Sequence[int], aligned: bool, alpha: float) -> list[tuple[tuple[int, ...], int]]:
+    """List scheduling: each document (in ``order``) on the consecutive ranks and group size where it
+    finishes first, plus ``alpha`` x its rank-seconds / world (a price on work, so that a document does not
+    take many ranks to finish a little earlier). Returns [(ranks, doc)] in start order."""
+    free = [0.0] * world
+    placed = []
     for d in order:
         best = None
-        for i, part in enumerate(parts):
-            for g, p in enumerate(part):
-                if cap is not None and cost.pad(lens[d], p) // p > cap:
-                    continue
-                t = load[i][g] + cost([lens[d]], p)["time_s"]
-                key = (max(span[i], t) - span[i], t, i, g)
-                if best is None or key < best:
-                    best = key
-        if best is None:
-            return None
-        _, t, i, g = best
-        load[i][g] = t
-        span[i] = max(span[i], t)
-        members[i][g].append(d)
-    rounds, step = [], 0.0
-    for i, part in enumerate(parts):
-        subs, worst, start = [], 0.0, 0
-        for g, p in enumerate(part):
-            ranks = tuple(range(start, start + p))
-            start += p
-            total = 0.0
-            for pk in _pack(members[i][g], lens, p, cost, cap):
-                s = cost.subsample(ranks, pk, [lens[d] for d in pk])
-                subs.append(s)
-                total += s.predicted_s
-            worst = max(worst, total)
-        if subs:
-            rounds.append(subs)
-            step += worst
-    return step, rounds
+        prev, rising = None, 0
+        for p in sizes:
+            if cap is not None and cost.pad(lens[d], p) // p > cap:
+                continue
+            t = cost([lens[d]], p)["time_s"]
+            rising = rising + 1 if prev is not None and t >= prev else 0
+            prev = t
+            if rising >= 2:  # slower on more ranks twice in a row: larger groups only cost more
+                break
+            for s0 in range(0, world - p + 1, p if aligned else 1):
+                start = max(free[s0:s0 + p])
+                key = (start + t + alpha * p * t / world, start + t, p, s0)
+                if best is None or key < best[0]:
+                    best = (key, p, s0, start + t)
+        _, p, s0, end = best
+        for r in range(s0, s0 + p):
+            free[r] = end
+        placed.append((end - cost([lens[d]], p)["time_s"], tuple(range(s0, s0 + p)), d))
+    placed.sort(key=lambda x: (x[0], x[1][0]))
+    return [(ranks, d) for _, ranks, d in placed]
 
 
-def _moves(part: list[int], allowed: set[int]) -> list[list[int]]:
-    out = []
-    for i, s in enumerate(part):  # split a group in two
-        cands = {s // 2} | {1 << k for k in range(s.bit_length())} | {s - (1 << k) for k in range(s.bit_length())}
-        for a in sorted(c for c in cands if 0 < c < s and c in allowed and s - c in allowed):
-            out.append(part[:i] + [a, s - a] + part[i + 1:])
-    for i in range(len(part) - 1):  # merge two neighbours
-        if part[i] + part[i + 1] in allowed:
-            out.append(part[:i] + [part[i] + part[i + 1]] + part[i + 2:])
-    for i in range(len(part) - 1):  # move one rank between neighbours
-        for da in (-1, 1):
-            a, b = part[i] + da, part[i + 1] - da
-            if a > 0 and b > 0 and a in allowed and b in allowed:
-                out.append(part[:i] + [a, b] + part[i + 2:])
-    return out
+def _merge(placed: list[tuple[tuple[int, ...], int]], lens: Sequence[int], cost: PackCost,
+           cap: int | None) -> list[SubSample]:
+    """Consecutive documents on the same ranks (nothing else on those ranks between them) become one
+    packed sub-sample while it fits the cap and is not predicted slower than running them apart."""
+    runs: list[list] = []  # [ranks, docs]
+    last: dict[int, int] = {}  # rank -> index of its latest run
+    for ranks, d in placed:
+        i = last.get(ranks[0])
+        if i is not None and runs[i][0] == ranks and all(last.get(r) == i for r in ranks):
+            docs = runs[i][1] + [d]
+            ls = [lens[x] for x in docs]
+            fits = cap is None or cost.pad(sum(ls), len(ranks)) // len(ranks) <= cap
+            if fits and cost(ls, len(ranks))["time_s"] <= (cost([lens[x] for x in runs[i][1]], len(ranks))["time_s"]
+                                                           + cost([lens[d]], len(ranks))["time_s"]):
+                runs[i][1] = docs
+                continue
+        runs.append([ranks, [d]])
+        for r in ranks:
+            last[r] = len(runs) - 1
+    return [cost.subsample(ranks, docs, [lens[x] for x in docs]) for ranks, docs in runs]
 
 
-def _round_moves(parts: tuple[tuple[int, ...], ...], allowed: set[int], uniform: list[tuple[int, ...]],
-                 max_rounds: int) -> list[tuple[tuple[int, ...], ...]]:
-    out = []
-    for i, part in enumerate(parts):
-        out += [parts[:i] + (tuple(m),) + parts[i + 1:] for m in _moves(list(part), allowed)]
-    if len(parts) < max_rounds:
-        out += [parts + (u,) for u in uniform]
-    if len(parts) > 1:
-        out += [parts[:i] + parts[i + 1:] for i in range(len(parts))]
-    return out
+ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
 
 
 def schedule_dynamic_cp(lengths: Sequence[int], world: int, problem: Problem, machine: Machine, *,
                         max_tokens_per_rank: int | None = None, sizes: str | Sequence[int] = "any",
-                        comm_types: Sequence[str] = ("p2p",), seed: int = 0, max_rounds: int = 2,
-                        max_iters: int | None = None, cost: PackCost | None = None) -> Schedule:
-    """Our scheduler: group sizes and packing that minimise the slowest rank's predicted time.
+                        aligned: bool = False, comm_types: Sequence[str] = ("p2p",), seed: int = 0,
+                        cost: PackCost | None = None) -> Schedule:
+    """Our scheduler: group sizes, placement and packing that minimise the slowest rank's predicted time.
 
     Args:
         lengths: document lengths of the global batch (tokens; 0-length documents are placed nowhere
@@ -388,23 +361,23 @@ def schedule_dynamic_cp(lengths: Sequence[int], world: int, problem: Problem, ma
         machine: the cost model's machine numbers (measured ones for the cluster at hand).
         max_tokens_per_rank: memory cap: no sub-sample may hold more than this many (padded) tokens per
             rank (Megatron's ``max_seqlen_per_dp_cp_rank``); None: no cap.
-        sizes: "any" (every group size 1..world: exact for the ring with end padding), "pow2" (the groups
+        sizes: "any" (every group size 1..world: exact for the ring with end padding), "pow2" (the sizes
             megatron-core's ``parallel_state`` builds for hybrid CP), or an explicit list.
+        aligned: groups of size p start at a multiple of p (megatron-core's hybrid groups: with
+            ``sizes="pow2"`` every group is one ``parallel_state`` already holds).
         comm_types: exchanges to consider per sub-sample (the cheapest predicted one is used).
         seed: breaks ties between documents of equal length (the result is a function of the batch, the
             arguments and the seed only: no clocks, no global random state).
-        max_rounds: rounds (barrier-separated partitions of the ranks) the search may use.
-        max_iters: hill-climbing steps (default ``min(4 * world, 24)``).
 
-    Algorithm: a schedule is a list of rounds, each a partition of the ranks into consecutive groups.
-    It is scored by placing the documents, longest first, where each adds least to the sum of the rounds'
-    predicted spans (ties: where it finishes first), first-fit packing each group's documents into
-    sub-samples within the memory cap, and summing the rounds' slowest groups. The search starts from every
-    fixed CP size that divides ``world`` (and every pair of them as two rounds), then climbs: split a
-    group, merge two neighbours, move one rank between neighbours, add or drop a round -- keeping the best
-    strictly better schedule until none is. Finally the baselines (:func:`schedule_fixed_cp` for every
-    allowed size dividing ``world``; :func:`schedule_megatron_balanced` when a cap is given and its group
-    sizes are allowed) are candidates too, so the result is never predicted slower than any of them.
+    Algorithm (one round, no barriers): documents, longest first, are list-scheduled on a timeline of the
+    ranks: each goes to the group size and consecutive ranks where it is predicted to finish first, plus
+    a price ``alpha`` on the rank-seconds it uses; consecutive documents on the same ranks are then packed
+    into one sub-sample when that is not predicted slower. Every rank runs its sub-samples in the one
+    global start order, so a group's ranks meet without a barrier and no rank can deadlock (the earliest
+    unfinished sub-sample always has all its ranks free). Several prices (``ALPHAS``) are tried and the
+    baselines (:func:`schedule_fixed_cp` for every allowed size dividing ``world``;
+    :func:`schedule_megatron_balanced` when a cap is given and its group sizes are allowed) are candidates
+    too: the best prediction wins, so the result is never predicted slower than any of them.
     """
     lens = _check(lengths, world, max_tokens_per_rank)
     allowed = _allowed_sizes(world, sizes)
@@ -418,39 +391,16 @@ def schedule_dynamic_cp(lengths: Sequence[int], world: int, problem: Problem, ma
             raise _too_long(lens[d], world, max_tokens_per_rank)
     if not order:
         return predict_schedule([()], world, "dynamic")
-    aset = set(allowed)
-    uniform = [tuple([c] * (world // c)) for c in allowed if world % c == 0] or [(world,)]
-    seeds = [(u,) for u in uniform]
-    if max_rounds > 1:
-        seeds += [(u, v) for u in uniform for v in uniform if u != v]
-    best_parts, best = None, None
-    for parts in seeds:
-        res = _evaluate(parts, order, lens, cost, max_tokens_per_rank)
-        if res is not None and (best is None or res[0] < best[0] * (1 - 1e-9)):
-            best_parts, best = parts, res
-    if best is None:  # no uniform partition holds the longest document: one group of all ranks
-        best_parts = ((world,),)
-        best = _evaluate(best_parts, order, lens, cost, max_tokens_per_rank)
-        if best is None:
-            raise _too_long(lens[order[0]], world, max_tokens_per_rank)
-    seen = set(seeds) | {best_parts}
-    for _ in range(max_iters if max_iters is not None else min(4 * world, 24)):
-        step = None
-        for cand in _round_moves(best_parts, aset, uniform, max_rounds):
-            if cand in seen:
-                continue
-            seen.add(cand)
-            res = _evaluate(cand, order, lens, cost, max_tokens_per_rank)
-            if res is not None and res[0] < (step[1][0] if step else best[0]) * (1 - 1e-9):
-                step = (cand, res)
-        if step is None:
-            break
-        best_parts, best = step
-    out = predict_schedule(best[1], world, "dynamic")
-    # the baselines are candidates too: the result is never predicted slower than any of them
-    for base in _baselines(lens, world, problem, machine, max_tokens_per_rank, aset, cost):
-        if base.step_s < out.step_s * (1 - 1e-9):
-            out = dataclasses.replace(base, policy=f"dynamic (= {base.policy})")
+    out = None
+    for alpha in ALPHAS:
+        placed = _timeline(order, lens, world, cost, max_tokens_per_rank, allowed, aligned, alpha)
+        cand = predict_schedule([_merge(placed, lens, cost, max_tokens_per_rank)], world, "dynamic")
+        if out is None or cand.step_s < out.step_s * (1 - 1e-9):
+            out = cand
+    if not aligned:  # the baselines' groups are not aligned
+        for base in _baselines(lens, world, problem, machine, max_tokens_per_rank, set(allowed), cost):
+            if base.step_s < out.step_s * (1 - 1e-9):
+                out = dataclasses.replace(base, policy=f"dynamic (= {base.policy})")
     return out
 
 
