@@ -350,7 +350,7 @@ ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
 def schedule_dynamic_cp(lengths: Sequence[int], world: int, problem: Problem, machine: Machine, *,
                         max_tokens_per_rank: int | None = None, sizes: str | Sequence[int] = "any",
                         aligned: bool = False, comm_types: Sequence[str] = ("p2p",), seed: int = 0,
-                        cost: PackCost | None = None) -> Schedule:
+                        pack: bool = True, cost: PackCost | None = None) -> Schedule:
     """Our scheduler: group sizes, placement and packing that minimise the slowest rank's predicted time.
 
     Args:
@@ -368,6 +368,8 @@ def schedule_dynamic_cp(lengths: Sequence[int], world: int, problem: Problem, ma
         comm_types: exchanges to consider per sub-sample (the cheapest predicted one is used).
         seed: breaks ties between documents of equal length (the result is a function of the batch, the
             arguments and the seed only: no clocks, no global random state).
+        pack: pack consecutive documents on the same ranks into one sub-sample (one call); False: one
+            document per sub-sample (Megatron's hybrid-CP data path moves and runs documents one by one).
 
     Algorithm (one round, no barriers): documents, longest first, are list-scheduled on a timeline of the
     ranks: each goes to the group size and consecutive ranks where it is predicted to finish first, plus
@@ -394,12 +396,14 @@ def schedule_dynamic_cp(lengths: Sequence[int], world: int, problem: Problem, ma
     out = None
     for alpha in ALPHAS:
         placed = _timeline(order, lens, world, cost, max_tokens_per_rank, allowed, aligned, alpha)
-        cand = predict_schedule([_merge(placed, lens, cost, max_tokens_per_rank)], world, "dynamic")
+        subs = _merge(placed, lens, cost, max_tokens_per_rank) if pack else \
+            [cost.subsample(ranks, [d], [lens[d]]) for ranks, d in placed]
+        cand = predict_schedule([subs], world, "dynamic")
         if out is None or cand.step_s < out.step_s * (1 - 1e-9):
             out = cand
-    if not aligned:  # the baselines' groups are not aligned
-        for base in _baselines(lens, world, problem, machine, max_tokens_per_rank, set(allowed), cost):
-            if base.step_s < out.step_s * (1 - 1e-9):
+    for base in _baselines(lens, world, problem, machine, max_tokens_per_rank, set(allowed), cost):
+        ok = all((not aligned or x.ranks[0] % x.size == 0) and (pack or len(x.docs) == 1) for x in base.subsamples)
+        if ok and base.step_s < out.step_s * (1 - 1e-9):
                 out = dataclasses.replace(base, policy=f"dynamic (= {base.policy})")
     return out
 
