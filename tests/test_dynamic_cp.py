@@ -186,3 +186,48 @@ def test_aligned_pow2_groups_are_megatrons_hybrid_groups():
     _check_schedule(s, lens, 8, 32768)
     for sub in s.subsamples:
         assert sub.size in (1, 2, 4, 8) and sub.ranks[0] % sub.size == 0
+
+
+def test_length_mixes_are_seeded_and_shaped():
+    from megatron_ring.tools.dynamic_plan import doc_lengths
+
+    a = doc_lengths("long-tail", 100, seed=1)
+    assert a == doc_lengths("long-tail", 100, seed=1) and a != doc_lengths("long-tail", 100, seed=2)
+    assert sum(n >= 32768 for n in a) == 4 and all(512 <= n <= 4096 for n in a if n < 32768)
+    u = doc_lengths("uniform", 50, seed=0, scale=16)
+    assert all(32 <= n <= 4096 for n in u)
+    with pytest.raises(ValueError, match="unknown mix"):
+        doc_lengths("zipf", 3)
+
+
+def test_planner_dynamic_cp_subcommand(tmp_path, capsys):
+    import json
+
+    from megatron_ring.tools import planner
+
+    lens = tmp_path / "lens.txt"
+    lens.write_text("# a global batch\n30000, 28000\n" + " ".join(["900"] * 40) + "\n")
+    out = tmp_path / "plan.json"
+    rows = planner.main(["dynamic-cp", "--lengths-file", str(lens), "--world-sizes", "4", "--max-tokens-per-rank",
+                         "16384", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "Megatron balanced" in text and "fixed CP=4 DP=1" in text and "ours" in text
+    saved = json.loads(out.read_text())
+    assert [r["policy"] for r in saved] == [r["policy"] for r in rows]
+    by = {r["policy"]: r for r in rows}
+    assert "fixed CP=1 DP=4" not in by  # a 30000-token document does not fit 16384 tokens on one rank
+    assert by["ours"]["step_s"] <= min(r["step_s"] for r in rows) * (1 + 1e-9)
+    assert all(r["imbalance"] >= 1 - 1e-9 and r["memory_bytes"] > 0 and r["bytes_per_rank"] >= 0 for r in rows)
+
+
+def test_benchmark_dynamic_cp_runs_at_two_ranks():
+    from megatron_ring.tools.bench.dynamic_cp import format_dynamic, run_dynamic_cp
+
+    res = run_dynamic_cp(dict(world=2, mix="long-tail", num_docs=8, seed=0, scale=64, heads=2, kv_heads=1,
+                              head_dim=16, layout="zigzag", iters=1, timeout=240, gpu_worlds=(8,)))
+    names = [r["policy"] for r in res["rows"]]
+    assert names == ["fixed CP=2", "Megatron balanced", "ours"]
+    for r in res["rows"]:
+        assert r["measured_s"] > 0 and r["pred_step_s"] > 0 and r["measured_imbalance"] >= 1 - 1e-9
+    text = format_dynamic(res)
+    assert "model only, unscaled lengths, 8 GPUs" in text and "ours" in text

@@ -62,7 +62,7 @@ def _row(name: str, s: dc.Schedule, layers: int) -> dict[str, Any]:
     return {"policy": name, "step_s": s.step_s, "imbalance": s.imbalance, "rounds": len(s.rounds),
             "subsamples": len(s.subsamples), "sizes": sorted({x.size for x in s.subsamples}),
             "bytes_per_rank": max(s.bytes_per_rank(), default=0.0),
-            "memory_bytes": layers * max(s.memory_per_rank(), default=0.0), "schedule": s}
+            "memory_bytes": layers * max(s.memory_per_rank(), default=0.0), "chosen": s.policy, "schedule": s}
 
 
 def compare(lens: list[int], world: int, problem: Problem, machine: Machine, cap: int | None, *,
@@ -106,6 +106,8 @@ def format_table(rows: list[dict[str, Any]], world: int, extra: dict[str, str] |
         for k, key in extra.items():
             v = r.get(key)
             line += f" | {('-' if v is None else f'{v:.3f}'):>{max(9, len(k))}}"
+        if str(r.get("chosen", "")).startswith("dynamic (="):  # a baseline was predicted best: say which
+            line += f"  (= {r['chosen'][len('dynamic (= '):-1]})"
         lines.append(line)
     if base:
         ours = next(r for r in rows if r["policy"] == "ours")
