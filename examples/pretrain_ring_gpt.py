@@ -80,6 +80,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     return model
 
 
+HYBRID_DOCS = "--hybrid-context-parallel" in sys.argv  # samples carry documents (cu_seqlens)
+
+
 class PatternDataset(torch.utils.data.Dataset):
     """Sample i: an arithmetic token sequence mod V with a per-sample start and stride (learnable, no files)."""
 
@@ -95,8 +98,12 @@ class PatternDataset(torch.utils.data.Dataset):
         seq = (start + (stride % 7 + 1) * torch.arange(self.s + 1)) % self.v
         noise = torch.rand(self.s + 1, generator=g) < 0.1  # 10% random tokens keep it from being trivial
         seq = torch.where(noise, torch.randint(0, self.v, (self.s + 1,), generator=g), seq)
-        return {"tokens": seq[:-1].clone(), "labels": seq[1:].clone(),
-                "loss_mask": torch.ones(self.s), "position_ids": torch.arange(self.s)}
+        out = {"tokens": seq[:-1].clone(), "labels": seq[1:].clone(),
+               "loss_mask": torch.ones(self.s), "position_ids": torch.arange(self.s)}
+        if HYBRID_DOCS:  # Megatron's hybrid-CP data path splits samples into documents by cu_seqlens
+            cut = sorted(torch.randperm(self.s - 1, generator=g)[:2].add(1).tolist())
+            out["cu_seqlens"] = torch.tensor([0, *cut, self.s], dtype=torch.int32)
+        return out
 
 
 def train_valid_test_datasets_provider(num_samples, vp_stage=None):
