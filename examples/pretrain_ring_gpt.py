@@ -16,6 +16,12 @@ distributed optimizer, the schedule, recompute, logging. This file supplies the 
 * ``forward_step``: the batch split by the configured layout, a CP-aware loss (exact at any CP size);
 * ``train_valid_test_datasets_provider``: a deterministic learnable token stream (no download).
 
+``--dynamic-cp`` (with ``--dynamic-cp-mix long-tail|uniform`` or ``--dynamic-cp-lengths FILE``) prints, per
+global batch for the first ``--dynamic-cp-batches`` ones, the schedule of our dynamic-CP scheduler vs
+Megatron's hybrid-CP policy vs fixed CP sizes (predicted; see docs/dynamic_cp.md). It plans only: running
+each document on its own group inside this loop needs per-call groups in the attention and Megatron's
+hybrid-CP loop (issue 21 points 1 and 2), and a document-packed dataset.
+
 Needs ``megatron.training`` (shipped in the megatron-core wheel from 0.19, or a Megatron-LM checkout on
 PYTHONPATH). ``--attention-backend local`` would mean Megatron's attention: it is refused at CP > 1.
 """
@@ -74,6 +80,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     return model
 
 
+HYBRID_DOCS = "--hybrid-context-parallel" in sys.argv  # samples carry documents (cu_seqlens)
+
+
 class PatternDataset(torch.utils.data.Dataset):
     """Sample i: an arithmetic token sequence mod V with a per-sample start and stride (learnable, no files)."""
 
@@ -89,12 +98,17 @@ class PatternDataset(torch.utils.data.Dataset):
         seq = (start + (stride % 7 + 1) * torch.arange(self.s + 1)) % self.v
         noise = torch.rand(self.s + 1, generator=g) < 0.1  # 10% random tokens keep it from being trivial
         seq = torch.where(noise, torch.randint(0, self.v, (self.s + 1,), generator=g), seq)
-        return {"tokens": seq[:-1].clone(), "labels": seq[1:].clone(),
-                "loss_mask": torch.ones(self.s), "position_ids": torch.arange(self.s)}
+        out = {"tokens": seq[:-1].clone(), "labels": seq[1:].clone(),
+               "loss_mask": torch.ones(self.s), "position_ids": torch.arange(self.s)}
+        if HYBRID_DOCS:  # Megatron's hybrid-CP data path splits samples into documents by cu_seqlens
+            cut = sorted(torch.randperm(self.s - 1, generator=g)[:2].add(1).tolist())
+            out["cu_seqlens"] = torch.tensor([0, *cut, self.s], dtype=torch.int32)
+        return out
 
 
 def train_valid_test_datasets_provider(num_samples, vp_stage=None):
     args = get_args()
+    plan_dynamic_cp(args)
     vocab = args.vocab_size or args.padded_vocab_size
     return tuple(PatternDataset(max(int(n), 1), args.seq_length, vocab, args.seed + k)
                  for k, n in enumerate(num_samples))
@@ -162,11 +176,50 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+def add_args(parser):
+    parser = add_context_parallel_args(parser)
+    group = parser.add_argument_group("dynamic context parallelism (megatron_ring, planning)")
+    group.add_argument("--dynamic-cp", action="store_true",
+                       help="print our dynamic-CP schedule (vs Megatron's and fixed CP) per global batch")
+    group.add_argument("--dynamic-cp-mix", choices=["long-tail", "uniform"], default="long-tail")
+    group.add_argument("--dynamic-cp-lengths", default=None, help="file of document lengths (overrides the mix)")
+    group.add_argument("--dynamic-cp-batches", type=int, default=1, help="global batches to plan")
+    return parser
+
+
+def plan_dynamic_cp(args) -> None:
+    """Rank 0 prints the plan of each of the first --dynamic-cp-batches global batches: documents from
+    the file (cut into global batches of --global-batch-size documents) or the seeded mix."""
+    if not getattr(args, "dynamic_cp", False) or dist.get_rank() != 0:
+        return
+    from megatron_ring import Machine, Problem
+    from megatron_ring.tools import dynamic_plan as dp
+
+    world = dist.get_world_size() // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    cap = getattr(args, "max_seqlen_per_dp_cp_rank", None) or args.seq_length
+    heads = args.num_attention_heads // args.tensor_model_parallel_size
+    groups = (args.num_query_groups or args.num_attention_heads) // args.tensor_model_parallel_size
+    pb = Problem(batch=1, seq=0, heads=heads, kv_heads=max(1, groups), head_dim=args.kv_channels,
+                 layout=args.cp_layout, elem_bytes=2 if (args.bf16 or args.fp16) else 4)
+    m = Machine(flops=400e12, bw_intra=300e9, bw_inter=50e9, gpus_per_node=8, latency=20e-6, call_overhead=20e-6) \
+        if torch.cuda.is_available() else Machine(flops=5e9, bw_intra=5e8, latency=1e-3, call_overhead=2e-4,
+                                                  overlap=0.0)
+    n = args.global_batch_size
+    every = dp.read_lengths(args.dynamic_cp_lengths) if args.dynamic_cp_lengths else None
+    for b in range(args.dynamic_cp_batches):
+        lens = every[b * n:(b + 1) * n] if every else dp.doc_lengths(args.dynamic_cp_mix, n, args.seed + b)
+        if not lens:
+            break
+        print(f"[dynamic-cp] global batch {b}: {len(lens)} documents, {sum(lens)} tokens, DP x CP = {world}, "
+              f"cap {cap} tokens/rank (predicted, one layer's attention):", flush=True)
+        print(dp.format_table(dp.compare([min(x, cap * world) for x in lens], world, pb, m, cap), world), flush=True)
+
+
 def main() -> None:
     cpu = contextlib.nullcontext() if torch.cuda.is_available() else megatron_training_cpu()
     with cpu:
         compat.run_pretrain(pretrain, train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                            forward_step, extra_args_provider=add_context_parallel_args,
+                            forward_step, extra_args_provider=add_args,
                             args_defaults={"tokenizer_type": "NullTokenizer"})
         _log_peak_memory()
 

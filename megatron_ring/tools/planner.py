@@ -5,6 +5,8 @@ a sequence needs.
         --num-query-groups 8 --context-parallel-size 32 --gpus-per-node 8 \\
         --intra-node-bandwidth 450e9 --inter-node-bandwidth 50e9 --flops 700e12 \\
         [--micro-batch-size 1] [--gpu-memory 80e9 --num-layers 80] [--json plan.json]
+    python -m megatron_ring.plan dynamic-cp --mix long-tail --world-sizes 8 64 ...   (per-document CP
+        groups: fixed CP vs Megatron's hybrid-CP scheduler vs ours; see megatron_ring/tools/dynamic_plan.py)
 
 Times are per layer (attention only, forward + backward) from the cost model in
 ``megatron_ring/strategies/cost_model.py`` (see docs/strategies.md for what it includes and how well it
@@ -108,6 +110,10 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["dynamic-cp"]:  # per-document CP groups: megatron_ring/tools/dynamic_plan.py
+        from megatron_ring.tools.dynamic_plan import main as dynamic_main
+        return dynamic_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m megatron_ring.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-length", type=int, required=True)

@@ -2,6 +2,8 @@
 
     python -m megatron_ring.benchmark --world-sizes 1 2 4 --seq 8192 --heads 8 --head-dim 64 \
         --causal --layout zigzag [--comm-dtype none bf16 fp8] [--json out.json] [--plot out.png]
+    python -m megatron_ring.benchmark --dynamic-cp [long-tail|uniform] --world-sizes 4 --heads 4 --kv-heads 2
+        (per-document CP groups: fixed CP vs Megatron's hybrid-CP scheduler vs ours, measured and predicted)
 
 For every world size P (and wire dtype) it spawns P gloo processes with one thread each and times, per
 iteration, the slowest rank (after a barrier): the forward, and forward+backward, of
@@ -325,7 +327,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="per ring step: time in kernel, merge, decode, copies, waits (megatron_ring.tools.bench.breakdown)")
     ap.add_argument("--features", action="store_true",
                     help="cost of MLA head dims (padding), sinks, dropout per block (megatron_ring.tools.bench.features)")
+    ap.add_argument("--dynamic-cp", nargs="?", const="long-tail", choices=["long-tail", "uniform"], default=None,
+                    help="dynamic CP at max(--world-sizes) ranks: fixed CP vs Megatron's hybrid-CP scheduler vs "
+                         "ours on one seeded global batch of this mix (megatron_ring.tools.bench.dynamic_cp); "
+                         "MEGATRON_RING_DYNAMIC_DOCS / _SCALE / _SEED change its 64 documents / 16 / 0")
     a = ap.parse_args(argv)
+    if a.dynamic_cp:
+        from megatron_ring.tools.bench.dynamic_cp import format_dynamic, run_dynamic_cp
+
+        env = os.environ.get
+        res = run_dynamic_cp(dict(world=max(a.world_sizes), mix=a.dynamic_cp,
+                                  num_docs=int(env("MEGATRON_RING_DYNAMIC_DOCS", "64")),
+                                  scale=int(env("MEGATRON_RING_DYNAMIC_SCALE", "16")),
+                                  seed=int(env("MEGATRON_RING_DYNAMIC_SEED", "0")), heads=a.heads,
+                                  kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, layout=a.layout,
+                                  iters=a.iters, timeout=a.timeout))
+        print(format_dynamic(res), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=2, default=str)
+        return res["rows"]
     if a.features:
         from megatron_ring.tools.bench import features as bf
 
