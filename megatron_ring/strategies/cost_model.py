@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_ring.core.heads import kv_replication
 from megatron_ring.schedules.layouts import get_layout
 
 __all__ = ["Machine", "Problem", "predict", "predict_all", "pick", "activation_bytes", "workspace_bytes",
@@ -128,11 +129,6 @@ def candidate_types(heads: int, world: int, inner: int | None) -> list[str]:
     return out
 
 
-def _kv_rep(h: int, h_kv: int, n: int) -> int:
-    g = h // h_kv
-    return next(e for e in range(1, g + 1) if g % e == 0 and (h_kv * e) % n == 0)
-
-
 def _ring(pb: Problem, m: Machine, world: int, flop_per_area: float, kv_bytes: float, dkv_bytes: float,
           area_of, bw: float) -> tuple[float, float]:
     """(fwd, bwd) seconds of a ring whose step t costs the slowest rank's ``area_of(rank, t)``."""
@@ -179,7 +175,7 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
         if not n or world % n or h % n:
             raise ValueError(f"{comm_type} cannot run with P={world}, inner={inner}, h={h}")
         outer = world // n
-        e = _kv_rep(h, hk, n)
+        e = kv_replication(h, hk, n)
         frac = (n - 1) / n
         bw = m.bw(n)
         a2a = lambda nbytes: _xfer(frac * nbytes, bw, m.latency, n - 1)  # noqa: E731
@@ -235,7 +231,7 @@ def workspace_bytes(comm_type: str, pb: Problem, world: int, inner: int | None =
         return (2 * world * kv_w + world * kv_c + 2 * world * dkv32) / n + acc32
     if comm_type in ("a2a", "a2a+p2p"):
         n = world if comm_type == "a2a" else inner
-        e = _kv_rep(h, hk, n)
+        e = kv_replication(h, hk, n)
         copies = 2 * c * h * d * pb.elem_bytes * pb.batch + e * kv_c  # head-sharded Q, O and K/V kept for bwd
         return copies + e * (kv_w + 2 * dkv32) + acc32
     raise ValueError(comm_type)

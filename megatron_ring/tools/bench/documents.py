@@ -36,13 +36,13 @@ def doc_lengths(n: int, seq: int, seed: int = 0) -> list[int]:
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Times every variant of ``cfg["variants"]`` (dicts with T, cu, window) in the same processes,
     interleaved iteration by iteration, so machine noise hits all of them alike."""
-    import time
 
     import torch
     import torch.distributed as dist
 
     from megatron_ring.schedules import masks
     from megatron_ring import ring_attention
+    from megatron_ring.timing import seconds
     from megatron_ring.tools.bench.measure import peak_mib, rss_mib, warm_up
     from megatron_ring.transport.ring import Ring
     from megatron_ring.schedules.layouts import get_layout
@@ -83,10 +83,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         masks.EDGE_POLICY = default_policy
     for _ in range(cfg["iters"]):
         for r in runs:
-            dist.barrier()
-            t0 = time.perf_counter()
-            r["fn"]()
-            r["times"].append(time.perf_counter() - t0)
+            r["times"].append(seconds(r["fn"], before=dist.barrier))
     peak = peak_mib() - base
     return [dict(times=r["times"], bytes=r["bytes"], calls=r["calls"], steps=r["steps"], peak=peak) for r in runs]
 

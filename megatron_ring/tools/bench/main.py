@@ -42,7 +42,8 @@ import sys
 import time
 from typing import Any
 
-from megatron_ring.tools.bench.measure import BENCH_ENV, peak_mib, rss_mib, timed, warm_up
+from megatron_ring.timing import timed
+from megatron_ring.tools.bench.measure import BENCH_ENV, peak_mib, rss_mib, warm_up
 
 __all__ = ["main"]
 
@@ -145,7 +146,7 @@ def _single_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     base = rss_mib()
     fwd, fwd_bwd = _sdpa_calls(cfg, dtype, torch.Generator().manual_seed(0))
     fwd_bwd()
-    return {"fwd": timed(fwd, cfg["iters"], lambda: None), "fwd_bwd": timed(fwd_bwd, cfg["iters"], lambda: None),
+    return {"fwd": timed(fwd, cfg["iters"]), "fwd_bwd": timed(fwd_bwd, cfg["iters"]),
             "peak_mib": peak_mib() - base}
 
 

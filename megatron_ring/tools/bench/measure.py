@@ -1,11 +1,10 @@
-"""Measuring helpers shared by the benchmark's parts: resident and peak memory, warm-up, timed loops."""
+"""Measuring helpers shared by the benchmark's parts: resident and peak memory, warm-up (timing: :mod:`megatron_ring.timing`)."""
 from __future__ import annotations
 
 import os
 import resource
-import time
 
-__all__ = ["rss_mib", "peak_mib", "warm_up", "timed", "BENCH_ENV"]
+__all__ = ["rss_mib", "peak_mib", "warm_up", "BENCH_ENV"]
 
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
@@ -27,16 +26,6 @@ def warm_up(attn, seq: int, dtype) -> None:
     q, k, v = (torch.randn(1, seq, 2, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     out = attn(q, k, v)
     out.backward(torch.randn_like(out))
-
-
-def timed(fn, iters: int, sync) -> list[float]:
-    times = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 BENCH_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks via mmap: freed memory leaves RSS at once

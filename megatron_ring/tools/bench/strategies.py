@@ -15,8 +15,9 @@ its peak resident memory per rank above the baseline (same method as the ring be
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
+
+from megatron_ring.timing import seconds
 
 __all__ = ["run_comm_types", "print_rows"]
 
@@ -72,10 +73,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     times: dict[str, list[float]] = {ct: [] for ct in types}
     for it in range(cfg["iters"]):
         for ct in types[it % len(types):] + types[:it % len(types)]:  # rotated: no type always follows another
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(ct)
-            times[ct].append(time.perf_counter() - t0)
+            times[ct].append(seconds(lambda: step(ct), before=dist.barrier))
     res: dict[str, Any] = {"times": times}
     from megatron_ring.api import _ring_for
     from megatron_ring.wire.codecs import make_codec
