@@ -39,7 +39,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from megatron_ring.core.heads import kv_replication
+from megatron_ring.wire.codecs import wire_dtype
 from megatron_ring.schedules.layouts import get_layout
 
 __all__ = ["Machine", "Problem", "predict", "predict_all", "pick", "activation_bytes", "workspace_bytes",
@@ -276,14 +279,13 @@ def smallest_cp(pb: Problem, layers: int, memory: float, reserved: float = 0.0, 
 
 
 def wire_bytes_per_elem(comm_dtype: str | None, elem_bytes: int, head_dim: int, group_tokens: int = 64) -> float:
-    """K/V wire bytes per element: fp8 is 1 byte plus one fp32 scale per ``group_tokens`` tokens x head."""
-    if comm_dtype in (None, "none"):
+    """K/V wire bytes per element for a ``comm_dtype`` of the wire-dtype table (``COMM_DTYPE_ALIASES``):
+    as computed, the cast dtype's size, or for fp8 1 byte plus one fp32 scale per ``group_tokens`` tokens x
+    head (``FP8Codec``'s default groups)."""
+    wire = wire_dtype(comm_dtype)
+    if wire is None:
         return float(elem_bytes)
-    if comm_dtype in ("bf16", "fp16"):
-        return 2.0
-    if comm_dtype in ("fp32",):
-        return 4.0
-    if comm_dtype.startswith("fp8"):
+    if wire in (torch.float8_e4m3fn, torch.float8_e5m2):
         return 1.0 + 4.0 / (group_tokens * head_dim)
-    raise ValueError(comm_dtype)
+    return float(wire.itemsize)
 

@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from megatron_ring.schedules.layouts import LAYOUTS
+from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, candidate_types, pick, predict, smallest_cp, wire_bytes_per_elem)
 
 __all__ = ["main", "plan"]
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--layouts", nargs="+", default=["zigzag", "striped", "contiguous"], choices=sorted(LAYOUTS))
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--dtype", choices=sorted(_ELEM), default="bf16")
-    ap.add_argument("--comm-dtype", choices=["none", "bf16", "fp8"], default="none")
+    ap.add_argument("--comm-dtype", choices=list(COMM_DTYPE_ALIASES), default="none",
+                    help="K/V wire dtype (any spelling ring_attention accepts)")
     ap.add_argument("--num-layers", type=int, default=1, help="layers held at once (memory answer)")
     ap.add_argument("--gpu-memory", type=_bytes, default=None,
                     help="bytes per GPU for attention activations (e.g. 80e9, 80GiB): prints the CP size needed")

@@ -25,6 +25,7 @@ __all__ = [
     "FP8Codec",
     "WireFiniteError",
     "make_codec",
+    "wire_dtype",
     "COMM_DTYPE_ALIASES",
 ]
 
@@ -313,7 +314,9 @@ class FP8Codec(KVCodec):
         return self._dequantize(ks, kp, spec.dtype), self._dequantize(vs, vp, spec.dtype)
 
 
-#: Accepted string spellings of ``comm_dtype`` (case-insensitive).
+#: THE table of wire dtypes: every accepted string spelling of ``comm_dtype`` (case-insensitive; a
+#: ``torch.`` prefix is allowed) and the dtype it means (None: K/V travel as computed). ``ring_attention``,
+#: Megatron's ``--cp-comm-dtype``, the benchmark's and the planner's ``--comm-dtype`` all accept exactly these.
 COMM_DTYPE_ALIASES: dict[str, torch.dtype | None] = {
     "none": None,
     "fp32": torch.float32,
@@ -338,6 +341,19 @@ _ACCEPTED = (
 )
 
 
+def wire_dtype(comm_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The wire dtype ``comm_dtype`` means (a spelling of :data:`COMM_DTYPE_ALIASES`, a dtype or None);
+    ValueError naming the accepted values otherwise."""
+    if isinstance(comm_dtype, str):
+        key = comm_dtype.strip().lower().removeprefix("torch.")
+        if key not in COMM_DTYPE_ALIASES:
+            raise ValueError(f"comm_dtype={comm_dtype!r} is not supported; use {_ACCEPTED}")
+        return COMM_DTYPE_ALIASES[key]
+    if comm_dtype is None or comm_dtype in COMM_DTYPE_ALIASES.values():
+        return comm_dtype
+    raise ValueError(f"comm_dtype={comm_dtype} is not supported; use {_ACCEPTED}")
+
+
 def make_codec(comm_dtype: torch.dtype | str | None, compute_dtype: torch.dtype) -> KVCodec:
     """The codec for a wire dtype.
 
@@ -346,11 +362,7 @@ def make_codec(comm_dtype: torch.dtype | str | None, compute_dtype: torch.dtype)
     :class:`FP8Codec` with the default scale granularity. The wire format depends only on
     ``comm_dtype``; ``compute_dtype`` is what receivers decode into.
     """
-    if isinstance(comm_dtype, str):
-        key = comm_dtype.strip().lower().removeprefix("torch.")
-        if key not in COMM_DTYPE_ALIASES:
-            raise ValueError(f"comm_dtype={comm_dtype!r} is not supported; use {_ACCEPTED}")
-        comm_dtype = COMM_DTYPE_ALIASES[key]
+    comm_dtype = wire_dtype(comm_dtype)
     if comm_dtype is None or comm_dtype == compute_dtype:
         return IdentityCodec()
     if comm_dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -42,7 +42,9 @@ import sys
 import time
 from typing import Any
 
+from megatron_ring.strategies import COMM_TYPES
 from megatron_ring.timing import timed
+from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 from megatron_ring.tools.bench.measure import BENCH_ENV, peak_mib, rss_mib, warm_up
 
 __all__ = ["main"]
@@ -291,14 +293,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default="zigzag")
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--comm-dtype", nargs="+", default=["none"], choices=["none", "bf16", "fp16", "fp8"],
-                    help="wire dtype(s) for K/V")
+    ap.add_argument("--comm-dtype", nargs="+", default=["none"], choices=list(COMM_DTYPE_ALIASES),
+                    help="wire dtype(s) for K/V (any spelling ring_attention accepts)")
     ap.add_argument("--head-chunks", type=int, nargs="+", default=[1],
                     help="run the ring over this many groups of K/V heads in turn (one row per value)")
     ap.add_argument("--kv-pieces", nargs="+", default=["auto"],
                     help="K/V pieces per ring step (sub-block streaming; 'auto' = the default; one row per value)")
     ap.add_argument("--comm-type", nargs="+", default=None,
-                    choices=["p2p", "all_gather", "a2a", "a2a+p2p", "auto"],
+                    choices=list(COMM_TYPES),
                     help="compare these comm types side by side instead (see megatron_ring/tools/bench/strategies.py)")
     ap.add_argument("--memory", action="store_true", help="with --comm-type: also measure peak memory per type")
     ap.add_argument("--no-warmup", action="store_true", help="with --comm-type: skip the untimed warm-up call "
