@@ -30,7 +30,7 @@ ALLOWED = {
     "cli": {"tools"},
 }
 FACE_MODULES = {"__init__", "api", "sequence"}
-CLI_MODULES = {"benchmark", "plan"}
+CLI_MODULES = {"benchmark", "planner"}
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -163,7 +163,7 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: in
     wire = plan.codec.wire_bytes(spec) / (2 * b * hk * s * d)
     return Problem(batch=b, seq=s * world, heads=h, kv_heads=hk, head_dim=d, causal=plan.causal,
                    layout=plan.layout.name, elem_bytes=qh.element_size(), wire_bytes=wire,
-                   pieces=head_chunks if head_chunks > 1 else 2)
+                   gather_head_groups=head_chunks if head_chunks > 1 else 2)
 
 
 BAND, MEASURE_MIN_S, MEASURE_BUDGET_S, MEASURE_ROUNDS = 0.3, 0.05, 400.0, 5

@@ -1,7 +1,7 @@
 """Cost model: predicted forward+backward time, bytes and memory per rank for every comm type.
 
 Inputs are plain numbers, so the same model serves ``comm_type="auto"`` (with probed or configured
-machine numbers) and the planner CLI (``python -m megatron_ring.plan``).
+machine numbers) and the planner CLI (``python -m megatron_ring.planner``).
 
 Machine (:class:`Machine`): ``flops`` = attention forward rate F (flop/s per rank), ``bwd_flops`` = its
 backward rate, ``bw_intra`` / ``bw_inter`` = link bandwidth B (bytes/s per rank, inside / across
@@ -18,7 +18,7 @@ by F; backward uses the backward rate. So causal skipping and the layout's balan
   the fp32 dK/dV block on the same link and one last exposed dK/dV hop. This is the seed rule: a step
   hides its transfer when the chunk is long enough (C >= F/B per byte of K/V).
 * ``all_gather``: gather of P-1 K/V blocks (ring algorithm, P-1 messages), pipelined with the compute in
-  ``pieces`` head pieces (the first piece's gather is exposed); backward gathers again and
+  ``gather_head_groups`` groups of K/V heads (the first group's gather is exposed); backward gathers again and
   reduce-scatters fp32 dK/dV (P-1 messages of one block).
 * ``a2a``: all-to-all of Q, K/V (x e when K/V heads are replicated) and O forward, dO, dQ, dK/dV
   backward: (P-1)/P of each tensor leaves the rank, P-1 messages each, not overlapped with compute;
@@ -81,7 +81,7 @@ class Problem:
     layout: str = "zigzag"
     elem_bytes: int = 2  # compute dtype
     wire_bytes: float | None = None  # K/V bytes per element on the wire (None: elem_bytes)
-    pieces: int = 2  # all_gather head pieces
+    gather_head_groups: int = 2  # all_gather: K/V gathered in this many groups of heads, one ahead of use
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -163,7 +163,7 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
                          lambda r, t: _pair_area(lay, pb.causal, world, r, (r - t) % world, c), m.bw(world))
         sent = (world - 1) * kv_wire + world * dkv32 * (world > 1) + (world - 1) * kv_wire
     elif comm_type == "all_gather":
-        n = max(1, min(pb.pieces, hk))
+        n = max(1, min(pb.gather_head_groups, hk))
         cf, cb = max((_compute(m, *_add(_pair_area(lay, pb.causal, world, r, j, c) for j in range(world)), fpa)
                       for r in range(world)), key=lambda x: x[0])
         cf, cb = cf + (n - 1) * _compute(m, 0, world, fpa)[0], cb + (n - 1) * _compute(m, 0, world, fpa)[1]
@@ -230,7 +230,7 @@ def workspace_bytes(comm_type: str, pb: Problem, world: int, inner: int | None =
     if comm_type == "p2p":
         return kv_w + 2 * dkv32 + acc32  # second wire buffer, two dK/dV accumulators, fp32 dQ
     if comm_type == "all_gather":
-        n = max(1, min(pb.pieces, hk))
+        n = max(1, min(pb.gather_head_groups, hk))
         return (2 * world * kv_w + world * kv_c + 2 * world * dkv32) / n + acc32
     if comm_type in ("a2a", "a2a+p2p"):
         n = world if comm_type == "a2a" else inner

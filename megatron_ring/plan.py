@@ -1,5 +1,0 @@
-"""``python -m megatron_ring.plan``: the planner CLI (implemented in :mod:`megatron_ring.tools.planner`)."""
-from megatron_ring.tools.planner import main
-
-if __name__ == "__main__":
-    main()
