@@ -314,9 +314,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--docs", type=int, help="packed documents: N random-length documents packed (THD) vs "
                     "each padded to 2P (see megatron_ring.tools.bench.documents)")
     ap.add_argument("--window", action="store_true", help="sliding windows S/16, S/4, S/2 vs full causal")
-    ap.add_argument("--edge-policy", nargs="+", choices=("split", "merged"), default=None,
-                    help="--window: how masked tile runs become kernel calls (masks.EDGE_POLICY); several: "
-                         "timed side by side")
     ap.add_argument("--window-layouts", nargs="+", default=None, help="--window: layouts to time (default all)")
     ap.add_argument("--window-compute", action="store_true",
                     help="with --window: compute only, every rank's block tasks in one process (no ring)")
@@ -400,8 +397,7 @@ def _breakdown_main(a) -> list[dict[str, Any]]:
 def _documents_main(a) -> list[dict[str, Any]]:
     from megatron_ring.tools.bench import documents as bd
 
-    cfg = dict(heads=a.heads, head_dim=a.head_dim, layout=a.layout, iters=a.iters, policies=a.edge_policy,
-               layouts=a.window_layouts)
+    cfg = dict(heads=a.heads, head_dim=a.head_dim, layout=a.layout, iters=a.iters, layouts=a.window_layouts)
     how = ("compute only: every rank's block tasks in this process x 1 thread, no ring; best of "
            f"{a.iters} (slowest rank)" if a.window and a.window_compute else
            f"P processes x 1 thread; fwd+bwd medians of {a.iters} (slowest rank); MiB sent per rank per fwd+bwd")
