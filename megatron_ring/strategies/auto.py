@@ -47,6 +47,7 @@ from megatron_ring.transport.groups import PerGroup
 from megatron_ring.wire.codecs import KVSpec
 from megatron_ring.transport.ring import Ring
 from megatron_ring.core.engine import RingPlan, _memory_order
+from megatron_ring.core.rotation import divisor_at_most
 from megatron_ring.strategies.cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
 
 __all__ = ["choose", "set_machine", "machine_for", "probe_machine", "measure", "to_measure", "last_choice"]
@@ -163,7 +164,8 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: in
     wire = plan.codec.wire_bytes(spec) / (2 * b * hk * s * d)
     return Problem(batch=b, seq=s * world, heads=h, kv_heads=hk, head_dim=d, causal=plan.causal,
                    layout=plan.layout.name, elem_bytes=qh.element_size(), wire_bytes=wire,
-                   gather_head_groups=head_chunks if head_chunks > 1 else 2)
+                   gather_head_groups=head_chunks if head_chunks > 1 else 2,
+                   kv_pieces=1 if world == 1 else divisor_at_most(hk, plan.pieces))
 
 
 BAND, MEASURE_MIN_S, MEASURE_BUDGET_S, MEASURE_ROUNDS = 0.3, 0.05, 400.0, 5

@@ -14,9 +14,14 @@ square for a causal task) for every (rank, source) pair, times ``4 b h d`` flops
 by F; backward uses the backward rate. So causal skipping and the layout's balance are in the model.
 
 * ``p2p``: P steps; step t costs ``max(compute_t, transfer)`` where compute_t is the slowest rank's
-  work for its source at that step and transfer is one K/V block (``latency + bytes/B``); backward adds
-  the fp32 dK/dV block on the same link and one last exposed dK/dV hop. This is the seed rule: a step
-  hides its transfer when the chunk is long enough (C >= F/B per byte of K/V).
+  work for its source at that step and transfer is one K/V block (``latency + bytes/B``). This is the
+  seed rule: a step hides its transfer when the chunk is long enough (C >= F/B per byte of K/V). The
+  engine streams a block in ``n = kv_pieces`` pieces of K/V heads (docs/design.md, "Sub-block
+  streaming"): each piece's exchange overlaps that piece's compute, so a step is ``n`` messages (n
+  latencies) of ``1/n`` of the block each, overlapped piece by piece. Backward: the fp32 dK/dV
+  accumulator travels the same way, each piece's hop overlapping the compute of the next piece; of the
+  ``P n`` piece hops only the last one (the last piece's hop home, ``1/n`` of an fp32 dK/dV block) is
+  in the open. The last step sends no K/V.
 * ``all_gather``: gather of P-1 K/V blocks (ring algorithm, P-1 messages), pipelined with the compute in
   ``gather_head_groups`` groups of K/V heads (the first group's gather is exposed); backward gathers again and
   reduce-scatters fp32 dK/dV (P-1 messages of one block).
@@ -33,7 +38,11 @@ all-to-all or all-gather is as slow as its inter-node share at the inter-node ra
 Memory per rank per layer (bytes): the seed's ``12 C d`` generalised (:func:`activation_bytes`):
 ``C dh ((2h + 2h_kv) e_c + 2 h_kv w)`` -- Q, O, K, V in the compute dtype (e_c bytes) plus one K/V
 block in flight in the wire dtype (w bytes); for MHA in bf16 that is exactly ``12 C d``. Each
-strategy adds its workspace (:func:`workspace_bytes`).
+strategy adds its workspace at the backward peak (:func:`workspace_bytes`); for the ring (docs/design.md,
+"Memory") with ``n`` pieces: the K/V slots beyond that one block (``(n + 1) / n`` blocks in all: ``1/n``
+of a block more), the dK/dV slots (``(n + 1) / n`` fp32 K/V blocks, ``n`` of the ``n + 1`` slots being
+the returned gradients) and the fp32 dQ accumulator. ``n = 1`` is double buffering: one more K/V
+block and two fp32 dK/dV blocks.
 """
 from __future__ import annotations
 
@@ -82,6 +91,7 @@ class Problem:
     elem_bytes: int = 2  # compute dtype
     wire_bytes: float | None = None  # K/V bytes per element on the wire (None: elem_bytes)
     gather_head_groups: int = 2  # all_gather: K/V gathered in this many groups of heads, one ahead of use
+    kv_pieces: int = 1  # ring: K/V pieces a block streams in (the engine's n, a divisor of the K/V heads)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -134,17 +144,21 @@ def candidate_types(heads: int, world: int, inner: int | None) -> list[str]:
 
 def _ring(pb: Problem, m: Machine, world: int, flop_per_area: float, kv_bytes: float, dkv_bytes: float,
           area_of, bw: float) -> tuple[float, float]:
-    """(fwd, bwd) seconds of a ring whose step t costs the slowest rank's ``area_of(rank, t)``."""
+    """(fwd, bwd) seconds of a ring whose step t costs the slowest rank's ``area_of(rank, t)``, a block
+    streaming in ``pb.kv_pieces`` pieces (see the module doc)."""
+    n = max(1, pb.kv_pieces) if world > 1 else 1
     fwd = bwd = 0.0
     for t in range(world):
         cf, cb = max((_compute(m, *area_of(r, t), flop_per_area) for r in range(world)), key=lambda x: x[0])
         last = t == world - 1
-        kv = 0.0 if last else _xfer(kv_bytes, bw, m.latency)
+        kv = 0.0 if last else _xfer(kv_bytes, bw, m.latency, n)
+        # dK/dV piece hops overlapped by this step's compute: all n, but the last step's last one
+        hops = 0 if world == 1 else (n - 1 if last else n)
+        dkv = _xfer(dkv_bytes * hops / n, bw, m.latency, hops)
         fwd += _both(m, cf, kv)
-        bwd += _both(m, cb, kv + (_xfer(dkv_bytes, bw, m.latency) if world > 1 else 0.0))
+        bwd += _both(m, cb, kv + dkv)
     if world > 1:
-        # the last dK/dV hop home: its first half travels while the last step's second half computes
-        bwd += _xfer(dkv_bytes / 2, bw, m.latency, 2)
+        bwd += _xfer(dkv_bytes / n, bw, m.latency)  # the last piece's hop home, in the open
     return fwd, bwd
 
 
@@ -227,8 +241,9 @@ def workspace_bytes(comm_type: str, pb: Problem, world: int, inner: int | None =
     c, d, h, hk = pb.seq // world, pb.head_dim, pb.heads, pb.kv_heads
     kv_w, kv_c = 2 * c * hk * d * pb.w * pb.batch, 2 * c * hk * d * pb.elem_bytes * pb.batch
     dkv32, acc32 = 2 * c * hk * d * 4 * pb.batch, c * h * d * 4 * pb.batch
-    if comm_type == "p2p":
-        return kv_w + 2 * dkv32 + acc32  # second wire buffer, two dK/dV accumulators, fp32 dQ
+    n = max(1, pb.kv_pieces)
+    if comm_type == "p2p":  # K/V slots beyond the one block in flight, dK/dV slots, fp32 dQ
+        return kv_w / n + (n + 1) / n * dkv32 + acc32
     if comm_type == "all_gather":
         n = max(1, min(pb.gather_head_groups, hk))
         return (2 * world * kv_w + world * kv_c + 2 * world * dkv32) / n + acc32
@@ -236,7 +251,8 @@ def workspace_bytes(comm_type: str, pb: Problem, world: int, inner: int | None =
         n = world if comm_type == "a2a" else inner
         e = kv_replication(h, hk, n)
         copies = 2 * c * h * d * pb.elem_bytes * pb.batch + e * kv_c  # head-sharded Q, O and K/V kept for bwd
-        return copies + e * (kv_w + 2 * dkv32) + acc32
+        ring = e * (kv_w / n + (n + 1) / n * dkv32) if comm_type == "a2a+p2p" else e * (kv_w + 2 * dkv32)
+        return copies + ring + acc32
     raise ValueError(comm_type)
 
 

@@ -56,7 +56,8 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
                 continue
             pb = Problem(batch=a.micro_batch_size, seq=a.seq_length, heads=heads // a.tensor_model_parallel_size,
                          kv_heads=max(1, groups // a.tensor_model_parallel_size), head_dim=d, causal=a.causal,
-                         layout=layout, elem_bytes=elem, wire_bytes=wire_bytes_per_elem(a.comm_dtype, elem, d))
+                         layout=layout, elem_bytes=elem, wire_bytes=wire_bytes_per_elem(a.comm_dtype, elem, d),
+                         kv_pieces=a.kv_pieces)
             for ct in candidate_types(pb.heads, cp, inner):
                 r = predict(ct, pb, cp, machine, inner)
                 r.update(cp=cp, layout=layout, inner=inner if ct == "a2a+p2p" else None,
@@ -69,7 +70,8 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
     if a.gpu_memory:
         pb = Problem(batch=a.micro_batch_size, seq=a.seq_length, heads=heads // a.tensor_model_parallel_size,
                      kv_heads=max(1, groups // a.tensor_model_parallel_size), head_dim=d, causal=a.causal,
-                     layout=a.layouts[0], elem_bytes=elem, wire_bytes=wire_bytes_per_elem(a.comm_dtype, elem, d))
+                     layout=a.layouts[0], elem_bytes=elem, wire_bytes=wire_bytes_per_elem(a.comm_dtype, elem, d),
+                         kv_pieces=a.kv_pieces)
         p = smallest_cp(pb, a.num_layers, a.gpu_memory, a.reserved_memory)
         out["cp_for_memory"] = {"gpu_memory": a.gpu_memory, "num_layers": a.num_layers, "reserved": a.reserved_memory,
                                 "min_cp": p,
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dtype", choices=sorted(_ELEM), default="bf16")
     ap.add_argument("--comm-dtype", choices=list(COMM_DTYPE_ALIASES), default="none",
                     help="K/V wire dtype (any spelling ring_attention accepts)")
+    ap.add_argument("--kv-pieces", type=int, default=1,
+                    help="K/V pieces a ring step streams a block in (ring_attention's kv_pieces; 1: whole blocks)")
     ap.add_argument("--num-layers", type=int, default=1, help="layers held at once (memory answer)")
     ap.add_argument("--gpu-memory", type=_bytes, default=None,
                     help="bytes per GPU for attention activations (e.g. 80e9, 80GiB): prints the CP size needed")
