@@ -1,10 +1,13 @@
 """Wire codecs: how one K/V block is packed into the single buffer that travels the ring.
 
-A codec turns the visiting K and V blocks (each ``[b, h_kv, s, d]``, compute dtype) into ONE flat
-1-D buffer and back. The engine allocates two buffers per ring (double buffering) with
-:meth:`KVCodec.new_buffer`, calls :meth:`KVCodec.encode` once on the local block, forwards the
-received bytes unchanged (no re-encoding, so a lossy codec never compounds error along the ring)
-and calls :meth:`KVCodec.decode` on every block it receives.
+A codec turns K and V (each ``[b, h_kv, s, d]``, compute dtype) into ONE flat 1-D buffer and back. The
+engine streams a block in ``n`` pieces of K/V heads (``kv_pieces``) through ``n + 1`` slots
+(``core/rotation.py``); each slot is a wire buffer of one piece, shaped like :meth:`KVCodec.new_buffer`
+(plus one status element, ``core/status.py``) and taken from the engine's buffer pool
+(``core/buffers.py``). The engine calls :meth:`KVCodec.encode` once per piece of the local block,
+forwards the received bytes unchanged (no re-encoding, so a lossy codec never compounds error along the
+ring) and calls :meth:`KVCodec.decode` on every piece it receives. :meth:`KVCodec.wire_bytes` is what one
+encoded block costs on the wire (the benchmark and the cost model read it).
 
 Codecs are plain data for the engine: adding a wire format means adding a codec here, not a new loop.
 """
