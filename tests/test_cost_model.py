@@ -159,9 +159,13 @@ def test_streaming_terms_follow_the_piece_count():
     c = 8192 // 4
     kv32 = dkv32 = 2 * c * 8 * 64 * 4
     acc32 = c * 8 * 64 * 4
+    kernel = 3 * c * 8 * 64 * 4  # the block kernel's dQ, dK, dV (fp32 here)
     for n in (1, 2, 8):
-        assert workspace_bytes("p2p", Problem(kv_pieces=n, **kw), 4) == kv32 / n + (n + 1) / n * dkv32 + acc32
-    assert workspace_bytes("p2p", Problem(kv_pieces=1, **kw), 4) == kv32 + 2 * dkv32 + acc32  # double buffering
+        assert workspace_bytes("p2p", Problem(kv_pieces=n, **kw), 4) == \
+            kv32 / n + (n + 1) / n * dkv32 + acc32 + kernel / n
+    assert workspace_bytes("p2p", Problem(kv_pieces=1, **kw), 4) == kv32 + 2 * dkv32 + acc32 + kernel  # 2 buffers
+    for ct, inner in (("all_gather", None), ("a2a", None), ("a2a+p2p", 2)):  # per-rank workspace shrinks with P
+        assert workspace_bytes(ct, Problem(**kw), 4, inner) > workspace_bytes(ct, Problem(**kw), 8, inner)
     m = Machine(flops=1e9, bw_intra=1e12, latency=0.0)  # transfers far below compute: all hidden but the last
     bwd = {n: predict("p2p", Problem(kv_pieces=n, **kw), 4, m)["bwd_s"] for n in (1, 8)}
     assert abs((bwd[1] - bwd[8]) - dkv32 * (1 - 1 / 8) / 1e12) < 1e-12

@@ -41,8 +41,9 @@ block in flight in the wire dtype (w bytes); for MHA in bf16 that is exactly ``1
 strategy adds its workspace at the backward peak (:func:`workspace_bytes`); for the ring (docs/design.md,
 "Memory") with ``n`` pieces: the K/V slots beyond that one block (``(n + 1) / n`` blocks in all: ``1/n``
 of a block more), the dK/dV slots (``(n + 1) / n`` fp32 K/V blocks, ``n`` of the ``n + 1`` slots being
-the returned gradients) and the fp32 dQ accumulator. ``n = 1`` is double buffering: one more K/V
-block and two fp32 dK/dV blocks.
+the returned gradients), the fp32 dQ accumulator and the block kernel's gradients of one piece
+(``(h + 2 h_kv) C dh e_c / n``). ``n = 1`` is double buffering: one more K/V block and two fp32 dK/dV
+blocks. Checked against the benchmark's per-rank peaks (docs/design.md, "Memory").
 """
 from __future__ import annotations
 
@@ -237,22 +238,29 @@ def activation_bytes(pb: Problem, world: int) -> float:
 
 
 def workspace_bytes(comm_type: str, pb: Problem, world: int, inner: int | None = None) -> float:
-    """Transient per-rank bytes at the backward peak beyond :func:`activation_bytes` (one layer at a time)."""
-    c, d, h, hk = pb.seq // world, pb.head_dim, pb.heads, pb.kv_heads
-    kv_w, kv_c = 2 * c * hk * d * pb.w * pb.batch, 2 * c * hk * d * pb.elem_bytes * pb.batch
-    dkv32, acc32 = 2 * c * hk * d * 4 * pb.batch, c * h * d * 4 * pb.batch
-    n = max(1, pb.kv_pieces)
-    if comm_type == "p2p":  # K/V slots beyond the one block in flight, dK/dV slots, fp32 dQ
-        return kv_w / n + (n + 1) / n * dkv32 + acc32
+    """Transient per-rank bytes at the backward peak beyond :func:`activation_bytes` (one layer at a time):
+    the strategy's buffers, and the block kernel's gradients (dQ, dK, dV in the compute dtype) of the
+    largest unit it runs the backward on: one piece of a ring step, one head group of the gathered K/V,
+    the head-sharded full sequence of an all-to-all."""
+    c, d, h, hk, b = pb.seq // world, pb.head_dim, pb.heads, pb.kv_heads, pb.batch
+    kv_w, kv_c = 2 * c * hk * d * pb.w * b, 2 * c * hk * d * pb.elem_bytes * b
+    dkv32, acc32 = 2 * c * hk * d * 4 * b, c * h * d * 4 * b
+    pieces = max(1, pb.kv_pieces)
+    kernel = (h + 2 * hk) * c * d * pb.elem_bytes * b  # the kernel's dQ, dK, dV of a whole local block
+    if comm_type == "p2p":  # K/V slots beyond the one block in flight, dK/dV slots, fp32 dQ, one piece's kernel
+        return kv_w / pieces + (pieces + 1) / pieces * dkv32 + acc32 + kernel / pieces
     if comm_type == "all_gather":
-        n = max(1, min(pb.gather_head_groups, hk))
-        return (2 * world * kv_w + world * kv_c + 2 * world * dkv32) / n + acc32
+        groups = max(1, min(pb.gather_head_groups, hk))
+        kernel = (h + 2 * hk * world) * c * d * pb.elem_bytes * b  # one head group's queries against all shards
+        return (2 * world * kv_w + world * kv_c + 2 * world * dkv32 + kernel) / groups + acc32
     if comm_type in ("a2a", "a2a+p2p"):
         n = world if comm_type == "a2a" else inner
         e = kv_replication(h, hk, n)
-        copies = 2 * c * h * d * pb.elem_bytes * pb.batch + e * kv_c  # head-sharded Q, O and K/V kept for bwd
-        ring = e * (kv_w / n + (n + 1) / n * dkv32) if comm_type == "a2a+p2p" else e * (kv_w + 2 * dkv32)
-        return copies + ring + acc32
+        copies = 2 * c * h * d * pb.elem_bytes * b + e * kv_c  # head-sharded Q, O and K/V kept for bwd
+        kernel = (h + 2 * e * hk) * c * d * pb.elem_bytes * b  # h/n heads (e h_kv/n K/V heads) of n shards
+        if comm_type == "a2a":  # no ring: one block of n shards, double-buffer terms of a ring of one
+            return copies + e * (kv_w + 2 * dkv32) + acc32 + kernel
+        return copies + e * (kv_w / pieces + (pieces + 1) / pieces * dkv32) + acc32 + kernel / pieces
     raise ValueError(comm_type)
 
 
