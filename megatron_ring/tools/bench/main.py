@@ -45,11 +45,10 @@ from typing import Any
 from megatron_ring.strategies import COMM_TYPES
 from megatron_ring.timing import timed
 from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
-from megatron_ring.tools.bench.measure import BENCH_ENV, peak_mib, rss_mib, warm_up
+from megatron_ring.tools.bench.measure import BENCH_ENV, DTYPES, peak_mib, rss_mib, rank_inputs, warm_up
 
 __all__ = ["main"]
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 
@@ -61,13 +60,9 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from megatron_ring.transport.ring import LoopbackRing, Ring
 
     dtype = getattr(torch, DTYPES[cfg["dtype"]])
-    s = cfg["seq"] // world
     warm_up(lambda *t: ring_attention(*t, causal=cfg["causal"], layout=cfg["layout"]), 2 * world, dtype)
     base = rss_mib()
-    g = torch.Generator().manual_seed(rank)
-    mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
-    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
-    dout = torch.randn_like(q)
+    q, k, v, dout = rank_inputs(cfg, rank, world, dtype)
     modes: dict[str, tuple[Any, Any]] = {}  # mode -> (fwd, fwd_bwd)
     results: dict[str, Any] = {}
     rings = {"ring": Ring(dist.group.WORLD, q.device)}

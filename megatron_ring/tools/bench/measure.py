@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 import resource
 
-__all__ = ["rss_mib", "peak_mib", "warm_up", "BENCH_ENV"]
+__all__ = ["rss_mib", "peak_mib", "warm_up", "rank_inputs", "DTYPES", "BENCH_ENV"]
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
@@ -26,6 +28,19 @@ def warm_up(attn, seq: int, dtype) -> None:
     q, k, v = (torch.randn(1, seq, 2, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     out = attn(q, k, v)
     out.backward(torch.randn_like(out))
+
+
+def rank_inputs(cfg: dict, rank: int, world: int, dtype=None):
+    """This rank's ``q, k, v, dout`` (``[batch, seq / world, heads, head_dim]``, seeded by the rank) in
+    ``dtype`` (default: ``cfg["dtype"]``, a key of :data:`DTYPES`)."""
+    import torch
+
+    dtype = dtype or getattr(torch, DTYPES[cfg["dtype"]])
+    s = cfg["seq"] // world
+    g = torch.Generator().manual_seed(rank)
+    mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
+    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
+    return q, k, v, torch.randn_like(q)
 
 
 BENCH_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks via mmap: freed memory leaves RSS at once

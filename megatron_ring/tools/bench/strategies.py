@@ -18,6 +18,7 @@ import statistics
 from typing import Any
 
 from megatron_ring.timing import seconds
+from megatron_ring.tools.bench.measure import rank_inputs
 
 __all__ = ["run_comm_types", "print_rows"]
 
@@ -26,17 +27,6 @@ def _hier(world: int, inner: int):
     from megatron_ring.strategies import make_hierarchical_groups
 
     return make_hierarchical_groups(inner)
-
-
-def _inputs(cfg: dict[str, Any], rank: int, world: int):
-    import torch
-
-    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg["dtype"]])
-    s = cfg["seq"] // world
-    g = torch.Generator().manual_seed(rank)
-    mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
-    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
-    return q, k, v, torch.randn_like(q)
 
 
 def _types_for(cfg: dict[str, Any], world: int) -> list[str]:
@@ -59,7 +49,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
 
     inner = _inner(world)
     hier = _hier(world, inner) if inner else None
-    q, k, v, dout = _inputs(cfg, rank, world)
+    q, k, v, dout = rank_inputs(cfg, rank, world)
     types = _types_for(cfg, world)
     kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], hierarchical_groups=hier)
 
@@ -107,10 +97,10 @@ def _memory_worker(rank: int, world: int, cfg: dict[str, Any], ct: str) -> float
     hier = _hier(world, inner) if inner else None
     kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], hierarchical_groups=hier,
               comm_type="p2p" if ct == "auto" else ct)
-    q, k, v, dout = _inputs(dict(cfg, seq=4 * world), rank, world)  # tiny warm-up: one-off state not counted
+    q, k, v, dout = rank_inputs(dict(cfg, seq=4 * world), rank, world)  # tiny warm-up: one-off state not counted
     leaves = [t.requires_grad_() for t in (q, k, v)]
     ring_attention(*leaves, **kw).backward(dout)
-    q, k, v, dout = _inputs(cfg, rank, world)
+    q, k, v, dout = rank_inputs(cfg, rank, world)
     base = rss_mib()
     leaves = [t.requires_grad_() for t in (q, k, v)]
     ring_attention(*leaves, **kw).backward(dout)
