@@ -62,7 +62,8 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     dtype = getattr(torch, DTYPES[cfg["dtype"]])
     warm_up(lambda *t: ring_attention(*t, causal=cfg["causal"], layout=cfg["layout"]), 2 * world, dtype)
     base = rss_mib()
-    q, k, v, dout = rank_inputs(cfg, rank, world, dtype)
+    g = torch.Generator().manual_seed(rank)  # also draws the split rows' inputs below
+    q, k, v, dout = rank_inputs(cfg, rank, world, dtype, g)
     modes: dict[str, tuple[Any, Any]] = {}  # mode -> (fwd, fwd_bwd)
     results: dict[str, Any] = {}
     rings = {"ring": Ring(dist.group.WORLD, q.device)}

@@ -30,14 +30,15 @@ def warm_up(attn, seq: int, dtype) -> None:
     out.backward(torch.randn_like(out))
 
 
-def rank_inputs(cfg: dict, rank: int, world: int, dtype=None):
-    """This rank's ``q, k, v, dout`` (``[batch, seq / world, heads, head_dim]``, seeded by the rank) in
-    ``dtype`` (default: ``cfg["dtype"]``, a key of :data:`DTYPES`)."""
+def rank_inputs(cfg: dict, rank: int, world: int, dtype=None, g=None):
+    """This rank's ``q, k, v, dout`` (``[batch, seq / world, heads, head_dim]``) in ``dtype`` (default:
+    ``cfg["dtype"]``, a key of :data:`DTYPES`), q/k/v drawn from ``g`` (default: a generator seeded by the
+    rank; pass one to draw more from it afterwards)."""
     import torch
 
     dtype = dtype or getattr(torch, DTYPES[cfg["dtype"]])
     s = cfg["seq"] // world
-    g = torch.Generator().manual_seed(rank)
+    g = g if g is not None else torch.Generator().manual_seed(rank)
     mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
     q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
     return q, k, v, torch.randn_like(q)
