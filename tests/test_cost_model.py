@@ -7,7 +7,8 @@ import torch
 
 from dist_utils import run_distributed
 from megatron_ring.tools import planner as plan
-from megatron_ring.strategies.cost_model import Machine, Problem, activation_bytes, predict, predict_all, smallest_cp
+from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, predict, predict_all, smallest_cp,
+                                                 workspace_bytes)
 
 ISSUE_EXAMPLE = ["--seq-length", "1048576", "--hidden-size", "8192", "--num-attention-heads", "64",
                  "--num-query-groups", "8", "--context-parallel-size", "32", "--gpus-per-node", "8",
@@ -148,3 +149,25 @@ def test_auto_measures_near_ties_and_agrees():
     for _, _, records in per_rank:
         chose = [r for r in records if "auto comm_type: chose" in r]
         assert len(chose) == 2 and all("near-tie, measured" in r for r in chose), chose
+
+
+def test_streaming_terms_follow_the_piece_count():
+    """kv_pieces=n (docs/design.md "Sub-block streaming", "Memory"): the ring's workspace holds 1/n of a
+    K/V block beyond the one in flight and (n+1)/n fp32 dK/dV blocks; of the dK/dV hops only the last
+    piece's (1/n of an fp32 block) is in the open when compute hides the rest."""
+    kw = dict(batch=1, seq=8192, heads=8, kv_heads=8, head_dim=64, elem_bytes=4)
+    c = 8192 // 4
+    kv32 = dkv32 = 2 * c * 8 * 64 * 4
+    acc32 = c * 8 * 64 * 4
+    kernel = 3 * c * 8 * 64 * 4  # the block kernel's dQ, dK, dV (fp32 here)
+    for n in (1, 2, 8):
+        assert workspace_bytes("p2p", Problem(kv_pieces=n, **kw), 4) == \
+            kv32 / n + (n + 1) / n * dkv32 + acc32 + kernel / n
+    assert workspace_bytes("p2p", Problem(kv_pieces=1, **kw), 4) == kv32 + 2 * dkv32 + acc32 + kernel  # 2 buffers
+    for ct, inner in (("all_gather", None), ("a2a", None), ("a2a+p2p", 2)):  # per-rank workspace shrinks with P
+        assert workspace_bytes(ct, Problem(**kw), 4, inner) > workspace_bytes(ct, Problem(**kw), 8, inner)
+    m = Machine(flops=1e9, bw_intra=1e12, latency=0.0)  # transfers far below compute: all hidden but the last
+    bwd = {n: predict("p2p", Problem(kv_pieces=n, **kw), 4, m)["bwd_s"] for n in (1, 8)}
+    assert abs((bwd[1] - bwd[8]) - dkv32 * (1 - 1 / 8) / 1e12) < 1e-12
+    fwd = {n: predict("p2p", Problem(kv_pieces=n, **kw), 4, m)["fwd_s"] for n in (1, 8)}
+    assert fwd[1] == fwd[8]  # forward hides every piece's exchange under that piece's compute

@@ -53,11 +53,11 @@ def test_causal_is_top_left_for_every_shape(kernel, sq, sk):
         torch.testing.assert_close(g.double(), r.double(), atol=1e-4, rtol=1e-4)
 
 
-def test_causal_pieces_cover_exactly_the_visible_keys():
+def test_causal_sub_blocks_cover_exactly_the_visible_keys():
     for sq in range(1, 9):
         for sk in range(1, 9):
             mask = torch.zeros(sq, sk, dtype=torch.bool)
-            for rows, cols, causal in K.causal_pieces(sq, sk, True):
+            for rows, cols, causal in K.causal_sub_blocks(sq, sk, True):
                 block = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
                 if causal:
                     assert block.shape[0] == block.shape[1]

@@ -52,8 +52,7 @@ def _kind(t):
 
 def test_aligned_window_edges_need_no_mask():
     """A window whose edges fall on tile boundaries: every task is full, causal or reversed (an upper
-    triangle, run unmasked on reversed rows): no explicit mask; a reversed task's mask is exactly triu.
-    The first policy ("merged") made each query tile's run one masked call."""
+    triangle, run unmasked on reversed rows): no explicit mask; a reversed task's mask is exactly triu."""
     s, world, T = 64, 4, 256
     for name, rule in itertools.product(LAYOUTS, (AttentionMask(True, None, (64, -1)),
                                                   AttentionMask(True, None, (128, -1)),
@@ -68,13 +67,6 @@ def test_aligned_window_edges_need_no_mask():
                     assert t.kv.stop - t.kv.start == n
                     assert torch.equal(t.mask.allowed(), torch.ones(n, n, dtype=torch.bool).triu())
         assert "masked" not in kinds and "reversed" in kinds, (name, rule, kinds)
-    try:
-        masks.EDGE_POLICY = "merged"
-        merged = [_kind(t) for t in schedule(get_layout("zigzag"), AttentionMask(True, None, (64, -1)), world,
-                                              3, 2, s, tile=8)]
-        assert "masked" in merged and "reversed" not in merged
-    finally:
-        masks.EDGE_POLICY = "split"
 
 
 def test_plain_rule_is_the_layout_schedule():

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ring.transport.groups import PerGroup
+
 __all__ = ["FORMATS", "check_inputs", "call_signature", "check_same_across_ranks", "check_cu_seqlens",
            "check_window"]
 
@@ -56,7 +58,7 @@ def _listed(x: Any) -> Any:
     return x.tolist() if isinstance(x, torch.Tensor) else (list(x) if isinstance(x, (tuple, list)) else x)
 
 
-_checked: dict[int, set[tuple[int, ...]]] = {}
+_checked = PerGroup()  # group -> signatures already agreed on (held weakly: see transport/groups.py)
 
 
 def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.device,
@@ -65,7 +67,7 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
 
     ``describe`` holds human-readable values of this rank's call, used only for the message.
     """
-    seen = _checked.setdefault(id(group), set())
+    seen = _checked.setdefault(group, "signatures", set)
     sig = tuple(signature)
     if sig in seen:
         return

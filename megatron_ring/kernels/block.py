@@ -6,7 +6,7 @@ handled inside the kernel; K/V are never repeated on the wire). ``forward`` retu
 ``(dq, dk, dv)`` shaped like ``q, k, v``. ``causal`` is the top-left mask (key j visible to query i iff
 j <= i), ALSO when ``sq != sk``: a kernel whose library aligns a rectangular causal mask bottom-right
 (flash_attn; and the CUDA ops, to be safe) runs it as a square causal block plus a full block
-(:func:`causal_pieces`), so the alignment convention never reaches the library. Callers never pass a
+(:func:`causal_sub_blocks`), so the alignment convention never reaches the library. Callers never pass a
 block with a fully masked query row (see ``layouts``).
 
 ``supports(q, k)`` checks device, dtype, head dim and GPU architecture; ``auto`` takes the first kernel
@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 __all__ = ["BlockKernel", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel", "TorchFlashCudaKernel",
-           "CudnnKernel", "TEFusedKernel", "select_kernel", "KERNELS", "causal_pieces", "set_deterministic",
+           "CudnnKernel", "TEFusedKernel", "select_kernel", "KERNELS", "causal_sub_blocks", "set_deterministic",
            "ReversedKernel"]
 
 
@@ -66,8 +66,8 @@ def deterministic() -> bool:
     return torch.are_deterministic_algorithms_enabled() if _deterministic is None else bool(_deterministic)
 
 
-def causal_pieces(sq: int, sk: int, causal: bool) -> list[tuple[slice, slice, bool]]:
-    """The top-left causal block ``[sq, sk]`` as (query rows, key cols, causal) pieces that are square
+def causal_sub_blocks(sq: int, sk: int, causal: bool) -> list[tuple[slice, slice, bool]]:
+    """The top-left causal block ``[sq, sk]`` as (query rows, key cols, causal) sub-blocks that are square
     causal or full: alignment-free for every library. Non-causal or square: the block itself."""
     if not causal or sq == sk:
         return [(slice(0, sq), slice(0, sk), causal)]
@@ -89,24 +89,24 @@ def _fused_cuda_case(q: torch.Tensor, max_head_dim: int) -> bool:
 
 
 class _SquareCausal(BlockKernel):
-    """Runs rectangular causal blocks as square-causal + full pieces (see :func:`causal_pieces`)."""
+    """Runs rectangular causal blocks as square-causal + full sub-blocks (see :func:`causal_sub_blocks`)."""
 
     def forward(self, q, k, v, causal, scale):
-        pieces = causal_pieces(q.shape[2], k.shape[2], causal)
-        if len(pieces) == 1:
-            rows, cols, c = pieces[0]
+        blocks = causal_sub_blocks(q.shape[2], k.shape[2], causal)
+        if len(blocks) == 1:
+            rows, cols, c = blocks[0]
             if rows.stop == q.shape[2]:
                 return self._fwd(q, k[:, :, cols], v[:, :, cols], c, scale)
-        outs, lses = zip(*(self._fwd(q[:, :, r], k[:, :, c_], v[:, :, c_], c, scale) for r, c_, c in pieces))
+        outs, lses = zip(*(self._fwd(q[:, :, r], k[:, :, c_], v[:, :, c_], c, scale) for r, c_, c in blocks))
         return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        pieces = causal_pieces(q.shape[2], k.shape[2], causal)
-        if len(pieces) == 1 and pieces[0][1].stop == k.shape[2]:
+        blocks = causal_sub_blocks(q.shape[2], k.shape[2], causal)
+        if len(blocks) == 1 and blocks[0][1].stop == k.shape[2]:
             return self._bwd(dout, q, k, v, out, lse, causal, scale)
         dq = torch.empty_like(q)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for r, c_, c in pieces:
+        for r, c_, c in blocks:
             a, b_, d = self._bwd(dout[:, :, r], q[:, :, r], k[:, :, c_], v[:, :, c_], out[:, :, r],
                                  lse[:, :, r].contiguous(), c, scale)
             dq[:, :, r] = a

@@ -24,7 +24,7 @@ def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
 def add_context_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the context-parallel flags the parser does not have yet; returns the parser.
 
-    Flags: ``--context-parallel-size``, ``--cp-comm-type``, ``--cp-comm-dtype {none,bf16,fp8}``,
+    Flags: ``--context-parallel-size``, ``--cp-comm-type``, ``--cp-comm-dtype`` (a key of ``megatron_ring.COMM_DTYPE_ALIASES``),
     ``--cp-layout {zigzag,striped,contiguous}``, ``--hierarchical-context-parallel-sizes``,
     ``--cp-timeout-seconds``.
     """
@@ -39,8 +39,9 @@ def add_context_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argum
                                 "--hierarchical-context-parallel-sizes' inner group, ring across), auto.")
     if not _has(parser, "--cp-comm-dtype"):
         group.add_argument("--cp-comm-dtype", type=str, default="none", choices=list(COMM_DTYPES),
-                           help="Wire format of K/V blocks on the ring: none (as computed), bf16 or fp8 "
-                                "(e4m3 with scales).")
+                           help="Wire format of K/V blocks on the ring: none (as computed), fp32, bf16, fp16, "
+                                "fp8 (e4m3 with scales), fp8_e5m2, or another spelling of "
+                                "megatron_ring.COMM_DTYPE_ALIASES.")
     if not _has(parser, "--cp-layout"):
         group.add_argument("--cp-layout", type=str, default="zigzag", choices=sorted(LAYOUTS),
                            help="How a sequence is split over the CP ranks: zigzag (2*CP chunks, balanced "

@@ -22,8 +22,8 @@ __all__ = [
     "CP_COMM_TYPES",
 ]
 
-#: ``--cp-comm-dtype`` choices; the codec's alias table says which wire dtype each one means.
-COMM_DTYPES: tuple[str, ...] = ("none", "bf16", "fp8")
+#: ``--cp-comm-dtype`` choices: the package's one table of wire dtypes (every spelling ``ring_attention`` accepts).
+COMM_DTYPES: tuple[str, ...] = tuple(COMM_DTYPE_ALIASES)
 #: ``--cp-comm-type`` values (Megatron-LM's names, plus "auto"); see docs/strategies.md.
 CP_COMM_TYPES: tuple[str, ...] = COMM_TYPES  # the library's one table (megatron_ring.strategies)
 
@@ -61,7 +61,8 @@ class RingConfig:
     Attributes:
         context_parallel_size: ranks one sequence is split over (``--context-parallel-size``).
         layout: "zigzag", "striped" or "contiguous" (``--cp-layout``).
-        comm_dtype: K/V wire format "none", "bf16" or "fp8" (``--cp-comm-dtype``).
+        comm_dtype: K/V wire format, a key of ``COMM_DTYPE_ALIASES`` ("none", "bf16", "fp8", ...)
+            (``--cp-comm-dtype``).
         cp_comm_type: communication type, one for all layers or one per layer: "p2p" (ring),
             "all_gather", "a2a" (Ulysses), "a2a+p2p" (needs two hierarchical sizes) or "auto"
             (``--cp-comm-type``).

@@ -80,12 +80,3 @@ def use_layout_rope(model: torch.nn.Module, layout: str | None = None) -> int:
             for m in ring:
                 m.packed_rope = (rotary[0],)  # a tuple: not registered as a submodule
     return n
-
-
-
-def _modules(model: Any):
-    if isinstance(model, (list, tuple)):  # Megatron-LM passes lists of model chunks
-        for chunk in model:
-            yield from chunk.modules()
-    else:
-        yield from model.modules()

@@ -13,7 +13,7 @@
 window it IS the layout's own causal schedule (same tasks, same cost). Otherwise local rows are cut into
 tiles; tile pairs are classified from their position/document ranges (no visible pair: skipped; every
 pair visible: a full block) and only the ambiguous ones are checked element-wise. Each query tile then
-gets one kernel call per run of visible key tiles of one kind (see :data:`EDGE_POLICY`): full,
+gets one kernel call per run of visible key tiles of one kind (see :func:`_tasks`): full,
 top-left causal, reversed causal (a window's lower edge, run unmasked on reversed rows), or with a
 :class:`BlockMask` (an explicit mask built lazily at call time from the local position/document vectors
 of the task, so a rank never holds an ``[S, S]`` mask and many short documents cost a handful of
@@ -145,11 +145,14 @@ def _classify(rule: AttentionMask, qp, qd, kp, kd, pad: int) -> str:
 
 
 def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: int) -> tuple[BlockTask, ...]:
+    """Per query tile, its run of visible key tiles as kernel calls: adjacent full tiles make one full call;
+    a tile whose pairs are exactly a causal triangle is a causal call, one that is exactly the reversed
+    triangle (a window's lower edge) a reversed call (both unmasked); only the remaining mixed tiles
+    (document edges, unaligned window edges) are masked calls, adjacent ones merged."""
     qdoc, kdoc = rule.doc_ids(qpos), rule.doc_ids(kpos)
     pad = len(rule.cu_seqlens) if rule.cu_seqlens is not None else 1
     qd, kd = torch.where(qdoc < 0, pad, qdoc), torch.where(kdoc < 0, pad, kdoc)  # padding sorts last
     ktiles = _runs(kpos, tile)
-    merged = EDGE_POLICY == "merged"
     tasks: list[BlockTask] = []
     for qa, qb in _runs(qpos, tile):
         row: list[tuple[int, int, str]] = []
@@ -160,7 +163,7 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
                     rule.allowed(qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb]))
             if kind == "none":
                 continue
-            if row and row[-1][1] == ka and (merged or row[-1][2] == kind in ("full", "mixed")):  # extend the run
+            if row and row[-1][1] == ka and row[-1][2] == kind in ("full", "mixed"):  # extend the run
                 row[-1] = (row[-1][0], kb, "full" if row[-1][2] == kind == "full" else "mixed")
             else:
                 row.append((ka, kb, kind))
@@ -218,10 +221,8 @@ def _band_shape(rule: AttentionMask, qp: torch.Tensor, kp: torch.Tensor) -> str 
 def _task(rule, qpos, qdoc, kpos, kdoc, q: slice, kv: slice, kind: str) -> BlockTask:
     if kind == "full":
         return BlockTask(q, kv, False)
-    if kind == "mixed" or EDGE_POLICY == "merged":  # a merged run (or a mixed tile): look again
+    if kind == "mixed":  # a run of mixed tiles: look again at the whole run
         kind = _shape(rule.allowed(qpos[q], qdoc[q], kpos[kv], kdoc[kv]))
-    if EDGE_POLICY == "merged" and kind != "causal":
-        kind = "mixed"
     if kind.endswith("-1"):  # without the diagonal: the triangle of one row and key fewer
         kind = kind[:-2]
         q, kv = ((slice(q.start + 1, q.stop), slice(kv.start, kv.stop - 1)) if kind == "causal"
@@ -245,14 +246,6 @@ def _merge_rows(tasks: list[BlockTask]) -> list[BlockTask]:
     return out
 
 
-#: How a query tile's run of visible key tiles becomes kernel calls.
-#: "split" (default): adjacent full tiles make one full call; a tile whose pairs are exactly a causal
-#: triangle is a causal call, one that is exactly the reversed triangle (a window's lower edge) a
-#: reversed call (both unmasked); only the remaining mixed tiles (document edges, unaligned window
-#: edges) are masked calls, adjacent ones merged. "merged" (the first policy, kept to measure against):
-#: the whole run is one call, masked as soon as one tile is not full.
-EDGE_POLICY = "split"
-
 _CACHE: "OrderedDict[tuple, tuple[BlockTask, ...]]" = OrderedDict()
 _CACHE_SIZE = 4096
 
@@ -269,7 +262,7 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
         return layout.block_tasks(rule.causal, world, rank, src, s)
     if hasattr(layout, "masked_tasks"):  # a strategy's view of several shards (schedules/views.py)
         return layout.masked_tasks(rule, world, rank, src, s)
-    key = (layout.name, rule, world, rank, src, s, tile, EDGE_POLICY)
+    key = (layout.name, rule, world, rank, src, s, tile)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
@@ -284,10 +277,10 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
 
 
 def _band_tile(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, s: int) -> int | None:
-    """For a window without documents ("split" policy): the largest tile (halving from the local length
+    """For a window without documents: the largest tile (halving from the local length
     down to :func:`default_tile`) at which every visible tile pair is full, causal or reversed, so the
     band runs as a few big unmasked calls; None when no such tile exists (then the default tile)."""
-    if rule.cu_seqlens is not None or EDGE_POLICY != "split":
+    if rule.cu_seqlens is not None:
         return None
     tile, low = s, default_tile(s)
     while tile >= low:

@@ -28,18 +28,13 @@ import torch.distributed as dist
 from megatron_ring.wire.codecs import IdentityCodec, KVCodec, KVSpec
 from megatron_ring.transport.ring import LoopbackRing, Ring
 from megatron_ring.core.engine import RingPlan
-from megatron_ring.core.heads import head_groups
+from megatron_ring.core.heads import head_groups, kv_replication
 from megatron_ring.transport.collectives import all_to_all
+from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.schedules.views import GroupedView
 from megatron_ring.strategies.refusal import encode_or_record, outer_ring
 
-__all__ = ["run", "run_grouped", "kv_replication", "check_heads"]
-
-
-def kv_replication(h: int, h_kv: int, world: int) -> int:
-    """How many times each K/V head is repeated so that the K/V heads split evenly over ``world``."""
-    g = h // h_kv
-    return next(e for e in range(1, g + 1) if g % e == 0 and (h_kv * e) % world == 0)
+__all__ = ["run", "run_grouped", "check_heads"]
 
 
 def check_heads(h: int, world: int, what: str = "comm_type='a2a'") -> None:
@@ -169,7 +164,7 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
         hierarchical_groups=None, sink: torch.Tensor | None = None) -> torch.Tensor:
     ring = plan.ring
     check_heads(qh.shape[1], ring.world)
-    timeout = None if ring.timeout is None else ring.timeout.total_seconds()
+    timeout = timeout_seconds(ring)
     return run_grouped(qh, kh, vh, plan, inner=_A2A(ring.group, ring.world, timeout),
                        outer=LoopbackRing(1, 0, qh.device), a2a_codec=plan.codec, ring_codec=IdentityCodec(),
                        head_chunks=head_chunks, sink=sink)

@@ -37,23 +37,27 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_ring.timing import median_seconds, seconds, sync_device
+from megatron_ring.transport.groups import PerGroup
 from megatron_ring.wire.codecs import KVSpec
 from megatron_ring.transport.ring import Ring
 from megatron_ring.core.engine import RingPlan, _memory_order
+from megatron_ring.core.rotation import divisor_at_most
 from megatron_ring.strategies.cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
 
 __all__ = ["choose", "set_machine", "machine_for", "probe_machine", "measure", "to_measure", "last_choice"]
 
 log = logging.getLogger("megatron_ring")
 
-_machines: dict[tuple, Machine] = {}
-_choices: dict[tuple, str] = {}
+# Both held per process group, weakly (transport/groups.py): group -> key -> value. ``_machines`` keys:
+# ("set", device type or None) from set_machine (group None: every group), ("probed", ...) from probes.
+_machines = PerGroup()
+_choices = PerGroup()  # group -> call signature -> comm type
 last_choice: dict[str, Any] = {}  # the latest choice made: key, predicted, measured, choice (benchmark, tests)
 _ENV = {"flops": "MEGATRON_RING_FLOPS", "bwd_flops": "MEGATRON_RING_BWD_FLOPS",
         "bw_intra": "MEGATRON_RING_BANDWIDTH", "bw_inter": "MEGATRON_RING_INTER_BANDWIDTH",
@@ -66,24 +70,7 @@ def set_machine(machine: Machine | None, group: Any = None, device_type: str | N
         _machines.clear()
         _choices.clear()
         return
-    _machines[(id(group) if group is not None else None, device_type)] = machine
-
-
-def _time(fn, reps: int = 5) -> float:
-    """Median of ``reps`` timed calls after one warm-up (a median, not a minimum: on a busy machine the
-    real calls see the same contention as the typical probe call)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _machines.set(group, ("set", device_type), machine)
 
 
 def _kernel_times(kern, device, dtype, h: int, s: int, d: int) -> tuple[float, float]:
@@ -92,12 +79,12 @@ def _kernel_times(kern, device, dtype, h: int, s: int, d: int) -> tuple[float, f
 
     def fwd():
         kern.forward(q, k, v, False, d ** -0.5)
-        _sync(device)
+        sync_device(device)
 
     def bwd():
         kern.backward(o, q, k, v, o, lse, False, d ** -0.5)
-        _sync(device)
-    return _time(fwd), _time(bwd)
+        sync_device(device)
+    return median_seconds(fwd), median_seconds(bwd)
 
 
 def probe_machine(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer: Any = None, heads: int = 4,
@@ -119,8 +106,8 @@ def probe_machine(plan: RingPlan, device: torch.device, dtype: torch.dtype, oute
 
         def go():
             ring.exchange(send, recv, "fwd_kv", 0).wait()
-            _sync(device)
-        return _time(go)
+            sync_device(device)
+        return median_seconds(go)
     small, large = 1 << 10, 1 << 22
     ring = Ring(plan.ring.group, device, None)  # its own byte counters: the caller's stay clean
     t_small, t_large = link(ring, small), link(ring, large)
@@ -143,13 +130,14 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
                 head_dim: int = 64, local_len: int = 512) -> Machine:
     """The agreed :class:`Machine` for this group, device and kernel shape (probed once, then cached)."""
     group = plan.ring.group
-    for key in ((id(group), device.type), (id(group), None), (None, device.type), (None, None)):
-        if key in _machines:
-            return _machines[key]
+    for g, key in ((group, ("set", device.type)), (group, ("set", None)), (None, ("set", device.type)),
+                   (None, ("set", None))):
+        if (g, key) in _machines:
+            return _machines.get(g, key)
     block = _probe_block(local_len)
-    key = (id(group), device.type, id(outer), dtype, min(heads, 8), head_dim, block)
-    if key in _machines:
-        return _machines[key]
+    key = ("probed", device.type, outer, dtype, min(heads, 8), head_dim, block)  # outer: the group itself
+    if (group, key) in _machines:
+        return _machines.get(group, key)
     env = {name: float(os.environ[var]) for name, var in _ENV.items() if os.environ.get(var)}
     numbers = env if len(env) == len(_ENV) else {
         **probe_machine(plan, device, dtype, outer, min(heads, 8), head_dim, block), **env}
@@ -162,11 +150,10 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
     agreed = {n: (-x if n in times else x) for n, x in zip(order, vec.tolist())}
     gpn = os.environ.get("MEGATRON_RING_GPUS_PER_NODE")
     overlap = os.environ.get("MEGATRON_RING_OVERLAP")  # CPU: transfers run on the compute cores
-    _machines[key] = Machine(flops=agreed["flops"], bwd_flops=agreed["bwd_flops"], bw_intra=agreed["bw_intra"],
-                             bw_inter=agreed["bw_inter"], latency=agreed["latency"],
-                             call_overhead=agreed["call_overhead"], gpus_per_node=int(gpn) if gpn else None,
-                             overlap=float(overlap) if overlap else (0.0 if device.type == "cpu" else 1.0))
-    return _machines[key]
+    return _machines.set(group, key, Machine(
+        flops=agreed["flops"], bwd_flops=agreed["bwd_flops"], bw_intra=agreed["bw_intra"], bw_inter=agreed["bw_inter"],
+        latency=agreed["latency"], call_overhead=agreed["call_overhead"], gpus_per_node=int(gpn) if gpn else None,
+        overlap=float(overlap) if overlap else (0.0 if device.type == "cpu" else 1.0)))
 
 
 def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int) -> Problem:
@@ -177,7 +164,8 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: in
     wire = plan.codec.wire_bytes(spec) / (2 * b * hk * s * d)
     return Problem(batch=b, seq=s * world, heads=h, kv_heads=hk, head_dim=d, causal=plan.causal,
                    layout=plan.layout.name, elem_bytes=qh.element_size(), wire_bytes=wire,
-                   pieces=head_chunks if head_chunks > 1 else 2)
+                   gather_head_groups=head_chunks if head_chunks > 1 else 2,
+                   kv_pieces=1 if world == 1 else divisor_at_most(hk, plan.pieces))
 
 
 BAND, MEASURE_MIN_S, MEASURE_BUDGET_S, MEASURE_ROUNDS = 0.3, 0.05, 400.0, 5
@@ -232,12 +220,10 @@ def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch
 def _rounds(candidates, q, k, v, dout, plan, kw, rounds, times, runners) -> None:
     for _ in range(rounds):
         for ct in candidates:
-            dist.barrier(group=plan.ring.group)
-            _sync(q.device)
-            t0 = time.perf_counter()
-            runners[ct](q, k, v, plan, **kw).backward(dout)
-            _sync(q.device)
-            times[ct].append(time.perf_counter() - t0)
+            def call(ct=ct):
+                runners[ct](q, k, v, plan, **kw).backward(dout)
+                sync_device(q.device)
+            times[ct].append(seconds(call, before=lambda: (dist.barrier(group=plan.ring.group), sync_device(q.device))))
             q.grad = k.grad = v.grad = None
 
 
@@ -272,23 +258,25 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
         inner_g, outer = hierarchical_groups
         inner = dist.get_world_size(inner_g)
     key = (tuple(qh.shape), tuple(kh.shape), qh.dtype, qh.device.type, plan.causal, plan.layout.name,
-           plan.codec.name, head_chunks, id(plan.ring.group), inner, id(outer))
-    if key in _choices:
-        return _choices[key]
+           plan.codec.name, head_chunks, inner, outer)  # outer: the group itself, not its id
+    group = plan.ring.group
+    if (group, key) in _choices:
+        return _choices.get(group, key)
     machine = machine_for(plan, qh.device, qh.dtype, outer, qh.shape[1], qh.shape[3], qh.shape[2])
     pb = _problem(qh, kh, plan, head_chunks)
     rows = predict_all(pb, plan.ring.world, machine, inner)
-    _choices[key] = rows[0]["comm_type"]
+    choice = _choices.set(group, key, rows[0]["comm_type"])
     near, rounds = to_measure(rows)
     measured, tie = {}, TIE
     if near:
         measured, spread = measure(near, qh, kh, vh if vh is not None else kh, plan, head_chunks,
                                    hierarchical_groups, rounds, runners)
         tie = max(TIE, spread)
-        _choices[key] = _fastest(measured, tie)
+        choice = _fastest(measured, tie)
+    _choices.set(group, key, choice)
     log.info("megatron_ring auto comm_type: chose %s for S=%d b=%d h=%d h_kv=%d d=%d %s causal=%s wire=%s over %d "
              "ranks%s; predicted fwd+bwd per call: %s (machine: F=%.3g flop/s, B=%.3g B/s, latency=%.3g s)%s",
-             _choices[key], pb.seq, pb.batch, pb.heads, pb.kv_heads, pb.head_dim, pb.layout, pb.causal,
+             choice, pb.seq, pb.batch, pb.heads, pb.kv_heads, pb.head_dim, pb.layout, pb.causal,
              plan.codec.name, plan.ring.world, f" (hierarchical {inner}x{plan.ring.world // inner})" if inner else "",
              ", ".join(f"{r['comm_type']} {r['time_s'] * 1e3:.3g} ms" for r in rows),
              machine.flops, machine.bw_intra, machine.latency,
@@ -296,5 +284,5 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
               + f" (a simpler type wins within {tie:.1%}, the larger of 3% and the measurement's noise)")
              if measured else "")
     last_choice.update(key=key, predicted={r["comm_type"]: r["time_s"] for r in rows}, measured=measured,
-                       tie=tie, choice=_choices[key])
-    return _choices[key]
+                       tie=tie, choice=choice)
+    return choice

@@ -14,11 +14,16 @@ square for a causal task) for every (rank, source) pair, times ``4 b h d`` flops
 by F; backward uses the backward rate. So causal skipping and the layout's balance are in the model.
 
 * ``p2p``: P steps; step t costs ``max(compute_t, transfer)`` where compute_t is the slowest rank's
-  work for its source at that step and transfer is one K/V block (``latency + bytes/B``); backward adds
-  the fp32 dK/dV block on the same link and one last exposed dK/dV hop. This is the seed rule: a step
-  hides its transfer when the chunk is long enough (C >= F/B per byte of K/V).
+  work for its source at that step and transfer is one K/V block (``latency + bytes/B``). This is the
+  seed rule: a step hides its transfer when the chunk is long enough (C >= F/B per byte of K/V). The
+  engine streams a block in ``n = kv_pieces`` pieces of K/V heads (docs/design.md, "Sub-block
+  streaming"): each piece's exchange overlaps that piece's compute, so a step is ``n`` messages (n
+  latencies) of ``1/n`` of the block each, overlapped piece by piece. Backward: the fp32 dK/dV
+  accumulator travels the same way, each piece's hop overlapping the compute of the next piece; of the
+  ``P n`` piece hops only the last one (the last piece's hop home, ``1/n`` of an fp32 dK/dV block) is
+  in the open. The last step sends no K/V.
 * ``all_gather``: gather of P-1 K/V blocks (ring algorithm, P-1 messages), pipelined with the compute in
-  ``pieces`` head pieces (the first piece's gather is exposed); backward gathers again and
+  ``gather_head_groups`` groups of K/V heads (the first group's gather is exposed); backward gathers again and
   reduce-scatters fp32 dK/dV (P-1 messages of one block).
 * ``a2a``: all-to-all of Q, K/V (x e when K/V heads are replicated) and O forward, dO, dQ, dK/dV
   backward: (P-1)/P of each tensor leaves the rank, P-1 messages each, not overlapped with compute;
@@ -33,12 +38,21 @@ all-to-all or all-gather is as slow as its inter-node share at the inter-node ra
 Memory per rank per layer (bytes): the seed's ``12 C d`` generalised (:func:`activation_bytes`):
 ``C dh ((2h + 2h_kv) e_c + 2 h_kv w)`` -- Q, O, K, V in the compute dtype (e_c bytes) plus one K/V
 block in flight in the wire dtype (w bytes); for MHA in bf16 that is exactly ``12 C d``. Each
-strategy adds its workspace (:func:`workspace_bytes`).
+strategy adds its workspace at the backward peak (:func:`workspace_bytes`); for the ring (docs/design.md,
+"Memory") with ``n`` pieces: the K/V slots beyond that one block (``(n + 1) / n`` blocks in all: ``1/n``
+of a block more), the dK/dV slots (``(n + 1) / n`` fp32 K/V blocks, ``n`` of the ``n + 1`` slots being
+the returned gradients), the fp32 dQ accumulator and the block kernel's gradients of one piece
+(``(h + 2 h_kv) C dh e_c / n``). ``n = 1`` is double buffering: one more K/V block and two fp32 dK/dV
+blocks. Checked against the benchmark's per-rank peaks (docs/design.md, "Memory").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from megatron_ring.core.heads import kv_replication
+from megatron_ring.wire.codecs import wire_dtype
 from megatron_ring.schedules.layouts import get_layout
 
 __all__ = ["Machine", "Problem", "predict", "predict_all", "pick", "activation_bytes", "workspace_bytes",
@@ -77,7 +91,8 @@ class Problem:
     layout: str = "zigzag"
     elem_bytes: int = 2  # compute dtype
     wire_bytes: float | None = None  # K/V bytes per element on the wire (None: elem_bytes)
-    pieces: int = 2  # all_gather head pieces
+    gather_head_groups: int = 2  # all_gather: K/V gathered in this many groups of heads, one ahead of use
+    kv_pieces: int = 1  # ring: K/V pieces a block streams in (the engine's n, a divisor of the K/V heads)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -128,24 +143,23 @@ def candidate_types(heads: int, world: int, inner: int | None) -> list[str]:
     return out
 
 
-def _kv_rep(h: int, h_kv: int, n: int) -> int:
-    g = h // h_kv
-    return next(e for e in range(1, g + 1) if g % e == 0 and (h_kv * e) % n == 0)
-
-
 def _ring(pb: Problem, m: Machine, world: int, flop_per_area: float, kv_bytes: float, dkv_bytes: float,
           area_of, bw: float) -> tuple[float, float]:
-    """(fwd, bwd) seconds of a ring whose step t costs the slowest rank's ``area_of(rank, t)``."""
+    """(fwd, bwd) seconds of a ring whose step t costs the slowest rank's ``area_of(rank, t)``, a block
+    streaming in ``pb.kv_pieces`` pieces (see the module doc)."""
+    n = max(1, pb.kv_pieces) if world > 1 else 1
     fwd = bwd = 0.0
     for t in range(world):
         cf, cb = max((_compute(m, *area_of(r, t), flop_per_area) for r in range(world)), key=lambda x: x[0])
         last = t == world - 1
-        kv = 0.0 if last else _xfer(kv_bytes, bw, m.latency)
+        kv = 0.0 if last else _xfer(kv_bytes, bw, m.latency, n)
+        # dK/dV piece hops overlapped by this step's compute: all n, but the last step's last one
+        hops = 0 if world == 1 else (n - 1 if last else n)
+        dkv = _xfer(dkv_bytes * hops / n, bw, m.latency, hops)
         fwd += _both(m, cf, kv)
-        bwd += _both(m, cb, kv + (_xfer(dkv_bytes, bw, m.latency) if world > 1 else 0.0))
+        bwd += _both(m, cb, kv + dkv)
     if world > 1:
-        # the last dK/dV hop home: its first half travels while the last step's second half computes
-        bwd += _xfer(dkv_bytes / 2, bw, m.latency, 2)
+        bwd += _xfer(dkv_bytes / n, bw, m.latency)  # the last piece's hop home, in the open
     return fwd, bwd
 
 
@@ -164,7 +178,7 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
                          lambda r, t: _pair_area(lay, pb.causal, world, r, (r - t) % world, c), m.bw(world))
         sent = (world - 1) * kv_wire + world * dkv32 * (world > 1) + (world - 1) * kv_wire
     elif comm_type == "all_gather":
-        n = max(1, min(pb.pieces, hk))
+        n = max(1, min(pb.gather_head_groups, hk))
         cf, cb = max((_compute(m, *_add(_pair_area(lay, pb.causal, world, r, j, c) for j in range(world)), fpa)
                       for r in range(world)), key=lambda x: x[0])
         cf, cb = cf + (n - 1) * _compute(m, 0, world, fpa)[0], cb + (n - 1) * _compute(m, 0, world, fpa)[1]
@@ -179,7 +193,7 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
         if not n or world % n or h % n:
             raise ValueError(f"{comm_type} cannot run with P={world}, inner={inner}, h={h}")
         outer = world // n
-        e = _kv_rep(h, hk, n)
+        e = kv_replication(h, hk, n)
         frac = (n - 1) / n
         bw = m.bw(n)
         a2a = lambda nbytes: _xfer(frac * nbytes, bw, m.latency, n - 1)  # noqa: E731
@@ -224,20 +238,29 @@ def activation_bytes(pb: Problem, world: int) -> float:
 
 
 def workspace_bytes(comm_type: str, pb: Problem, world: int, inner: int | None = None) -> float:
-    """Transient per-rank bytes at the backward peak beyond :func:`activation_bytes` (one layer at a time)."""
-    c, d, h, hk = pb.seq // world, pb.head_dim, pb.heads, pb.kv_heads
-    kv_w, kv_c = 2 * c * hk * d * pb.w * pb.batch, 2 * c * hk * d * pb.elem_bytes * pb.batch
-    dkv32, acc32 = 2 * c * hk * d * 4 * pb.batch, c * h * d * 4 * pb.batch
-    if comm_type == "p2p":
-        return kv_w + 2 * dkv32 + acc32  # second wire buffer, two dK/dV accumulators, fp32 dQ
+    """Transient per-rank bytes at the backward peak beyond :func:`activation_bytes` (one layer at a time):
+    the strategy's buffers, and the block kernel's gradients (dQ, dK, dV in the compute dtype) of the
+    largest unit it runs the backward on: one piece of a ring step, one head group of the gathered K/V,
+    the head-sharded full sequence of an all-to-all."""
+    c, d, h, hk, b = pb.seq // world, pb.head_dim, pb.heads, pb.kv_heads, pb.batch
+    kv_w, kv_c = 2 * c * hk * d * pb.w * b, 2 * c * hk * d * pb.elem_bytes * b
+    dkv32, acc32 = 2 * c * hk * d * 4 * b, c * h * d * 4 * b
+    pieces = max(1, pb.kv_pieces)
+    kernel = (h + 2 * hk) * c * d * pb.elem_bytes * b  # the kernel's dQ, dK, dV of a whole local block
+    if comm_type == "p2p":  # K/V slots beyond the one block in flight, dK/dV slots, fp32 dQ, one piece's kernel
+        return kv_w / pieces + (pieces + 1) / pieces * dkv32 + acc32 + kernel / pieces
     if comm_type == "all_gather":
-        n = max(1, min(pb.pieces, hk))
-        return (2 * world * kv_w + world * kv_c + 2 * world * dkv32) / n + acc32
+        groups = max(1, min(pb.gather_head_groups, hk))
+        kernel = (h + 2 * hk * world) * c * d * pb.elem_bytes * b  # one head group's queries against all shards
+        return (2 * world * kv_w + world * kv_c + 2 * world * dkv32 + kernel) / groups + acc32
     if comm_type in ("a2a", "a2a+p2p"):
         n = world if comm_type == "a2a" else inner
-        e = _kv_rep(h, hk, n)
-        copies = 2 * c * h * d * pb.elem_bytes * pb.batch + e * kv_c  # head-sharded Q, O and K/V kept for bwd
-        return copies + e * (kv_w + 2 * dkv32) + acc32
+        e = kv_replication(h, hk, n)
+        copies = 2 * c * h * d * pb.elem_bytes * b + e * kv_c  # head-sharded Q, O and K/V kept for bwd
+        kernel = (h + 2 * e * hk) * c * d * pb.elem_bytes * b  # h/n heads (e h_kv/n K/V heads) of n shards
+        if comm_type == "a2a":  # no ring: one block of n shards, double-buffer terms of a ring of one
+            return copies + e * (kv_w + 2 * dkv32) + acc32 + kernel
+        return copies + e * (kv_w / pieces + (pieces + 1) / pieces * dkv32) + acc32 + kernel / pieces
     raise ValueError(comm_type)
 
 
@@ -280,14 +303,13 @@ def smallest_cp(pb: Problem, layers: int, memory: float, reserved: float = 0.0, 
 
 
 def wire_bytes_per_elem(comm_dtype: str | None, elem_bytes: int, head_dim: int, group_tokens: int = 64) -> float:
-    """K/V wire bytes per element: fp8 is 1 byte plus one fp32 scale per ``group_tokens`` tokens x head."""
-    if comm_dtype in (None, "none"):
+    """K/V wire bytes per element for a ``comm_dtype`` of the wire-dtype table (``COMM_DTYPE_ALIASES``):
+    as computed, the cast dtype's size, or for fp8 1 byte plus one fp32 scale per ``group_tokens`` tokens x
+    head (``FP8Codec``'s default groups)."""
+    wire = wire_dtype(comm_dtype)
+    if wire is None:
         return float(elem_bytes)
-    if comm_dtype in ("bf16", "fp16"):
-        return 2.0
-    if comm_dtype in ("fp32",):
-        return 4.0
-    if comm_dtype.startswith("fp8"):
+    if wire in (torch.float8_e4m3fn, torch.float8_e5m2):
         return 1.0 + 4.0 / (group_tokens * head_dim)
-    raise ValueError(comm_dtype)
+    return float(wire.itemsize)
 

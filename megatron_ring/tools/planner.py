@@ -1,7 +1,7 @@
 """Planner CLI: predicted time, bytes and memory per rank of every comm type and layout, and the CP size
 a sequence needs.
 
-    python -m megatron_ring.plan --seq-length 1048576 --hidden-size 8192 --num-attention-heads 64 \\
+    python -m megatron_ring.planner --seq-length 1048576 --hidden-size 8192 --num-attention-heads 64 \\
         --num-query-groups 8 --context-parallel-size 32 --gpus-per-node 8 \\
         --intra-node-bandwidth 450e9 --inter-node-bandwidth 50e9 --flops 700e12 \\
         [--micro-batch-size 1] [--gpu-memory 80e9 --num-layers 80] [--json plan.json]
@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from megatron_ring.schedules.layouts import LAYOUTS
+from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, candidate_types, pick, predict, smallest_cp, wire_bytes_per_elem)
 
 __all__ = ["main", "plan"]
@@ -57,7 +58,8 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
                 continue
             pb = Problem(batch=a.micro_batch_size, seq=a.seq_length, heads=heads // a.tensor_model_parallel_size,
                          kv_heads=max(1, groups // a.tensor_model_parallel_size), head_dim=d, causal=a.causal,
-                         layout=layout, elem_bytes=elem, wire_bytes=wire_bytes_per_elem(a.comm_dtype, elem, d))
+                         layout=layout, elem_bytes=elem, wire_bytes=wire_bytes_per_elem(a.comm_dtype, elem, d),
+                         kv_pieces=a.kv_pieces)
             for ct in candidate_types(pb.heads, cp, inner):
                 r = predict(ct, pb, cp, machine, inner)
                 r.update(cp=cp, layout=layout, inner=inner if ct == "a2a+p2p" else None,
@@ -70,7 +72,8 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
     if a.gpu_memory:
         pb = Problem(batch=a.micro_batch_size, seq=a.seq_length, heads=heads // a.tensor_model_parallel_size,
                      kv_heads=max(1, groups // a.tensor_model_parallel_size), head_dim=d, causal=a.causal,
-                     layout=a.layouts[0], elem_bytes=elem, wire_bytes=wire_bytes_per_elem(a.comm_dtype, elem, d))
+                     layout=a.layouts[0], elem_bytes=elem, wire_bytes=wire_bytes_per_elem(a.comm_dtype, elem, d),
+                         kv_pieces=a.kv_pieces)
         p = smallest_cp(pb, a.num_layers, a.gpu_memory, a.reserved_memory)
         out["cp_for_memory"] = {"gpu_memory": a.gpu_memory, "num_layers": a.num_layers, "reserved": a.reserved_memory,
                                 "min_cp": p,
@@ -137,7 +140,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--layouts", nargs="+", default=["zigzag", "striped", "contiguous"], choices=sorted(LAYOUTS))
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--dtype", choices=sorted(_ELEM), default="bf16")
-    ap.add_argument("--comm-dtype", choices=["none", "bf16", "fp8"], default="none")
+    ap.add_argument("--comm-dtype", choices=list(COMM_DTYPE_ALIASES), default="none",
+                    help="K/V wire dtype (any spelling ring_attention accepts)")
+    ap.add_argument("--kv-pieces", type=int, default=1,
+                    help="K/V pieces a ring step streams a block in (ring_attention's kv_pieces; 1: whole blocks)")
     ap.add_argument("--num-layers", type=int, default=1, help="layers held at once (memory answer)")
     ap.add_argument("--gpu-memory", type=_bytes, default=None,
                     help="bytes per GPU for attention activations (e.g. 80e9, 80GiB): prints the CP size needed")

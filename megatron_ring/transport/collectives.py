@@ -14,12 +14,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.errors import RingPeerError
+from megatron_ring.transport.groups import group_ranks
 
-__all__ = ["Pending", "all_to_all", "all_gather", "reduce_scatter", "group_ranks"]
-
-
-def group_ranks(group: Any) -> list[int]:
-    return list(dist.get_process_group_ranks(group))
+__all__ = ["Pending", "all_to_all", "all_gather", "reduce_scatter"]
 
 
 class Pending:

@@ -21,9 +21,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["RingWatchdog", "watchdog"]
+__all__ = ["RingWatchdog", "watchdog", "timeout_seconds"]
 
 log = logging.getLogger("megatron_ring")
+
+
+def timeout_seconds(ring: Any) -> float | None:
+    """A ring's deadline (``ring.timeout``, a ``timedelta`` or None) in seconds, as the collectives take it."""
+    return None if ring.timeout is None else ring.timeout.total_seconds()
 
 
 @dataclass
@@ -100,7 +105,8 @@ class RingWatchdog:
             except Exception:  # noqa: BLE001 - cannot ask the device: count from now
                 pass
             w.since = now
-        if w.ring.timeout is not None and now - w.since > w.ring.timeout.total_seconds():
+        limit = timeout_seconds(w.ring)
+        if limit is not None and now - w.since > limit:
             return "timeout"
         return None
 
@@ -111,7 +117,7 @@ class RingWatchdog:
             ran_ms = int((time.monotonic() - (w.since or time.monotonic())) * 1000)
             error = ring.peer_error(w.roles, w.channel, w.step, timed_out=True,
                                     detail=f"Watchdog caught ring exchange timeout (Timeout(ms)="
-                                           f"{int(ring.timeout.total_seconds() * 1000)}): it ran for "
+                                           f"{int(timeout_seconds(ring) * 1000)}): it ran for "
                                            f"{ran_ms} milliseconds before timing out")
         else:
             error = ring.peer_error(w.roles, w.channel, w.step, exc=verdict)  # type: ignore[arg-type]

@@ -1,10 +1,13 @@
 """Wire codecs: how one K/V block is packed into the single buffer that travels the ring.
 
-A codec turns the visiting K and V blocks (each ``[b, h_kv, s, d]``, compute dtype) into ONE flat
-1-D buffer and back. The engine allocates two buffers per ring (double buffering) with
-:meth:`KVCodec.new_buffer`, calls :meth:`KVCodec.encode` once on the local block, forwards the
-received bytes unchanged (no re-encoding, so a lossy codec never compounds error along the ring)
-and calls :meth:`KVCodec.decode` on every block it receives.
+A codec turns K and V (each ``[b, h_kv, s, d]``, compute dtype) into ONE flat 1-D buffer and back. The
+engine streams a block in ``n`` pieces of K/V heads (``kv_pieces``) through ``n + 1`` slots
+(``core/rotation.py``); each slot is a wire buffer of one piece, shaped like :meth:`KVCodec.new_buffer`
+(plus one status element, ``core/status.py``) and taken from the engine's buffer pool
+(``core/buffers.py``). The engine calls :meth:`KVCodec.encode` once per piece of the local block,
+forwards the received bytes unchanged (no re-encoding, so a lossy codec never compounds error along the
+ring) and calls :meth:`KVCodec.decode` on every piece it receives. :meth:`KVCodec.wire_bytes` is what one
+encoded block costs on the wire (the benchmark and the cost model read it).
 
 Codecs are plain data for the engine: adding a wire format means adding a codec here, not a new loop.
 """
@@ -25,6 +28,7 @@ __all__ = [
     "FP8Codec",
     "WireFiniteError",
     "make_codec",
+    "wire_dtype",
     "COMM_DTYPE_ALIASES",
 ]
 
@@ -313,7 +317,9 @@ class FP8Codec(KVCodec):
         return self._dequantize(ks, kp, spec.dtype), self._dequantize(vs, vp, spec.dtype)
 
 
-#: Accepted string spellings of ``comm_dtype`` (case-insensitive).
+#: THE table of wire dtypes: every accepted string spelling of ``comm_dtype`` (case-insensitive; a
+#: ``torch.`` prefix is allowed) and the dtype it means (None: K/V travel as computed). ``ring_attention``,
+#: Megatron's ``--cp-comm-dtype``, the benchmark's and the planner's ``--comm-dtype`` all accept exactly these.
 COMM_DTYPE_ALIASES: dict[str, torch.dtype | None] = {
     "none": None,
     "fp32": torch.float32,
@@ -338,6 +344,19 @@ _ACCEPTED = (
 )
 
 
+def wire_dtype(comm_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The wire dtype ``comm_dtype`` means (a spelling of :data:`COMM_DTYPE_ALIASES`, a dtype or None);
+    ValueError naming the accepted values otherwise."""
+    if isinstance(comm_dtype, str):
+        key = comm_dtype.strip().lower().removeprefix("torch.")
+        if key not in COMM_DTYPE_ALIASES:
+            raise ValueError(f"comm_dtype={comm_dtype!r} is not supported; use {_ACCEPTED}")
+        return COMM_DTYPE_ALIASES[key]
+    if comm_dtype is None or comm_dtype in COMM_DTYPE_ALIASES.values():
+        return comm_dtype
+    raise ValueError(f"comm_dtype={comm_dtype} is not supported; use {_ACCEPTED}")
+
+
 def make_codec(comm_dtype: torch.dtype | str | None, compute_dtype: torch.dtype) -> KVCodec:
     """The codec for a wire dtype.
 
@@ -346,11 +365,7 @@ def make_codec(comm_dtype: torch.dtype | str | None, compute_dtype: torch.dtype)
     :class:`FP8Codec` with the default scale granularity. The wire format depends only on
     ``comm_dtype``; ``compute_dtype`` is what receivers decode into.
     """
-    if isinstance(comm_dtype, str):
-        key = comm_dtype.strip().lower().removeprefix("torch.")
-        if key not in COMM_DTYPE_ALIASES:
-            raise ValueError(f"comm_dtype={comm_dtype!r} is not supported; use {_ACCEPTED}")
-        comm_dtype = COMM_DTYPE_ALIASES[key]
+    comm_dtype = wire_dtype(comm_dtype)
     if comm_dtype is None or comm_dtype == compute_dtype:
         return IdentityCodec()
     if comm_dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -23,14 +23,10 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     from megatron_ring import breakdown
     from megatron_ring import ring_attention
+    from megatron_ring.tools.bench.measure import rank_inputs
     from megatron_ring.transport.ring import Ring
 
-    dtype = getattr(torch, cfg["dtype_name"])
-    s = cfg["seq"] // world
-    g = torch.Generator().manual_seed(rank)
-    mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
-    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
-    dout = torch.randn_like(q)
+    q, k, v, dout = rank_inputs(cfg, rank, world, getattr(torch, cfg["dtype_name"]))
     ring = Ring(dist.group.WORLD, q.device)
     kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], ring=ring,
               kv_pieces=cfg.get("kv_pieces"))

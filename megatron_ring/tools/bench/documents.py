@@ -36,13 +36,12 @@ def doc_lengths(n: int, seq: int, seed: int = 0) -> list[int]:
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Times every variant of ``cfg["variants"]`` (dicts with T, cu, window) in the same processes,
     interleaved iteration by iteration, so machine noise hits all of them alike."""
-    import time
 
     import torch
     import torch.distributed as dist
 
-    from megatron_ring.schedules import masks
     from megatron_ring import ring_attention
+    from megatron_ring.timing import seconds
     from megatron_ring.tools.bench.measure import peak_mib, rss_mib, warm_up
     from megatron_ring.transport.ring import Ring
     from megatron_ring.schedules.layouts import get_layout
@@ -53,7 +52,6 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     warm_up(lambda *t: ring_attention(*t, causal=True, layout=layout), 2 * world, torch.float32)
     base = rss_mib()
     ring = Ring(dist.group.WORLD, torch.device("cpu"))
-    default_policy = masks.EDGE_POLICY
     runs = []
     for var in cfg["variants"]:
         T = var["T"]
@@ -64,10 +62,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         q, k, v = (torch.randn(s, cfg["heads"], cfg["head_dim"], generator=g, requires_grad=True) for _ in range(3))
         dout = torch.randn_like(q)
 
-        policy = var.get("policy", masks.EDGE_POLICY)
-
-        def fwd_bwd(q=q, k=k, v=v, dout=dout, cu=cu, window=window, policy=policy):
-            masks.EDGE_POLICY = policy  # how masked tile runs become kernel calls (masks.EDGE_POLICY)
+        def fwd_bwd(q=q, k=k, v=v, dout=dout, cu=cu, window=window):
             ring_attention(q, k, v, qkv_format="thd", cu_seqlens=cu, causal=True, layout=layout, window=window,
                            ring=ring).backward(dout)
 
@@ -80,13 +75,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         calls = sum(len(schedule(lay, rule, world, rank, (rank - t) % world, s)) for t in range(steps))
         runs.append(dict(fn=fwd_bwd, times=[], bytes=sum(ring.bytes_sent.values()) - before, calls=calls,
                          steps=steps))
-        masks.EDGE_POLICY = default_policy
     for _ in range(cfg["iters"]):
         for r in runs:
-            dist.barrier()
-            t0 = time.perf_counter()
-            r["fn"]()
-            r["times"].append(time.perf_counter() - t0)
+            r["times"].append(seconds(r["fn"], before=dist.barrier))
     peak = peak_mib() - base
     return [dict(times=r["times"], bytes=r["bytes"], calls=r["calls"], steps=r["steps"], peak=peak) for r in runs]
 
@@ -145,25 +136,21 @@ def run_docs(world: int, seq: int, n_docs: int, cfg: dict[str, Any], timeout: fl
     return rows
 
 
+def _window_cases(seq: int) -> tuple[tuple[str, int | None], ...]:
+    return (("full causal", None), ("S/2", seq // 2), ("S/4", seq // 4), ("S/16", seq // 16))
+
+
 def run_window(world: int, seq: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """Windows vs full causal, per layout, timed interleaved in the same processes (peak memory is then
-    the max over the variants, so it is not reported per row). ``cfg["policies"]`` (default: the current
-    :data:`~megatron_ring.schedules.masks.EDGE_POLICY`) times each window under each edge policy side by side."""
-    from megatron_ring.schedules import masks
-
+    the max over the variants, so it is not reported per row)."""
     rows = []
-    cases = (("full causal", None), ("S/2", seq // 2), ("S/4", seq // 4), ("S/16", seq // 16))
-    policies = cfg.get("policies") or [masks.EDGE_POLICY]
     for layout in cfg.get("layouts") or ("zigzag", "contiguous", "striped"):
-        runs = [(name, w, None if w is None else pol) for name, w in cases
-                for pol in ([None] if w is None else policies)]
-        variants = [dict(T=seq, cu=None, window=None if w is None else (w, 0), policy=pol) for _, w, pol in runs]
+        variants = [dict(T=seq, cu=None, window=None if w is None else (w, 0)) for _, w in _window_cases(seq)]
         res = _spawn_all(world, dict(cfg, layout=layout, variants=variants), timeout)
         full = res[0]["ms"]
-        for (name, w, pol), r in zip(runs, res):
+        for (name, w), r in zip(_window_cases(seq), res):
             r.pop("peak_mib")
-            rows.append(dict(case=name, layout=layout, P=world, window=w, policy=pol or "-", **r,
-                             vs_full=r["ms"] / full))
+            rows.append(dict(case=name, layout=layout, P=world, window=w, **r, vs_full=r["ms"] / full))
     return rows
 
 
@@ -172,53 +159,46 @@ def run_window_compute(world: int, seq: int, cfg: dict[str, Any], reps: int = 5)
     block tasks over all its ring steps (the engine's kernel dispatch, no communication, no merge),
     each variant timed ``reps`` times interleaved; ``ms`` is the slowest rank's minimum (the figure
     least disturbed by other jobs on a shared machine)."""
-    import time
-
     import torch
 
     from megatron_ring.schedules import masks
     from megatron_ring.core.engine import RingPlan
     from megatron_ring.kernels.block import FlashCPUKernel
     from megatron_ring.schedules.layouts import get_layout
+    from megatron_ring.timing import seconds
 
     torch.set_num_threads(1)
     s, h, d = seq // world, cfg["heads"], cfg["head_dim"]
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, h, s, d, generator=g) for _ in range(4))
-    default, rows = masks.EDGE_POLICY, []
-    cases = (("full causal", None), ("S/2", seq // 2), ("S/4", seq // 4), ("S/16", seq // 16))
-    policies = cfg.get("policies") or [default]
-    try:
-        for layout in cfg.get("layouts") or ("zigzag", "contiguous", "striped"):
-            lay = get_layout(layout)
-            runs = [(name, w, None if w is None else pol) for name, w in cases
-                    for pol in ([None] if w is None else policies)]
-            best = [[float("inf")] * world for _ in runs]
-            calls = [0] * len(runs)
-            for _ in range(reps):
-                for i, (_, w, pol) in enumerate(runs):
-                    masks.EDGE_POLICY = pol or default
-                    rule = None if w is None else masks.AttentionMask(True, None, (w, 0))
-                    plan = RingPlan(ring=None, layout=lay, causal=True, scale=d ** -0.5, kernel=FlashCPUKernel(),
-                                    codec=None, mask=rule)
-                    steps = world if rule is None else masks.needed_steps(lay, rule, world, s)
-                    for r in range(world):
-                        tasks = [t for step in range(steps) for t in (
-                            lay.block_tasks(True, world, r, (r - step) % world, s) if rule is None
-                            else masks.schedule(lay, rule, world, r, (r - step) % world, s))]
-                        calls[i] = max(calls[i], len(tasks))
-                        t0 = time.perf_counter()
+    rows = []
+    runs = _window_cases(seq)
+    for layout in cfg.get("layouts") or ("zigzag", "contiguous", "striped"):
+        lay = get_layout(layout)
+        best = [[float("inf")] * world for _ in runs]
+        calls = [0] * len(runs)
+        for _ in range(reps):
+            for i, (_, w) in enumerate(runs):
+                rule = None if w is None else masks.AttentionMask(True, None, (w, 0))
+                plan = RingPlan(ring=None, layout=lay, causal=True, scale=d ** -0.5, kernel=FlashCPUKernel(),
+                                codec=None, mask=rule)
+                steps = world if rule is None else masks.needed_steps(lay, rule, world, s)
+                for r in range(world):
+                    tasks = [t for step in range(steps) for t in (
+                        lay.block_tasks(True, world, r, (r - step) % world, s) if rule is None
+                        else masks.schedule(lay, rule, world, r, (r - step) % world, s))]
+                    calls[i] = max(calls[i], len(tasks))
+
+                    def compute(tasks=tasks, plan=plan):
                         for t in tasks:
                             out, lse = plan.forward_block(t, q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv])
                             plan.backward_block(t, dout[:, :, t.q], q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv],
                                                 out, lse.contiguous())
-                        best[i][r] = min(best[i][r], time.perf_counter() - t0)
-            full = max(best[0])
-            for (name, w, pol), b, c in zip(runs, best, calls):
-                rows.append(dict(case=name, layout=layout, P=world, window=w, policy=pol or "-",
-                                 compute_ms=1e3 * max(b), calls=c, vs_full=max(b) / full))
-    finally:
-        masks.EDGE_POLICY = default
+                    best[i][r] = min(best[i][r], seconds(compute))
+        full = max(best[0])
+        for (name, w), b, c in zip(runs, best, calls):
+            rows.append(dict(case=name, layout=layout, P=world, window=w, compute_ms=1e3 * max(b), calls=c,
+                             vs_full=max(b) / full))
     return rows
 
 

@@ -10,21 +10,11 @@ Rows (fwd+bwd of ring_attention at P=1, i.e. the block kernel plus the engine ar
 """
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
+from megatron_ring.timing import median_seconds
+
 __all__ = ["run_features", "format_features"]
-
-
-def _time(fn, iters: int) -> float:
-    fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def run_features(seq: int, heads: int, iters: int, causal: bool = True) -> list[dict[str, Any]]:
@@ -56,7 +46,7 @@ def run_features(seq: int, heads: int, iters: int, causal: bool = True) -> list[
          case(64, 64, kernel="math")),
     ]
     for name, fn, base_name, base in pairs:
-        t, tb = _time(fn, iters), _time(base, iters)
+        t, tb = median_seconds(fn, iters), median_seconds(base, iters)
         rows.append({"case": name, "s": t, "vs": base_name, "vs_s": tb, "ratio": t / tb})
     return rows
 

@@ -44,11 +44,13 @@ import sys
 import time
 from typing import Any
 
-from megatron_ring.tools.bench.measure import BENCH_ENV, peak_mib, rss_mib, timed, warm_up
+from megatron_ring.strategies import COMM_TYPES
+from megatron_ring.timing import timed
+from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
+from megatron_ring.tools.bench.measure import BENCH_ENV, DTYPES, peak_mib, rss_mib, rank_inputs, warm_up
 
 __all__ = ["main"]
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 
@@ -60,13 +62,10 @@ def _ring_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from megatron_ring.transport.ring import LoopbackRing, Ring
 
     dtype = getattr(torch, DTYPES[cfg["dtype"]])
-    s = cfg["seq"] // world
     warm_up(lambda *t: ring_attention(*t, causal=cfg["causal"], layout=cfg["layout"]), 2 * world, dtype)
     base = rss_mib()
-    g = torch.Generator().manual_seed(rank)
-    mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
-    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
-    dout = torch.randn_like(q)
+    g = torch.Generator().manual_seed(rank)  # also draws the split rows' inputs below
+    q, k, v, dout = rank_inputs(cfg, rank, world, dtype, g)
     modes: dict[str, tuple[Any, Any]] = {}  # mode -> (fwd, fwd_bwd)
     results: dict[str, Any] = {}
     rings = {"ring": Ring(dist.group.WORLD, q.device)}
@@ -147,7 +146,7 @@ def _single_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     base = rss_mib()
     fwd, fwd_bwd = _sdpa_calls(cfg, dtype, torch.Generator().manual_seed(0))
     fwd_bwd()
-    return {"fwd": timed(fwd, cfg["iters"], lambda: None), "fwd_bwd": timed(fwd_bwd, cfg["iters"], lambda: None),
+    return {"fwd": timed(fwd, cfg["iters"]), "fwd_bwd": timed(fwd_bwd, cfg["iters"]),
             "peak_mib": peak_mib() - base}
 
 
@@ -292,14 +291,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default="zigzag")
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--comm-dtype", nargs="+", default=["none"], choices=["none", "bf16", "fp16", "fp8"],
-                    help="wire dtype(s) for K/V")
+    ap.add_argument("--comm-dtype", nargs="+", default=["none"], choices=list(COMM_DTYPE_ALIASES),
+                    help="wire dtype(s) for K/V (any spelling ring_attention accepts)")
     ap.add_argument("--head-chunks", type=int, nargs="+", default=[1],
                     help="run the ring over this many groups of K/V heads in turn (one row per value)")
     ap.add_argument("--kv-pieces", nargs="+", default=["auto"],
                     help="K/V pieces per ring step (sub-block streaming; 'auto' = the default; one row per value)")
     ap.add_argument("--comm-type", nargs="+", default=None,
-                    choices=["p2p", "all_gather", "a2a", "a2a+p2p", "auto"],
+                    choices=list(COMM_TYPES),
                     help="compare these comm types side by side instead (see megatron_ring/tools/bench/strategies.py)")
     ap.add_argument("--memory", action="store_true", help="with --comm-type: also measure peak memory per type")
     ap.add_argument("--no-warmup", action="store_true", help="with --comm-type: skip the untimed warm-up call "
@@ -313,9 +312,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--docs", type=int, help="packed documents: N random-length documents packed (THD) vs "
                     "each padded to 2P (see megatron_ring.tools.bench.documents)")
     ap.add_argument("--window", action="store_true", help="sliding windows S/16, S/4, S/2 vs full causal")
-    ap.add_argument("--edge-policy", nargs="+", choices=("split", "merged"), default=None,
-                    help="--window: how masked tile runs become kernel calls (masks.EDGE_POLICY); several: "
-                         "timed side by side")
     ap.add_argument("--window-layouts", nargs="+", default=None, help="--window: layouts to time (default all)")
     ap.add_argument("--window-compute", action="store_true",
                     help="with --window: compute only, every rank's block tasks in one process (no ring)")
@@ -418,8 +414,7 @@ def _breakdown_main(a) -> list[dict[str, Any]]:
 def _documents_main(a) -> list[dict[str, Any]]:
     from megatron_ring.tools.bench import documents as bd
 
-    cfg = dict(heads=a.heads, head_dim=a.head_dim, layout=a.layout, iters=a.iters, policies=a.edge_policy,
-               layouts=a.window_layouts)
+    cfg = dict(heads=a.heads, head_dim=a.head_dim, layout=a.layout, iters=a.iters, layouts=a.window_layouts)
     how = ("compute only: every rank's block tasks in this process x 1 thread, no ring; best of "
            f"{a.iters} (slowest rank)" if a.window and a.window_compute else
            f"P processes x 1 thread; fwd+bwd medians of {a.iters} (slowest rank); MiB sent per rank per fwd+bwd")

@@ -15,8 +15,10 @@ its peak resident memory per rank above the baseline (same method as the ring be
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
+
+from megatron_ring.timing import seconds
+from megatron_ring.tools.bench.measure import rank_inputs
 
 __all__ = ["run_comm_types", "print_rows"]
 
@@ -25,17 +27,6 @@ def _hier(world: int, inner: int):
     from megatron_ring.strategies import make_hierarchical_groups
 
     return make_hierarchical_groups(inner)
-
-
-def _inputs(cfg: dict[str, Any], rank: int, world: int):
-    import torch
-
-    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg["dtype"]])
-    s = cfg["seq"] // world
-    g = torch.Generator().manual_seed(rank)
-    mk = lambda h: torch.randn(cfg["batch"], s, h, cfg["head_dim"], generator=g).to(dtype)  # noqa: E731
-    q, k, v = mk(cfg["heads"]), mk(cfg["kv_heads"]), mk(cfg["kv_heads"])
-    return q, k, v, torch.randn_like(q)
 
 
 def _types_for(cfg: dict[str, Any], world: int) -> list[str]:
@@ -58,7 +49,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
 
     inner = _inner(world)
     hier = _hier(world, inner) if inner else None
-    q, k, v, dout = _inputs(cfg, rank, world)
+    q, k, v, dout = rank_inputs(cfg, rank, world)
     types = _types_for(cfg, world)
     kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], hierarchical_groups=hier)
 
@@ -72,10 +63,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     times: dict[str, list[float]] = {ct: [] for ct in types}
     for it in range(cfg["iters"]):
         for ct in types[it % len(types):] + types[:it % len(types)]:  # rotated: no type always follows another
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(ct)
-            times[ct].append(time.perf_counter() - t0)
+            times[ct].append(seconds(lambda: step(ct), before=dist.barrier))
     res: dict[str, Any] = {"times": times}
     from megatron_ring.api import _ring_for
     from megatron_ring.wire.codecs import make_codec
@@ -109,10 +97,10 @@ def _memory_worker(rank: int, world: int, cfg: dict[str, Any], ct: str) -> float
     hier = _hier(world, inner) if inner else None
     kw = dict(causal=cfg["causal"], layout=cfg["layout"], comm_dtype=cfg["comm_dtype"], hierarchical_groups=hier,
               comm_type="p2p" if ct == "auto" else ct)
-    q, k, v, dout = _inputs(dict(cfg, seq=4 * world), rank, world)  # tiny warm-up: one-off state not counted
+    q, k, v, dout = rank_inputs(dict(cfg, seq=4 * world), rank, world)  # tiny warm-up: one-off state not counted
     leaves = [t.requires_grad_() for t in (q, k, v)]
     ring_attention(*leaves, **kw).backward(dout)
-    q, k, v, dout = _inputs(cfg, rank, world)
+    q, k, v, dout = rank_inputs(cfg, rank, world)
     base = rss_mib()
     leaves = [t.requires_grad_() for t in (q, k, v)]
     ring_attention(*leaves, **kw).backward(dout)

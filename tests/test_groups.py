@@ -1,0 +1,66 @@
+"""State kept per process group (transport/groups.py) is held weakly and cannot outlive its group."""
+import gc
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.core import validation
+from megatron_ring.strategies import a2a_p2p, auto
+from megatron_ring.transport.groups import PerGroup, group_ranks, is_live
+from megatron_ring.transport.ring import Ring
+
+from ring_fakes import one_rank_group  # noqa: F401 - fixture
+
+
+def test_process_groups_take_weak_references(one_rank_group):
+    g = dist.new_group([0])
+    ref = weakref.ref(g)
+    assert ref() is g
+    dist.destroy_process_group(g)
+    del g
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_entry_goes_with_its_group(one_rank_group):
+    cache = PerGroup()
+    g = dist.new_group([0])
+    cache.set(g, "k", 1)
+    cache.set(None, "k", 2)
+    assert (g, "k") in cache and cache.get(None, "k") == 2 and len(cache) == 2
+    dist.destroy_process_group(g)
+    del g
+    gc.collect()
+    assert len(cache) == 1 and cache.groups() == [None]
+
+
+def test_a_destroyed_groups_ring_is_dropped_when_a_new_group_comes(one_rank_group):
+    """A cached Ring holds its group alive; the entry must still go once the group is destroyed, and a
+    new group (which may sit where the old one did) must not find it."""
+    cache = PerGroup()
+    old = dist.new_group([0])
+    old_ring = cache.setdefault(old, "ring", lambda: Ring(old, torch.device("cpu")))
+    assert is_live(old) and group_ranks(old) == [0]
+    dist.destroy_process_group(old)
+    assert not is_live(old)
+    new = dist.new_group([0])
+    new_ring = cache.setdefault(new, "ring", lambda: Ring(new, torch.device("cpu")))
+    assert new_ring is not old_ring and new_ring.group is new
+    assert cache.groups() == [new] and len(cache) == 1
+
+
+def test_the_librarys_caches_hold_no_stale_group(one_rank_group):
+    """The consistency check's, auto's and a2a+p2p's caches are per-group tables: after a group is
+    destroyed and a new one made, only the new group has entries."""
+    old = dist.new_group([0])
+    for table in (validation._checked, auto._choices, a2a_p2p._outer_rings):
+        table.set(old, "probe", object())
+    dist.destroy_process_group(old)
+    del old
+    new = dist.new_group([0])
+    for table in (validation._checked, auto._choices, a2a_p2p._outer_rings):
+        table.set(new, "probe", object())
+        gc.collect()
+        assert [g for g in table.groups() if g is not None] == [new]
+        table.clear()
