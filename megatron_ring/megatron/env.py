@@ -7,7 +7,7 @@ Read when no ring was registered with :func:`~megatron_ring.megatron.provider.in
 ============================== ======================================================== ===========
 variable                       meaning                                                  default
 ============================== ======================================================== ===========
-``MEGATRON_RING_COMM_DTYPE``   K/V wire format: ``none``, ``bf16``, ``fp8``                ``none``
+``MEGATRON_RING_COMM_DTYPE``   K/V wire format: any key of ``COMM_DTYPE_ALIASES``      ``none``
 ``MEGATRON_RING_CP_COMM_TYPE`` comm type (one, or one per layer, comma separated);       Megatron's
                                ``allgather`` is read as ``all_gather``                  ``--cp-comm-type``
 ``MEGATRON_RING_TIMEOUT_S``    seconds a ring exchange waits for a peer                  group timeout

@@ -80,7 +80,7 @@ def test_options_come_from_the_environment_without_a_registered_ring(monkeypatch
     monkeypatch.setenv("MEGATRON_RING_CP_COMM_TYPE", "allgather")
     _, cfg, _ = attn.RingDotProductAttention._ring(fake)
     assert cfg.comm_dtype == "bf16" and cfg.cp_comm_type == ("all_gather",)
-    monkeypatch.setenv("MEGATRON_RING_COMM_DTYPE", "fp16")
+    monkeypatch.setenv("MEGATRON_RING_COMM_DTYPE", "int4")
     with pytest.raises(ContextParallelConfigError) as e:
         attn.RingDotProductAttention._ring(fake)
     assert e.value.flag == "MEGATRON_RING_COMM_DTYPE"
