@@ -113,8 +113,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             compute, more and smaller kernel calls). Rounded down to a divisor of the K/V heads. Default
             (None): ``MEGATRON_RING_KV_PIECES`` if set, else automatic: as many as keep each piece's
             work large (on CPU up to 8; see ``rotation.piece_count``).
-        ring: advanced: a prepared :class:`~megatron_ring.transport.ring.Ring` (e.g. ``LoopbackRing`` for
-            compute-only timing); overrides ``group``.
+        ring: advanced: a prepared :class:`~megatron_ring.transport.ring.Transport` (a ``Ring`` over a
+            group, or ``LoopbackRing`` for compute-only timing); overrides ``group``.
         comm_type: the exchange: "p2p" (the ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
             (Ulysses inside ``hierarchical_groups[0]``, ring across ``hierarchical_groups[1]``) or
             "auto" (chosen by a cost model). Same inputs, outputs and exactness for every type; see
