@@ -3,21 +3,22 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, HeadDimPadKernel
 from megatron_ring.kernels.dropout import DropoutSpec
-from megatron_ring.wire.codecs import make_codec
-from megatron_ring.transport.ring import LoopbackRing, Ring
+from megatron_ring.wire.codecs import KVCodec, make_codec
+from megatron_ring.transport.ring import LoopbackRing, Ring, Transport
 from megatron_ring.core.engine import RingAttentionFunction, RingPlan
 from megatron_ring.core.heads import head_groups
-from megatron_ring.kernels.block import BlockKernel, select_kernel
+from megatron_ring.kernels.block import BlockKernel, MathKernel, select_kernel
 from megatron_ring.schedules.layouts import Layout, get_layout
-from megatron_ring.schedules.masks import AttentionMask, needed_steps
-from megatron_ring.core.status import refuse_on_every_rank
+from megatron_ring.schedules.masks import AttentionMask
+from megatron_ring.strategies import Refusal, refuse, run_strategy
 from megatron_ring.core.rotation import piece_count
 from megatron_ring.core.validation import (call_signature, check_cu_seqlens, check_inputs, check_same_across_ranks, check_window)
 
@@ -36,7 +37,7 @@ def resolve_group(group: Any) -> Any:
     return dist.group.WORLD if group is None else group
 
 
-def _ring_for(group: Any, device: torch.device, timeout_s: float | None) -> Ring:
+def _ring_for(group: Any, device: torch.device, timeout_s: float | None) -> Transport:
     if group is None:
         return LoopbackRing(1, 0, device)
     key = (id(group), device, timeout_s)
@@ -55,7 +56,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    softmax_scale: float | None = None, qkv_format: str = "bshd",
                    comm_dtype: torch.dtype | str | None = None, kernel: str | BlockKernel = "auto",
                    check_consistency: bool = True, timeout_s: float | None = None,
-                   head_chunks: int = 1, ring: Ring | None = None, cu_seqlens: Any = None,
+                   head_chunks: int = 1, ring: Transport | None = None, cu_seqlens: Any = None,
                    window: tuple[int, int] | None = None, comm_type: str = "p2p",
                    hierarchical_groups: Any = None, softmax_offset: Any = None,
                    dropout_p: float = 0.0, dropout_seed: int | None = None,
@@ -112,8 +113,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             compute, more and smaller kernel calls). Rounded down to a divisor of the K/V heads. Default
             (None): ``MEGATRON_RING_KV_PIECES`` if set, else automatic: as many as keep each piece's
             work large (on CPU up to 8; see ``rotation.piece_count``).
-        ring: advanced: a prepared :class:`~megatron_ring.transport.ring.Ring` (e.g. ``LoopbackRing`` for
-            compute-only timing); overrides ``group``.
+        ring: advanced: a prepared :class:`~megatron_ring.transport.ring.Transport` (a ``Ring`` over a
+            group, or ``LoopbackRing`` for compute-only timing); overrides ``group``.
         comm_type: the exchange: "p2p" (the ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
             (Ulysses inside ``hierarchical_groups[0]``, ring across ``hierarchical_groups[1]``) or
             "auto" (chosen by a cost model). Same inputs, outputs and exactness for every type; see
@@ -125,92 +126,166 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     Returns:
         The attention output with q's shape and dtype, contiguous in ``qkv_format``.
     """
+    _check_tensors(q, k, v)
+    if ring is None:
+        ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else _default_timeout())
+    call = _Call(ring=ring, causal=bool(causal), layout=layout, qkv_format=qkv_format, cu_seqlens=cu_seqlens,
+                 window=window, comm_type=comm_type, head_chunks=head_chunks,
+                 hierarchical_groups=hierarchical_groups)
+    codec = _agreed_codec(call, q, k, v, comm_dtype=comm_dtype, softmax_scale=softmax_scale,
+                          check_consistency=check_consistency, extras=(
+                              dropout_p, dropout_seed, _offset_kind(softmax_offset),
+                              kv_pieces, os.environ.get("MEGATRON_RING_KV_PIECES", "")))
+    q, k, v = call.tensors = call.unpack(q, k, v)
+    call.codec, call.pieces = codec, _pieces(kv_pieces, q, k, call.s_dim)
+    call.refusing(check_inputs, q, k, v, call.qkv_format)
+    lay, mask, scale = call.checked_schedule(q, softmax_scale)
+    qh, kh, vh = call.bhsd(q), call.bhsd(k), call.bhsd(v)
+    block_kernel = call.refusing(select_kernel, qh, kernel)
+    plan = call.plan(lay, mask, scale, block_kernel, qh, vh,
+                     _dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world))
+    return call.repack(_dispatch(call, qh, kh, vh, plan, _sink(softmax_offset, qh)))
+
+
+def _check_tensors(q: Any, k: Any, v: Any) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ring is None:
-        ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else _default_timeout())
-    try:  # normalises spellings ("fp8" == torch.float8_e4m3fn); a bad value is raised after the
-        codec, codec_error = make_codec(comm_dtype, q.dtype), None  # cross-rank check, never before it
+
+
+@dataclass
+class _Call:
+    """One call's options, as the steps of :func:`ring_attention` consume them: the schedule (layout
+    and mask, built once), the tensor layout (``thd`` unpacked to ``bshd``; BHSD views), and the
+    refusal of rank-local input errors (:meth:`refusing`)."""
+
+    ring: Any
+    causal: bool
+    layout: Any
+    qkv_format: str
+    cu_seqlens: Any
+    window: Any
+    comm_type: str
+    head_chunks: Any
+    hierarchical_groups: Any
+    codec: Any = None
+    pieces: int = 1
+    thd: bool = False
+    s_dim: int = 1
+    tensors: tuple = ()  # q, k, v in the call's format (thd unpacked)
+
+    def unpack(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``thd`` (packed tokens) as one ``bshd`` sequence; the sequence dimension of the others."""
+        if self.qkv_format == "thd":
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if t.ndim != 3:
+                    raise ValueError(f"qkv_format='thd' expects {name} as [t, h, d] (packed tokens), got shape "
+                                     f"{tuple(t.shape)}; for [s, b, h, d] use qkv_format='sbhd', for [b, s, h, d] "
+                                     "qkv_format='bshd'")
+            self.thd, self.qkv_format = True, "bshd"
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        elif self.cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens describes packed documents: use qkv_format='thd' ([t, h, d]), got "
+                             f"qkv_format={self.qkv_format!r}")
+        self.s_dim = 1 if self.qkv_format == "bshd" else 0
+        return q, k, v
+
+    def bhsd(self, t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2) if self.qkv_format == "bshd" else t.permute(1, 2, 0, 3)
+
+    def repack(self, out: torch.Tensor) -> torch.Tensor:
+        """The BHSD output in the caller's format, contiguous (e.g. q was a non-dense view)."""
+        out = out.transpose(1, 2) if self.qkv_format == "bshd" else out.permute(2, 0, 1, 3)
+        out = out.squeeze(0) if self.thd else out
+        return out if out.is_contiguous() else out.contiguous()
+
+    def schedule(self, s_local: int) -> tuple[Layout, AttentionMask]:
+        """The layout and the validated mask (ValueError names the fix)."""
+        return get_layout(self.layout), _attention_mask(self.causal, self.cu_seqlens, self.window,
+                                                        s_local * self.ring.world)
+
+    def checked_schedule(self, q: torch.Tensor, softmax_scale: Any) -> tuple[Layout, AttentionMask, float]:
+        """The layout (checked against the local length), the mask and the softmax scale."""
+        s_local = q.shape[self.s_dim]
+        lay = get_layout(self.layout)
+        lay.check_local_len(s_local, self.ring.world)
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+        return lay, self.schedule(s_local)[1], float(scale)
+
+    def plan(self, lay: Layout, mask: AttentionMask, scale: float, kernel: BlockKernel, qh: torch.Tensor,
+             vh: torch.Tensor, dropout: DropoutSpec | None) -> RingPlan:
+        """The engine's plan."""
+        if vh.shape[-1] != qh.shape[-1] and kernel.name not in NATIVE_HEAD_DIM_KERNELS:
+            kernel = HeadDimPadKernel(kernel)  # MLA: exact zero padding of the kernel's operands
+        plan = RingPlan(ring=self.ring, layout=lay, causal=self.causal, scale=scale, kernel=kernel,
+                        codec=self.codec, mask=None if mask.plain else mask, dropout=dropout, pieces=self.pieces)
+        if not (isinstance(self.head_chunks, int) and self.head_chunks >= 1):
+            raise ValueError(f"head_chunks must be a positive integer, got {self.head_chunks!r}")
+        return plan
+
+    def refusing(self, check, *args: Any) -> Any:
+        """``check(*args)``; a ValueError it raises on this rank only (after the cross-rank check) is
+        raised on every rank: this rank first takes part in the forward's exchanges
+        (:func:`~megatron_ring.strategies.refuse`), the others raise naming it."""
+        try:
+            return check(*args)
+        except ValueError as exc:
+            self._refuse(exc)
+
+    def _refuse(self, exc: ValueError) -> NoReturn:
+        q, k, v = self.tensors
+        collective = self.comm_type != "p2p"
+        if (self.ring.world == 1 or self.codec is None or k.ndim != 4 or v.ndim != 4
+                or not (isinstance(self.head_chunks, int) and self.head_chunks >= 1)  # refused before any exchange
+                or (collective and (self.ring.group is None or q.ndim != 4))):
+            raise exc
+        try:
+            lay, mask = self.schedule(q.shape[self.s_dim])
+        except ValueError:  # every rank raises that before any exchange
+            raise exc from None
+        qh = self.bhsd(q) if q.ndim == 4 else None
+        kernel = select_kernel(qh, "auto") if collective else MathKernel()  # the ring alone computes nothing
+        plan = RingPlan(ring=self.ring, layout=lay, causal=self.causal, scale=k.shape[-1] ** -0.5, kernel=kernel,
+                        codec=self.codec, mask=None if mask.plain else mask, pieces=self.pieces)
+        refuse(Refusal(error=exc, comm_type=self.comm_type, plan=plan, q=qh, k=self.bhsd(k), v=self.bhsd(v),
+                       head_chunks=self.head_chunks, hierarchical_groups=self.hierarchical_groups))
+
+
+def _agreed_codec(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_dtype: Any,
+                  softmax_scale: Any, check_consistency: bool, extras: tuple) -> KVCodec:
+    """The cross-rank check (every rank raises the same error unless all pass the same shapes, dtypes
+    and options), then the wire codec. ``comm_dtype`` spellings are normalised ("fp8" ==
+    torch.float8_e4m3fn); a bad value is raised after the cross-rank check, never before it."""
+    try:
+        codec, codec_error = make_codec(comm_dtype, q.dtype), None
     except ValueError as exc:
         codec, codec_error = None, exc
     wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
-    pieces_asked = (kv_pieces, os.environ.get("MEGATRON_RING_KV_PIECES", ""))  # every rank must agree on both
+    ring = call.ring
     if ring.world > 1 and ring.group is not None and check_consistency:
-        sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
-                             comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks,
-                             cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
-                             extras=(dropout_p, dropout_seed, _offset_kind(softmax_offset), *pieces_asked))
-        check_same_across_ranks(sig, ring.group, q.device, {"comm_type": comm_type,
+        sig = call_signature(q, k, v, causal=call.causal, layout=call.layout, qkv_format=call.qkv_format,
+                             comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=call.head_chunks,
+                             cu_seqlens=call.cu_seqlens, window=call.window, comm_type=call.comm_type,
+                             extras=extras)
+        check_same_across_ranks(sig, ring.group, q.device, {"comm_type": call.comm_type,
             "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
-            "layout": getattr(layout, "name", layout), "qkv_format": qkv_format, "comm_dtype": wire_name,
-            "cu_seqlens": cu_seqlens, "window": window,
-            "dropout/softmax_offset/kv_pieces": (dropout_p, dropout_seed, _offset_kind(softmax_offset),
-                                                 *pieces_asked)})
+            "layout": getattr(call.layout, "name", call.layout), "qkv_format": call.qkv_format,
+            "comm_dtype": wire_name, "cu_seqlens": call.cu_seqlens, "window": call.window,
+            "dropout/softmax_offset/kv_pieces": extras})
     if codec_error is not None:
         raise codec_error
-    thd = qkv_format == "thd"
-    if thd:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.ndim != 3:
-                raise ValueError(f"qkv_format='thd' expects {name} as [t, h, d] (packed tokens), got shape "
-                                 f"{tuple(t.shape)}; for [s, b, h, d] use qkv_format='sbhd', for [b, s, h, d] "
-                                 "qkv_format='bshd'")
-        q, k, v, qkv_format = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "bshd"
-    elif cu_seqlens is not None:
-        raise ValueError(f"cu_seqlens describes packed documents: use qkv_format='thd' ([t, h, d]), got "
-                         f"qkv_format={qkv_format!r}")
-    s_dim = 1 if qkv_format == "bshd" else 0
-    pieces = _pieces(kv_pieces, q, k, s_dim)
+    return codec
 
-    def ring_steps() -> int:  # the forward ring's length, for a rank that refuses its input (core/status.py)
-        lay_ = get_layout(layout)
-        mask_ = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
-        return ring.world if mask_.plain else needed_steps(lay_, mask_, ring.world, q.shape[s_dim])
 
-    def strategy_mirror(exc: BaseException) -> None:  # comm types other than p2p (strategies/refusal.py)
-        from megatron_ring.strategies import mirror
-        try:
-            lay_ = get_layout(layout)
-            mask_ = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
-        except ValueError:  # every rank raises that before any exchange
-            raise exc from None
-        bhsd = (lambda t: t.transpose(1, 2)) if qkv_format == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
-        mirror(comm_type, exc, bhsd(q), bhsd(k), bhsd(v), lambda zq: RingPlan(
-            ring=ring, layout=lay_, causal=bool(causal), scale=zq.shape[-1] ** -0.5, kernel=select_kernel(zq, "auto"),
-            codec=codec, mask=None if mask_.plain else mask_), head_chunks, hierarchical_groups)
-
-    mirror = None if comm_type == "p2p" else strategy_mirror
-    refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, check_inputs, q, k, v, qkv_format,
-                         steps=ring_steps, mirror=mirror, pieces=pieces)
-    lay = get_layout(layout)
-    lay.check_local_len(q.shape[s_dim], ring.world)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    to_bhsd = (lambda t: t.transpose(1, 2)) if qkv_format == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
-    qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
-    mask = _attention_mask(bool(causal), cu_seqlens, window, q.shape[s_dim] * ring.world)
-    block_kernel = refuse_on_every_rank(ring, codec, k, v, qkv_format, head_chunks, select_kernel, qh, kernel,
-                                        steps=ring_steps, mirror=mirror, pieces=pieces)
-    if vh.shape[-1] != qh.shape[-1] and block_kernel.name not in NATIVE_HEAD_DIM_KERNELS:
-        block_kernel = HeadDimPadKernel(block_kernel)  # MLA: exact zero padding of the kernel's operands
-    plan = RingPlan(ring=ring, layout=lay, causal=bool(causal), scale=float(scale),
-                    kernel=block_kernel, codec=codec, mask=None if mask.plain else mask,
-                    dropout=_dropout_spec(dropout_p, dropout_seed, qh, q.shape[s_dim] * ring.world),
-                    pieces=pieces)
-    if not (isinstance(head_chunks, int) and head_chunks >= 1):
-        raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
-    sink = _sink(softmax_offset, qh)
-    if comm_type == "p2p":
-        out = RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks), sink)
-    else:  # the other exchange patterns (megatron_ring/strategies), same plan and schedule (sinks, dropout too)
-        from megatron_ring.strategies import run_strategy
-        out = run_strategy(comm_type, qh, kh, vh, plan, head_chunks=head_chunks,
-                           hierarchical_groups=hierarchical_groups, sink=sink)
-    out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
-    out = out.squeeze(0) if thd else out
-    return out if out.is_contiguous() else out.contiguous()  # e.g. q was a non-dense view
+def _dispatch(call: _Call, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan,
+              sink: torch.Tensor | None) -> torch.Tensor:
+    """The exchange: the ring itself, or another comm type (same plan and schedule; sinks, dropout too)."""
+    if call.comm_type == "p2p":
+        return RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], call.head_chunks), sink)
+    return run_strategy(call.comm_type, qh, kh, vh, plan, head_chunks=call.head_chunks,
+                        hierarchical_groups=call.hierarchical_groups, sink=sink)
 
 
 def _pieces(requested: Any, q: torch.Tensor, k: torch.Tensor, s_dim: int) -> int:

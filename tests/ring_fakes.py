@@ -2,14 +2,12 @@
 and fake Work objects that behave like gloo's (blocking wait) or NCCL's (one coalesced Work whose
 ``wait()`` returns at once and whose completion is only visible through ``is_completed()``)."""
 import threading
-from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ring.transport.ring import Exchange, Ring
-from megatron_ring.transport.streams import SideStream
+from megatron_ring.transport.ring import Exchange, Ring, Transport
 
 
 @pytest.fixture
@@ -77,20 +75,16 @@ class NcclLikeWork:
         return self._done.is_set()
 
 
-class ThreadRing(Ring):
+class ThreadRing(Transport):
     """P ranks of one ring as P threads of this process: exchanges go through in-memory queues, so the
-    whole engine (forward and backward rings, codecs, status element) runs without processes."""
+    whole engine (forward and backward rings, codecs, status element) runs without processes.
+
+    ``WAIT_S``: how long a receive waits for its message (a test of the message sequence lowers it)."""
+
+    WAIT_S = 120.0
 
     def __init__(self, queues, world, rank):
-        self.group = None
-        self.world, self.rank = world, rank
-        self.next_global, self.prev_global, self.my_global = (rank + 1) % world, (rank - 1) % world, rank
-        self.members = list(range(world))
-        self.timeout = None
-        self.stream = SideStream(torch.device("cpu"))
-        self.coalesced = self.watchdog_deadline = False
-        self.failure = None
-        self.bytes_sent = Counter()
+        super().__init__(world, rank, range(world))
         self._queues = queues  # {(rank, channel): queue.Queue}
 
     @staticmethod
@@ -103,11 +97,11 @@ class ThreadRing(Ring):
     def exchange(self, send, recv, channel, step):
         self._queues[(self.next_global, channel)].put(send.clone())
         self.bytes_sent[channel] += send.numel() * send.element_size()
-        box = self._queues[(self.rank, channel)]
+        box, wait_s = self._queues[(self.rank, channel)], self.WAIT_S
 
         class _Recv:
             def wait(self, *_):
-                recv.copy_(box.get(timeout=120))
+                recv.copy_(box.get(timeout=wait_s))
                 return True
 
             def is_completed(self):

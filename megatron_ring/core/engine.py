@@ -17,10 +17,15 @@ views of the accumulator (:class:`_Accumulators`). Only the last piece's hop hom
 
 K/V slots come from :data:`~megatron_ring.core.buffers.POOL` and go back to it after the ring, so steps and
 calls reuse the same memory (no fresh pages per call on CPU).
+
+A rank whose input is refused after the cross-rank check still runs the forward ring's K/V stream
+(:func:`refuse_on_ring`: the same :class:`_KVStream`, zeros marked with a failing status, no compute), so
+the other ranks see the status and raise instead of waiting (:mod:`.status`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Callable, NoReturn
 
 import torch
 
@@ -29,24 +34,25 @@ from megatron_ring.core.buffers import POOL
 from megatron_ring.kernels.dropout import DropoutKernel, DropoutSpec
 from megatron_ring.kernels.sinks import fold_sink, sink_grad
 from megatron_ring.wire.codecs import KVCodec, KVSpec
-from megatron_ring.transport.ring import Ring
+from megatron_ring.transport.ring import Transport
 from megatron_ring.kernels.block import BlockKernel, MathKernel, ReversedKernel
-from megatron_ring.schedules.layouts import Layout
+from megatron_ring.schedules.layouts import Schedule, TaskKind
 from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
 from megatron_ring.core.merge import merge_into
 from megatron_ring.core.rotation import Rotation, divisor_at_most, start_for
-from megatron_ring.core.status import RingStatus, check_pending, status_buffers
+from megatron_ring.core.status import PendingChecks, RingStatus, StatusRecorder, status_buffers
 from megatron_ring.core.heads import head_groups
 
-__all__ = ["RingPlan", "ring_forward", "ring_backward", "RingAttentionFunction", "head_groups"]
+__all__ = ["RingPlan", "ring_forward", "ring_backward", "RingAttentionFunction", "head_groups", "refuse_on_ring",
+           "query_heads", "forward_by_heads"]
 
 
 @dataclass
 class RingPlan:
     """Everything the engine needs besides the tensors."""
 
-    ring: Ring
-    layout: Layout
+    ring: Transport
+    layout: Schedule  # a layout, or a strategy's view of several shards (schedules/views.py)
     causal: bool
     scale: float
     kernel: BlockKernel
@@ -54,6 +60,11 @@ class RingPlan:
     mask: AttentionMask | None = None  # documents / window (None: the layout's causal or full structure)
     dropout: DropoutSpec | None = None  # attention dropout by global positions (see kernels/dropout.py)
     pieces: int = 1  # K/V heads pieces a ring step streams a block in, at most (see rotation.py)
+    #: status codes the forward ring left to check at the start of the backward ring (CUDA; core/status.py);
+    #: shared by the plans derived from this one (dataclasses.replace keeps the object)
+    checks: PendingChecks = field(default_factory=PendingChecks, compare=False, repr=False)
+    #: in a collective strategy's call: where a refusal is recorded (strategies/refusal.py), else None
+    strategy_status: StatusRecorder | None = field(default=None, compare=False, repr=False)
 
     def tasks(self, step: int, s: int):
         src = (self.ring.rank - step) % self.ring.world
@@ -71,17 +82,23 @@ class RingPlan:
         pos = lambda r: self.layout.positions(self.dropout.seq_len, world, r)  # noqa: E731
         return {"qpos": pos(rank)[task.q], "kpos": pos((rank - step) % world)[task.kv]}
 
+    def heads_dropout(self, first: int) -> DropoutSpec | None:
+        """The dropout spec for tensors whose query heads start at head ``first`` of this plan's (dropout
+        keys on global head numbers); None without dropout."""
+        return None if self.dropout is None else self.dropout.shifted(self.dropout.head_offset + first)
+
     def _kernel_for(self, task, step: int | None):
         """The kernel a task runs on, its ``causal`` flag and extra keywords: position-keyed dropout, an
         explicit mask (on a kernel that takes masks, else the math kernel), or the plan's kernel."""
-        mask = getattr(task, "mask", None)
+        kind = task.kind
         if self.dropout is not None:
-            return DropoutKernel(self.dropout), task.causal, dict(mask=mask, **self.positions(task, step))
-        if mask is None:
+            return (DropoutKernel(self.dropout), task.causal,
+                    dict(mask=task.explicit_mask(), **self.positions(task, step)))
+        if kind is TaskKind.FULL or kind is TaskKind.CAUSAL:
             return self.kernel, task.causal, {}
-        if getattr(task, "reversed", False):  # key >= query: top-left causal on reversed rows, unmasked
+        if kind is TaskKind.REVERSED:  # key >= query: top-left causal on reversed rows, unmasked
             return ReversedKernel(self.kernel), True, {}
-        return _mask_kernel(self.kernel), False, {"mask": mask}
+        return _mask_kernel(self.kernel), False, {"mask": task.explicit_mask()}
 
     def forward_block(self, task, q, k, v, step: int | None = None):
         kernel, causal, kw = self._kernel_for(task, step)
@@ -99,16 +116,19 @@ def _mask_kernel(kernel: BlockKernel) -> BlockKernel:
 
 class _KVStream:
     """The visiting K/V blocks, in ``n`` pieces of K/V heads, with the next block's pieces in flight
-    (:class:`~megatron_ring.core.rotation.Rotation`: ``n + 1`` piece slots instead of two whole blocks)."""
+    (:class:`~megatron_ring.core.rotation.Rotation`: ``n + 1`` piece slots instead of two whole blocks).
+
+    ``refusal``: this rank's input was refused; its pieces go out marked with a failing status
+    (:class:`~megatron_ring.core.status.RingStatus`), the same messages in the same order."""
 
     def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str, n: int,
-                 steps: int) -> None:
+                 steps: int, refusal: BaseException | None = None) -> None:
         self.plan, self.k, self.v, self.steps = plan, k, v, steps
         self.heads = head_groups(k.shape[1], n)
         b, h_kv, s, d = k.shape
         hj = h_kv // n
         self.spec = KVSpec((b, hj, s, d), (b, hj, s, v.shape[-1]), k.dtype, k.device)
-        self.status = RingStatus(plan.ring, plan.codec, k.device)
+        self.status = RingStatus(plan.ring, plan.codec, k.device, refusal=refusal)
         self.rot: Rotation | None = None
         if plan.ring.world > 1:
             self.rot = Rotation(plan.ring, status_buffers(plan.codec, self.spec, n + 1), channel)
@@ -149,34 +169,42 @@ def _pieces(plan: RingPlan, k: torch.Tensor) -> int:
     return 1 if plan.ring.world == 1 else divisor_at_most(k.shape[1], plan.pieces)
 
 
+def query_heads(heads: list[slice], g: int) -> list[tuple[slice, slice]]:
+    """Per group of K/V heads ``hs``: ``(hs, qs)``, ``qs`` its query heads (``g`` per K/V head)."""
+    return [(hs, slice(hs.start * g, hs.stop * g)) for hs in heads]
+
+
 def _piece_plans(plan: RingPlan, heads: list[slice], g: int) -> list[tuple[slice, RingPlan]]:
     """Per piece: its query heads and its plan (dropout keyed on the global head numbers)."""
-    return [(qs, _for_heads(plan, qs)) for qs in (slice(hs.start * g, hs.stop * g) for hs in heads)]
+    return [(qs, _for_heads(plan, qs)) for _, qs in query_heads(heads, g)]
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, *,
+                 refusal: BaseException | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward. Returns ``(out [b,h,s,d] float32, lse [b,h,s] float32)``; ``out`` has q's
-    memory order."""
+    memory order.
+
+    ``refusal``: this rank's input was refused (see :func:`refuse_on_ring`): the K/V stream runs with a
+    failing status and nothing is computed."""
     breakdown.set_phase("fwd")
     b, h, s, _ = q.shape
     steps = plan.steps(s)
     with breakdown.timed(0, "copies"):
-        kv = _KVStream(plan, k, v, "fwd_kv", _pieces(plan, k), steps)
+        kv = _KVStream(plan, k, v, "fwd_kv", _pieces(plan, k), steps, refusal)
     out = torch.empty_strided((b, h, s, v.shape[-1]), _strides_like((b, h, s, v.shape[-1]), q),
                               dtype=torch.float32, device=q.device)
     lse = q.new_empty((b, h, s), dtype=torch.float32)
     pieces = _piece_plans(plan, kv.heads, h // k.shape[1])
     fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
     for step in range(steps):
-        tasks = plan.tasks(step, s)
+        tasks = plan.tasks(step, s) if refusal is None else ()  # refused: the stream only, no compute
         for j, (qs, piece_plan) in enumerate(pieces):
             fresh[j] = _forward_step(q[:, qs], *kv.block(step, j), piece_plan, step, tasks,
                                      out[:, qs], lse[:, qs], fresh[j])
         kv.advance()
     kv.release(steps)
     if plan.ring.world > 1:
-        kv.status.settle(plan)  # every rank raises if any rank's K/V (or input) was refused
+        kv.status.settle(plan.checks)  # every rank raises if any rank's K/V (or input) was refused
     for j, (qs, _) in enumerate(pieces):
         if fresh[j]:  # no local query sees any key (all padding, or masked away): out 0, lse -inf
             _init_acc(out[:, qs], lse[:, qs])
@@ -216,7 +244,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
     ``out`` and ``lse`` are the forward's final (global) output and log-sum-exp for the local queries.
     """
-    check_pending(plan)
+    plan.checks.check()  # raises if the forward ring carried a failing rank's code (CUDA)
     s = q.shape[2]
     world = plan.ring.world
     breakdown.set_phase("bwd")
@@ -252,7 +280,7 @@ class _Accumulators:
     The slots start where the last hop leaves the pieces in slots ``0..n-1`` in order, so the returned
     dK and dV are views of this tensor (heads outermost), never copies."""
 
-    def __init__(self, ring: Ring, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
+    def __init__(self, ring: Transport, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
         b, h_kv, s, self.dk = k.shape
         self.n, self.hj = n, h_kv // n
         slots = n + 1 if ring.world > 1 else 1
@@ -327,23 +355,8 @@ class RingAttentionFunction(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
                 heads: list[slice], sink: torch.Tensor | None = None) -> torch.Tensor:
         """``sink``: optional fp32 ``[h]`` softmax offsets (attention sinks), folded into the lse."""
-        g = q.shape[1] // k.shape[1]
-        if len(heads) == 1:
-            acc, lse = ring_forward(q, k, v, plan)
-            if sink is not None:
-                fold_sink(acc, lse, sink)
-            out = _as_result(acc, q)
-        else:
-            out = q.new_empty((*q.shape[:3], v.shape[-1]))
-            lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-            for hs in heads:
-                qs = slice(hs.start * g, hs.stop * g)
-                acc, lse_part = ring_forward(q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs))
-                if sink is not None:
-                    fold_sink(acc, lse_part, sink[qs])
-                out[:, qs].copy_(acc)
-                lse[:, qs].copy_(lse_part)
-                del acc, lse_part
+        out, lse = forward_by_heads(q, v, heads, lambda hs, qs: ring_forward(
+            q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs)), sink)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan, ctx.heads = plan, heads
         return out
@@ -360,10 +373,8 @@ class RingAttentionFunction(torch.autograd.Function):
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
             return (_as_result(dq, q), _as_result(dk, k, any_strides=True),
                     _as_result(dv, v, any_strides=True), *extra)
-        g = q.shape[1] // k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for hs in ctx.heads:
-            qs = slice(hs.start * g, hs.stop * g)
+        for hs, qs in query_heads(ctx.heads, q.shape[1] // k.shape[1]):
             parts = ring_backward(dout[:, qs], q[:, qs], k[:, hs], v[:, hs], out[:, qs], lse[:, qs],
                                   _for_heads(ctx.plan, qs))
             for whole, part, sl in zip((dq, dk, dv), parts, (qs, hs, hs)):
@@ -372,11 +383,52 @@ class RingAttentionFunction(torch.autograd.Function):
         return (dq, dk, dv, *extra)
 
 
+def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],
+                     run: Callable[[slice, slice], tuple[torch.Tensor, torch.Tensor]],
+                     sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head-chunk loop of a forward: ``run(hs, qs)`` gives the fp32 ``(out, lse)`` of the K/V heads
+    ``hs`` and their query heads ``qs``, one group after another; attention sinks are folded in. Returns
+    the output (q's dtype and memory order, v's head dim) and the fp32 lse ``[b, h, s]``.
+
+    One group: its result is returned as is where it already has q's dtype and strides (no copy)."""
+    if len(heads) == 1:
+        hs = heads[0]
+        acc, lse = run(hs, slice(0, q.shape[1]))
+        if sink is not None:
+            fold_sink(acc, lse, sink)
+        return _as_result(acc, q), lse
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    for hs, qs in query_heads(heads, q.shape[1] // sum(h.stop - h.start for h in heads)):
+        acc, lse_part = run(hs, qs)
+        if sink is not None:
+            fold_sink(acc, lse_part, sink[qs])
+        out[:, qs].copy_(acc)
+        lse[:, qs].copy_(lse_part)
+        del acc, lse_part
+    return out, lse
+
+
+def refuse_on_ring(plan: RingPlan, k: torch.Tensor, v: torch.Tensor, heads: list[slice],
+                   refusal: BaseException) -> NoReturn:
+    """This rank's input was refused after the cross-rank check: take part in the forward ring anyway,
+    then raise ``refusal``. The forward runs as :func:`ring_forward` does (every head group, the same
+    :class:`_KVStream`), its K/V zeros marked with a failing status and nothing computed, so the others
+    raise at the end of that ring, or at the start of the backward ring (see :mod:`.status`).
+
+    ``k``, ``v``: BHSD, only their shapes matter (``[b, h_kv, s, d]``; v's head dim from ``v``)."""
+    b, h_kv, s, d = k.shape
+    zk = k.new_zeros((b, h_kv, s, d))
+    zv = k.new_zeros((b, h_kv, s, v.shape[-1]))
+    with torch.no_grad():
+        forward_by_heads(zk, zv, heads, lambda hs, qs: ring_forward(zk[:, qs], zk[:, hs], zv[:, hs], plan,
+                                                                    refusal=refusal))
+    raise refusal
+
+
 def _for_heads(plan: RingPlan, qs: slice) -> RingPlan:
     """The plan for the query heads ``qs`` of a head-chunked call (dropout keys on global heads)."""
-    if plan.dropout is None:
-        return plan
-    return replace(plan, dropout=plan.dropout.shifted(plan.dropout.head_offset + qs.start))
+    return plan if plan.dropout is None else replace(plan, dropout=plan.heads_dropout(qs.start))
 
 
 def _as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False) -> torch.Tensor:

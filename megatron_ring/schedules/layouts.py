@@ -6,7 +6,8 @@ A layout answers two questions for a group of ``P`` ranks and a global length ``
 * :meth:`Layout.block_tasks` — when rank ``r`` (queries) meets the K/V block of rank ``src``, which
   (query rows, key rows) sub-blocks must be computed, and whether each needs a top-left causal mask.
 
-The ring engine only consumes ``block_tasks``; adding a layout never touches the engine. Every task is
+The ring engine only consumes a :class:`Schedule` (``block_tasks`` and ``positions``); adding a layout
+never touches the engine. Each task says what kind of kernel call it is (:class:`TaskKind`). Every task is
 chosen so that no query row in it is fully masked (the CPU flash kernel returns lse=0, not -inf, for such
 rows), and sub-blocks that the global causal mask hides entirely are simply not listed (skipped).
 ``tests/test_layouts.py`` checks every task list against the mask built from ``positions``.
@@ -14,11 +15,22 @@ rows), and sub-blocks that the global causal mask hides entirely are simply not 
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["BlockTask", "Layout", "get_layout", "LAYOUTS"]
+__all__ = ["BlockTask", "TaskKind", "Schedule", "Layout", "ShardView", "get_layout", "LAYOUTS"]
+
+
+class TaskKind(enum.Enum):
+    """What a :class:`BlockTask` asks of the kernel."""
+
+    FULL = "full"  # every pair visible
+    CAUSAL = "causal"  # top-left causal triangle (key j visible to query i iff j <= i)
+    REVERSED = "reversed"  # upper triangle (key j >= query i): causal on reversed rows, run unmasked
+    MASKED = "masked"  # an explicit mask (documents, window edges)
 
 
 @dataclass(frozen=True)
@@ -26,11 +38,36 @@ class BlockTask:
     """One kernel call: local query rows ``q`` against visiting key rows ``kv``.
 
     ``causal`` means the top-left causal mask inside the sub-block (key j visible to query i iff j <= i).
+    Tasks with an explicit mask are :class:`~megatron_ring.schedules.masks.MaskedTask`.
     """
 
     q: slice
     kv: slice
     causal: bool
+
+    @property
+    def kind(self) -> TaskKind:
+        return TaskKind.CAUSAL if self.causal else TaskKind.FULL
+
+    def explicit_mask(self) -> Any:
+        """The task's :class:`~megatron_ring.schedules.masks.BlockMask`, or None (plain tasks)."""
+        return None
+
+
+@runtime_checkable
+class Schedule(Protocol):
+    """What the engine consumes: which sub-blocks a ring step computes, and where tokens sit.
+
+    Implemented by the layouts (:class:`Layout`) and the strategies' views of several shards
+    (:mod:`.views`); documents and windows add tasks with masks through :func:`..masks.schedule`."""
+
+    name: str
+
+    def block_tasks(self, causal: bool, world: int, rank: int, src: int, s: int) -> tuple[BlockTask, ...]:
+        ...
+
+    def positions(self, seq_len: int, world: int, rank: int) -> torch.Tensor:
+        ...
 
 
 def _all(n: int) -> slice:
@@ -143,6 +180,16 @@ class Striped(Layout):
         if s == 1:
             return ()
         return (BlockTask(slice(1, s), slice(0, s - 1), True),)  # strictly lower: shift by one
+
+
+class ShardView(Layout):
+    """A schedule over several shards held in one tensor (a strategy's view of a base layout): it
+    re-addresses the base layout's tasks, so a masked schedule is the base layout's one, moved
+    (:meth:`masked_tasks`, which :func:`..masks.schedule` calls instead of deriving tiles)."""
+
+    @abc.abstractmethod
+    def masked_tasks(self, rule: Any, world: int, rank: int, src: int, s: int) -> tuple[BlockTask, ...]:
+        """The tasks under documents / windows ``rule`` (an :class:`~..masks.AttentionMask`)."""
 
 
 LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Contiguous(), Zigzag(), Striped())}

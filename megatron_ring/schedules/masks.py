@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_ring.schedules.layouts import BlockTask, Layout
+from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView, TaskKind
 
 __all__ = ["AttentionMask", "BlockMask", "schedule", "visible_pairs", "needed_steps", "doc_ids"]
 
@@ -105,6 +105,13 @@ class MaskedTask(BlockTask):
 
     mask: BlockMask | None = None
     reversed: bool = False
+
+    @property
+    def kind(self) -> TaskKind:
+        return TaskKind.REVERSED if self.reversed else TaskKind.MASKED
+
+    def explicit_mask(self) -> BlockMask | None:
+        return self.mask
 
 
 def _runs(pos: torch.Tensor, tile: int) -> list[tuple[int, int]]:
@@ -260,7 +267,7 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
     """The tasks rank ``rank`` computes against the K/V block of rank ``src`` (cached)."""
     if rule.plain:
         return layout.block_tasks(rule.causal, world, rank, src, s)
-    if hasattr(layout, "masked_tasks"):  # a strategy's view of several shards (schedules/views.py)
+    if isinstance(layout, ShardView):  # a strategy's view of several shards (schedules/views.py)
         return layout.masked_tasks(rule, world, rank, src, s)
     key = (layout.name, rule, world, rank, src, s, tile)
     hit = _CACHE.get(key)

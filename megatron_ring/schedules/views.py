@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from megatron_ring.schedules.layouts import BlockTask, Layout
+from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView
 from megatron_ring.schedules.masks import schedule
 
 __all__ = ["GatheredView", "GroupedView"]
@@ -28,8 +28,9 @@ def _moved(task: BlockTask, q_off: int, kv_off: int) -> BlockTask:
     return dataclasses.replace(task, q=_shift(task.q, q_off), kv=_shift(task.kv, kv_off))
 
 
-class _View(Layout):
-    """A Layout-shaped object the engine consumes; ``positions`` etc. are the base layout's."""
+class _View(ShardView):
+    """A :class:`~megatron_ring.schedules.layouts.ShardView` over ``base``; ``positions`` etc. are the
+    base layout's."""
 
     def __init__(self, base: Layout) -> None:
         self.base = base

@@ -8,20 +8,26 @@ kernel, codec) and reuses the engine's ring forward/backward for its compute:
 * ``a2a`` (:mod:`.a2a`): Ulysses, sequence shards <-> head shards;
 * ``a2a+p2p`` (:mod:`.a2a_p2p`): Ulysses in the inner group, ring over the outer group;
 * ``auto`` (:mod:`.auto`): one of the above, chosen per call signature by :mod:`.cost_model`.
+
+A rank whose input is refused after the cross-rank check takes part in the forward's exchanges anyway,
+so that every rank raises (:class:`Refusal`, :func:`refuse`; docs/design.md "Faults").
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from megatron_ring.core.engine import RingPlan
+from megatron_ring.core.engine import RingPlan, refuse_on_ring
+from megatron_ring.core.heads import head_groups
 from megatron_ring.strategies import a2a, a2a_p2p, all_gather, p2p
 from megatron_ring.strategies.a2a_p2p import make_hierarchical_groups
 from megatron_ring.strategies.refusal import StrategyStatus
 
-__all__ = ["STRATEGIES", "COMM_TYPES", "run_strategy", "check_comm_type", "make_hierarchical_groups"]
+__all__ = ["STRATEGIES", "COMM_TYPES", "run_strategy", "check_comm_type", "make_hierarchical_groups", "Refusal",
+           "refuse"]
 
 STRATEGIES: dict[str, Callable[..., torch.Tensor]] = {
     "p2p": p2p.run, "all_gather": all_gather.run, "a2a": a2a.run, "a2a+p2p": a2a_p2p.run,
@@ -68,8 +74,8 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
     """BHSD views in (as :class:`~megatron_ring.core.engine.RingAttentionFunction` takes them), output out.
 
     ``sink``: fp32 ``[h]`` softmax offsets (attention sinks); dropout rides in ``plan.dropout``.
-    ``refusal``: this rank rejected its input (the tensors are zeros): run the forward's collectives
-    with a failing status so that every rank raises (:mod:`.status`), then raise ``refusal``."""
+    ``refusal``: this rank rejected its input (the tensors are zeros; see :func:`refuse`): run the
+    forward's exchanges with a failing status so that every rank raises, then raise ``refusal``."""
     check_comm_type(comm_type)
     ring = plan.ring
     kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups, sink=sink)
@@ -87,31 +93,41 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
         comm_type = choose(qh, kh, plan, head_chunks, hierarchical_groups if usable else None, vh, runners=STRATEGIES)
     if comm_type == "p2p":  # the ring carries its own status (core/status.py)
         if refusal is not None:
-            refuse_on_ring(plan, kh, vh, head_chunks)
-            raise refusal
+            refuse_on_ring(plan, kh, vh, head_groups(kh.shape[1], head_chunks), refusal)
         return p2p.run(qh, kh, vh, plan, **kw)
-    status = plan.strategy_status = StrategyStatus(plan, refusal)
-    try:
-        out = STRATEGIES[comm_type](qh, kh, vh, plan, **kw)
-    finally:
-        plan.strategy_status = None
+    status = StrategyStatus(plan, refusal)
+    out = STRATEGIES[comm_type](qh, kh, vh, dataclasses.replace(plan, strategy_status=status), **kw)
     return status.settle(out)
 
 
-def refuse_on_ring(plan: RingPlan, kh: torch.Tensor, vh: torch.Tensor, head_chunks: int) -> None:
-    from megatron_ring.core.status import _refusal_ring  # noqa: PLC0415
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A ValueError this rank alone raised about its input after the cross-rank check, and what the
+    forward's exchanges need to go on without it: the plan (ring, codec, schedule, K/V pieces) and the
+    shapes of the BHSD tensors (``q`` may be None for the ring, which streams K/V only)."""
 
-    k_bshd, v_bshd = kh.transpose(1, 2), vh.transpose(1, 2)  # BHSD views -> the bshd shapes it expects
-    _refusal_ring(plan.ring, plan.codec, k_bshd, v_bshd, "bshd", head_chunks, plan.steps(kh.shape[2]),
-                  plan.pieces)
+    error: BaseException
+    comm_type: str
+    plan: RingPlan
+    k: torch.Tensor
+    v: torch.Tensor
+    q: torch.Tensor | None = None
+    head_chunks: int = 1
+    hierarchical_groups: Any = None
 
 
-def mirror(comm_type: str, exc: BaseException, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           plan_for, head_chunks: int, hierarchical_groups: Any) -> None:
-    """A rank that rejected its input runs the strategy forward on zeros (same collectives as the other
-    ranks) with a failing status, then raises ``exc`` (every other rank raises naming it)."""
-    zq, zk, zv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+def refuse(refusal: Refusal) -> NoReturn:
+    """Take part in the forward's exchanges with a failing status, then raise ``refusal.error``; every
+    other rank raises an error naming this one (:class:`~megatron_ring.errors.RingInputError`).
+
+    The ring (``p2p``) runs its real K/V stream, zeros marked as refused
+    (:func:`~megatron_ring.core.engine.refuse_on_ring`); the collective strategies run their forward on
+    zeros, with the refusal as the status every rank gathers at its end (:mod:`.refusal`)."""
+    r = refusal
+    if r.comm_type == "p2p":
+        refuse_on_ring(r.plan, r.k, r.v, head_groups(r.k.shape[1], r.head_chunks), r.error)
+    zq, zk, zv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (r.q, r.k, r.v))
     with torch.no_grad():
-        run_strategy(comm_type, zq, zk, zv, plan_for(zq), head_chunks=head_chunks,
-                     hierarchical_groups=hierarchical_groups, refusal=exc)
-    raise exc
+        run_strategy(r.comm_type, zq, zk, zv, r.plan, head_chunks=r.head_chunks,
+                     hierarchical_groups=r.hierarchical_groups, refusal=r.error)
+    raise r.error

@@ -151,7 +151,7 @@ def run_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: Ring
     mine = slice(inner.rank * hp, (inner.rank + 1) * hp)
     q_h = SeqToHead.apply(qh, inner)
     k_h, v_h = KVSeqToHead.apply(kh, vh, inner, a2a_codec, rep, plan)
-    drop = plan.dropout.shifted(plan.dropout.head_offset + mine.start) if plan.dropout is not None else None
+    drop = plan.heads_dropout(mine.start)
     heads_plan = RingPlan(ring=outer, layout=GroupedView(plan.layout, inner.world), causal=plan.causal,
                           scale=plan.scale, kernel=plan.kernel, codec=ring_codec, mask=plan.mask, dropout=drop,
                           pieces=plan.pieces)

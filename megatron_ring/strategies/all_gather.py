@@ -18,10 +18,10 @@ import dataclasses
 
 import torch
 
-from megatron_ring.kernels.sinks import fold_sink, sink_grad
+from megatron_ring.kernels.sinks import sink_grad
 from megatron_ring.wire.codecs import KVSpec
 from megatron_ring.transport.ring import LoopbackRing
-from megatron_ring.core.engine import RingPlan, ring_backward, ring_forward
+from megatron_ring.core.engine import RingPlan, forward_by_heads, query_heads, ring_backward, ring_forward
 from megatron_ring.core.heads import head_groups
 from megatron_ring.transport.collectives import Pending, all_gather, reduce_scatter
 from megatron_ring.schedules.views import GatheredView
@@ -44,7 +44,7 @@ class GatheredPlan(RingPlan):
 def _local_plan(plan: RingPlan, device: torch.device, qs: slice) -> RingPlan:
     """The world-size-1 plan for the query heads ``qs`` against the gathered K/V (dropout keyed on the
     global head numbers and the gathered keys' global positions)."""
-    drop = plan.dropout.shifted(plan.dropout.head_offset + qs.start) if plan.dropout is not None else None
+    drop = plan.heads_dropout(qs.start)
     return GatheredPlan(ring=LoopbackRing(1, 0, device), layout=GatheredView(plan.layout, plan.ring.world,
                         plan.ring.rank), causal=plan.causal, scale=plan.scale, kernel=plan.kernel, codec=plan.codec,
                         mask=plan.mask, dropout=drop)
@@ -88,19 +88,13 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan, pieces: list[slice], sink: torch.Tensor | None = None):
-        g = q.shape[1] // k.shape[1]
-        out = q.new_empty((*q.shape[:3], v.shape[-1]))
-        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         kv = _Gatherer(k, v, plan, pieces, "all_gather of K/V (forward)")
-        for i, hs in enumerate(pieces):
-            qs = slice(hs.start * g, hs.stop * g)
-            k_all, v_all = kv.get(i)
-            acc, lse_part = ring_forward(q[:, qs], k_all, v_all, _local_plan(plan, q.device, qs))
-            if sink is not None:
-                fold_sink(acc, lse_part, sink[qs])
-            out[:, qs].copy_(acc)
-            lse[:, qs].copy_(lse_part)
-            del acc, lse_part, k_all, v_all
+        index = {hs.start: i for i, hs in enumerate(pieces)}
+
+        def run(hs: slice, qs: slice):
+            return ring_forward(q[:, qs], *kv.get(index[hs.start]), _local_plan(plan, q.device, qs))
+
+        out, lse = forward_by_heads(q, v, pieces, run, sink)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan, ctx.pieces = plan, pieces
         return out
@@ -110,13 +104,13 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse, sink = ctx.saved_tensors
         plan, pieces = ctx.plan, ctx.pieces
         world, g, s = plan.ring.world, q.shape[1] // k.shape[1], q.shape[2]
-        dout = dout.contiguous()
+        if dout.stride() != out.stride():
+            dout = torch.empty_like(out).copy_(dout)
         dsink = sink_grad(dout, out, lse, sink).to(sink.dtype) if sink is not None and ctx.needs_input_grad[5] else None
         dq, dk, dv = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
         kv = _Gatherer(k, v, plan, pieces, "all_gather of K/V (backward)")
         scatters: list[tuple[Pending, torch.Tensor, slice]] = []
-        for i, hs in enumerate(pieces):
-            qs = slice(hs.start * g, hs.stop * g)
+        for i, (hs, qs) in enumerate(query_heads(pieces, g)):
             k_all, v_all = kv.get(i)
             dq_p, dk_all, dv_all = ring_backward(dout[:, qs], q[:, qs], k_all, v_all, out[:, qs],
                                                  lse[:, qs], _local_plan(plan, q.device, qs))

@@ -6,9 +6,9 @@ of several ranks' heads. They share one rule instead:
 
 * a rank whose input fails after the cross-rank check does NOT raise at once. K/V its wire codec refuses
   (:class:`~megatron_ring.wire.codecs.WireFiniteError`) are recorded where they are encoded
-  (:func:`encode_or_record`) and the forward goes on; a rank-local input error (``refuse_on_every_rank``
-  in ``api.py``) makes the rank run the same strategy forward on zeros (:func:`mirror`), so it takes part
-  in every collective the other ranks issue;
+  (:func:`encode_or_record`) and the forward goes on; a rank-local input error makes the rank run the
+  same strategy forward on zeros (:func:`megatron_ring.strategies.refuse`), so it takes part in every
+  collective the other ranks issue;
 * at the end of the forward every rank all-gathers one status code over the context-parallel group
   (:class:`StrategyStatus`: P numbers, issued after the output all-to-all or the last gather, i.e. where
   the forward already waits for a collective) and every rank raises the same error type naming the
@@ -33,7 +33,7 @@ import torch
 from megatron_ring.wire.codecs import KVCodec
 from megatron_ring.errors import WireFiniteError
 from megatron_ring.core.engine import RingAttentionFunction, RingPlan
-from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, _raise_for
+from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, raise_for
 from megatron_ring.errors import RingInputError
 from megatron_ring.transport.collectives import all_gather
 
@@ -47,6 +47,7 @@ class StrategyStatus:
         self.plan = plan
         self.error: BaseException | None = refusal
         self.code = OK if refusal is None else BAD_INPUT
+        self.open = True  # recording until the forward's end (:meth:`settle`); the backward raises as usual
 
     def record(self, exc: BaseException) -> None:
         if self.error is None:
@@ -54,6 +55,7 @@ class StrategyStatus:
 
     def settle(self, out: torch.Tensor) -> torch.Tensor:
         """All-gather the codes (P numbers); raise on every rank if any is bad (see the module doc)."""
+        self.open = False
         ring = self.plan.ring
         mine = torch.full((1,), float(self.code), dtype=torch.float32, device=out.device)
         codes = mine.new_empty(ring.world)
@@ -68,7 +70,7 @@ class StrategyStatus:
     def _raise(self, codes: torch.Tensor) -> None:
         if self.error is not None:
             raise self.error
-        _raise_for(codes.tolist(), self.plan.ring, self.plan.codec)
+        raise_for(codes.tolist(), self.plan.ring, self.plan.codec)
 
 
 class _CheckInBackward(torch.autograd.Function):
@@ -88,7 +90,10 @@ class _CheckInBackward(torch.autograd.Function):
 
 
 def status_of(plan: RingPlan | None) -> StrategyStatus | None:
-    return getattr(plan, "strategy_status", None) if plan is not None else None
+    """The strategy call's status (``plan.strategy_status``, set by ``run_strategy``) while its forward
+    runs, else None."""
+    status = plan.strategy_status if plan is not None else None
+    return status if status is not None and status.open else None
 
 
 def encode_or_record(plan: RingPlan | None, codec: KVCodec, k: torch.Tensor, v: torch.Tensor,

@@ -1,7 +1,9 @@
 """Ring point-to-point exchange: send one buffer to the next rank while receiving from the previous one.
 
-:class:`Ring` wraps a torch.distributed process group; :class:`LoopbackRing` keeps the same interface
-but copies locally (the benchmark's "compute only" mode, and the single-process case). Every exchange
+:class:`Transport` is what the engine needs of a ring (the ring's shape, its failure state and
+:meth:`Transport.exchange`); :class:`Ring` implements it over a torch.distributed process group,
+:class:`LoopbackRing` copies locally (the benchmark's "compute only" mode, and the single-process case),
+and the tests' thread ring (``tests/ring_fakes.ThreadRing``) through in-memory queues. Every exchange
 is asynchronous: :meth:`Ring.exchange` returns at once and :meth:`Exchange.wait` joins it. Every
 failure -- when the operations are launched or when they are waited for -- and every time-out becomes
 :class:`RingPeerError` naming the peer(s) (global ranks) and the step, after this rank has left its
@@ -19,6 +21,7 @@ error, which the ring's next launch or wait raises.
 """
 from __future__ import annotations
 
+import abc
 import datetime
 from collections import Counter
 from typing import Any, Sequence
@@ -32,7 +35,7 @@ from megatron_ring.transport.failure_notes import who_is_lost
 from megatron_ring.transport.streams import SideStream, side_stream_for
 from megatron_ring.errors import RingPeerError
 
-__all__ = ["Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS", "looks_like_timeout"]
+__all__ = ["Transport", "Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS", "looks_like_timeout"]
 
 # Distinct tags keep the K/V ring and the dK/dV ring apart on backends that match by tag (gloo).
 CHANNEL_TAGS = {"fwd_kv": 11, "bwd_kv": 12, "bwd_dkv": 13}
@@ -62,7 +65,7 @@ class Exchange:
     ``pending`` pairs the roles (peer and direction) each launched batch covers with its Works.
     """
 
-    def __init__(self, ring: "Ring", pending: list[tuple[tuple[Role, ...], list[Any]]], channel: str,
+    def __init__(self, ring: "Transport", pending: list[tuple[tuple[Role, ...], list[Any]]], channel: str,
                  step: int) -> None:
         self._ring, self._pending, self._channel, self._step = ring, pending, channel, step
         self._done = False
@@ -88,25 +91,34 @@ class Exchange:
         ring.stream.join()
 
 
-class Ring:
-    """The ring over a process group: rank r sends to r+1 and receives from r-1 (group ranks)."""
+class Transport(abc.ABC):
+    """A ring of ``world`` ranks: rank r sends to r+1 and receives from r-1 (group ranks).
 
-    def __init__(self, group: Any, device: torch.device, timeout_s: float | None = None) -> None:
+    The state every transport shares is set here, once: ``members`` are the global ranks of the group
+    ranks (peers and errors are named by global rank), ``timeout`` the deadline of a wait,
+    ``watchdog_deadline`` whether waits leave the deadline to :mod:`.deadline`'s watchdog (they do not
+    block the host), ``failure`` the watchdog's recorded error, ``bytes_sent`` per channel. A transport
+    only says how an exchange travels (:meth:`exchange`)."""
+
+    def __init__(self, world: int, rank: int, members: Sequence[int], *, group: Any = None,
+                 timeout_s: float | None = None, stream: SideStream | None = None, coalesced: bool = False,
+                 watchdog_deadline: bool = False) -> None:
         self.group = group
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        # P2P peers are GLOBAL ranks even when a group is given.
-        self.next_global = dist.get_global_rank(group, (self.rank + 1) % self.world)
-        self.prev_global = dist.get_global_rank(group, (self.rank - 1) % self.world)
-        self.my_global = dist.get_global_rank(group, self.rank)
-        self.members = [dist.get_global_rank(group, i) for i in range(self.world)]
+        self.world, self.rank = world, rank
+        self.members = list(members)
+        self.my_global = self.members[rank]
+        self.next_global = self.members[(rank + 1) % world]
+        self.prev_global = self.members[(rank - 1) % world]
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        self.stream: SideStream = side_stream_for(device)
-        self.coalesced = _supports_coalescing(group, device)
-        # Waits that do not block the host get their deadline from the watchdog (see module doc).
-        self.watchdog_deadline = self.coalesced or device.type == "cuda"
+        self.stream: SideStream = stream if stream is not None else SideStream(torch.device("cpu"))
+        self.coalesced = coalesced
+        self.watchdog_deadline = watchdog_deadline
         self.failure: RingPeerError | None = None  # set by the watchdog; raised by the next launch/wait
         self.bytes_sent: Counter[str] = Counter()
+
+    @abc.abstractmethod
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:
+        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -136,8 +148,22 @@ class Ring:
             f"{detail}. The peer process or its node has probably died or stalled; check its log."
             + self.lost_rank_note([p for _, p in roles], timed_out=timed_out))
 
+
+
+class Ring(Transport):
+    """The ring over a torch.distributed process group."""
+
+    def __init__(self, group: Any, device: torch.device, timeout_s: float | None = None) -> None:
+        world = dist.get_world_size(group)
+        # P2P peers are GLOBAL ranks even when a group is given.
+        members = [dist.get_global_rank(group, i) for i in range(world)]
+        coalesced = _supports_coalescing(group, device)
+        # Waits that do not block the host get their deadline from the watchdog (see module doc).
+        super().__init__(world, dist.get_rank(group), members, group=group, timeout_s=timeout_s,
+                         stream=side_stream_for(device), coalesced=coalesced,
+                         watchdog_deadline=coalesced or device.type == "cuda")
+
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:
-        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
         tag = CHANNEL_TAGS[channel]
         send_role, recv_role = ("sending to", self.next_global), ("receiving from", self.prev_global)
         send_op = dist.P2POp(dist.isend, send, self.next_global, self.group, tag)
@@ -162,19 +188,11 @@ class Ring:
         return Exchange(self, pending, channel, step)
 
 
-class LoopbackRing(Ring):
+class LoopbackRing(Transport):
     """Same schedule, no network: "receives" a local copy of what it sends (compute-only timing)."""
 
     def __init__(self, world: int, rank: int, device: torch.device) -> None:
-        self.group = None
-        self.world, self.rank = world, rank
-        self.next_global = self.prev_global = self.my_global = rank
-        self.members = list(range(world))
-        self.timeout = None
-        self.stream = SideStream(torch.device("cpu"))  # no side stream: copies run inline
-        self.coalesced = self.watchdog_deadline = False
-        self.failure = None
-        self.bytes_sent = Counter()
+        super().__init__(world, rank, range(world))  # no side stream: copies run inline
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:
         recv.copy_(send)
