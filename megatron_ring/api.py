@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, HeadDimPadKernel
 from megatron_ring.kernels.dropout import DropoutSpec
 from megatron_ring.wire.codecs import KVCodec, make_codec
+from megatron_ring.transport.groups import PerGroup
 from megatron_ring.transport.ring import LoopbackRing, Ring, Transport
 from megatron_ring.core.engine import RingAttentionFunction, RingPlan
 from megatron_ring.core.heads import head_groups
@@ -24,7 +25,7 @@ from megatron_ring.core.validation import (call_signature, check_cu_seqlens, che
 
 __all__ = ["ring_attention", "resolve_group"]
 
-_rings: dict[tuple[int, torch.device, float | None], Ring] = {}
+_rings = PerGroup()  # group -> (device, timeout_s) -> Ring; held weakly (transport/groups.py)
 
 
 def resolve_group(group: Any) -> Any:
@@ -40,10 +41,7 @@ def resolve_group(group: Any) -> Any:
 def _ring_for(group: Any, device: torch.device, timeout_s: float | None) -> Transport:
     if group is None:
         return LoopbackRing(1, 0, device)
-    key = (id(group), device, timeout_s)
-    if key not in _rings:
-        _rings[key] = Ring(group, device, timeout_s)
-    return _rings[key]
+    return _rings.setdefault(group, (device, timeout_s), lambda: Ring(group, device, timeout_s))
 
 
 def _default_timeout() -> float | None:

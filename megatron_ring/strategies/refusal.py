@@ -35,6 +35,7 @@ from megatron_ring.errors import WireFiniteError
 from megatron_ring.core.engine import RingAttentionFunction, RingPlan
 from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, raise_for
 from megatron_ring.errors import RingInputError
+from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.transport.collectives import all_gather
 
 __all__ = ["StrategyStatus", "encode_or_record", "outer_ring", "precheck_kv", "status_of"]
@@ -59,8 +60,7 @@ class StrategyStatus:
         ring = self.plan.ring
         mine = torch.full((1,), float(self.code), dtype=torch.float32, device=out.device)
         codes = mine.new_empty(ring.world)
-        timeout = None if ring.timeout is None else ring.timeout.total_seconds()
-        pending = all_gather(codes, mine, ring.group, timeout, "all-gather of the input status")
+        pending = all_gather(codes, mine, ring.group, timeout_seconds(ring), "all-gather of the input status")
         if out.device.type == "cpu" or self.plan.codec.checks_values or self.error is not None:
             pending.wait()
             self._raise(codes)
