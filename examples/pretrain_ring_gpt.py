@@ -53,6 +53,7 @@ from megatron.training.arguments import core_transformer_config_from_args  # noq
 from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_batch_on_this_cp_rank, get_gpt_layer_ring_spec, initialize_context_parallel, is_context_parallel_initialized, use_layout_rope)  # noqa: E402
 from megatron_ring.megatron import compat  # noqa: E402
 from megatron_ring.megatron.megatron_lm import check_attention_backend, uses_ring_attention  # noqa: E402
+from megatron_ring.megatron.hybrid_cp import get_hybrid_cp_batch  # noqa: E402
 from megatron_ring.megatron.training_cpu import megatron_training_cpu  # noqa: E402
 
 
@@ -80,7 +81,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     return model
 
 
-HYBRID_DOCS = "--hybrid-context-parallel" in sys.argv  # samples carry documents (cu_seqlens)
+HYBRID_DOCS = "--hybrid-context-parallel" in sys.argv or "--documents" in sys.argv  # samples carry cu_seqlens
+DOC_ALIGN = 8  # document lengths are multiples of this: zigzag splits them evenly over groups of up to 4 ranks
 
 
 class PatternDataset(torch.utils.data.Dataset):
@@ -101,7 +103,8 @@ class PatternDataset(torch.utils.data.Dataset):
         out = {"tokens": seq[:-1].clone(), "labels": seq[1:].clone(),
                "loss_mask": torch.ones(self.s), "position_ids": torch.arange(self.s)}
         if HYBRID_DOCS:  # Megatron's hybrid-CP data path splits samples into documents by cu_seqlens
-            cut = sorted(torch.randperm(self.s - 1, generator=g)[:2].add(1).tolist())
+            slots = self.s // DOC_ALIGN  # three documents (two cuts), each a multiple of DOC_ALIGN tokens long
+            cut = sorted(torch.randperm(slots - 1, generator=g)[:2].add(1).mul(DOC_ALIGN).tolist())
             out["cu_seqlens"] = torch.tensor([0, *cut, self.s], dtype=torch.int32)
         return out
 
@@ -125,7 +128,7 @@ def get_batch(data_iterator):
     return compat.megatron_get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
 
 
-def loss_func(loss_mask, output_tensor):
+def loss_func(loss_mask, output_tensor, group_size=None):
     """CP-aware: Megatron divides each rank's loss by its own token count and averages gradients over
     DP x CP; scaling by (local tokens x CP / CP-group tokens) makes that the exact full-sequence mean.
     With --calculate-per-token-loss Megatron divides by the global token count itself: no scaling."""
@@ -140,8 +143,12 @@ def loss_func(loss_mask, output_tensor):
         group_tokens = mask.sum().detach().clone()
         dist.all_reduce(group_tokens, group=ps.get_context_parallel_group())
         loss = loss * (mask.sum() * cp / group_tokens.clamp(min=1))
-    _log_loss(loss.detach() if cp == 1 or args.calculate_per_token_loss else torch.sum(losses * mask).detach(),
-              mask.sum())
+    if HYBRID_DOCS:  # ranks run different numbers of micro-batches: no collective here, one file per rank
+        _log_local_loss(torch.sum(losses * mask).detach(), mask.sum(), args.curr_iteration,
+                        group_size or args.context_parallel_size)
+    else:
+        _log_loss(loss.detach() if cp == 1 or args.calculate_per_token_loss else torch.sum(losses * mask).detach(),
+                  mask.sum())
     return loss, num_tokens, report
 
 
@@ -162,6 +169,14 @@ def _log_loss(loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
             f.write(f"{stats[0].item():.17g} {stats[1].item():.17g} {time.time():.6f}\n")
 
 
+def _log_local_loss(loss_sum: torch.Tensor, tokens: torch.Tensor, iteration: int, group_size: int) -> None:
+    """Documents mode: each rank appends ``iteration loss_sum tokens group_size`` of its own tokens (and the
+    CP size the call ran on) to LOSS_LOG.rank<r>; sum the files per iteration for the global batch."""
+    if LOSS_LOG:
+        with open(f"{LOSS_LOG}.rank{dist.get_rank()}", "a") as f:
+            f.write(f"{iteration} {loss_sum.double().item():.17g} {tokens.double().item():.17g} {group_size}\n")
+
+
 def _log_peak_memory() -> None:
     if LOSS_LOG:
         import resource
@@ -171,9 +186,58 @@ def _log_peak_memory() -> None:
 
 
 def forward_step(data_iterator, model):
+    args = get_args()
+    _dump_weights(model, args)
+    if args.hybrid_context_parallel:  # one document per call, on the group of local_cp_size ranks
+        sample = next(data_iterator)
+        batch, packed = get_hybrid_cp_batch(sample, layout=args.cp_layout)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed)
+        return output, partial(loss_func, batch["loss_mask"], group_size=packed.local_cp_size)
+    if HYBRID_DOCS:  # --documents: the same documents at a fixed CP size (the reference of the hybrid loop)
+        return _forward_documents(data_iterator, model, args)
     batch = get_batch(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def _forward_documents(data_iterator, model, args):
+    """Fixed CP with document masking: at CP > 1 each sample is one packed THD stream on the fixed CP group
+    (ring attention within documents, RoPE positions per document); at CP = 1 each document is its own
+    causal sequence through Megatron's local attention (an independent path)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    batch = next(data_iterator)
+    if args.micro_batch_size != 1:
+        raise SystemExit("--documents needs --micro-batch-size 1 (one packed sample per micro-batch)")
+    cu = batch.pop("cu_seqlens").view(-1).to(torch.int32)
+    if args.context_parallel_size > 1:
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=int((cu[1:] - cu[:-1]).max()), max_seqlen_kv=int((cu[1:] - cu[:-1]).max()))
+        batch["position_ids"] = torch.arange(cu[-1].item()).view(1, -1)
+        batch = get_batch_on_this_cp_rank(batch)  # the stream split by --cp-layout; cu_seqlens stay global
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed)
+        return output, partial(loss_func, batch["loss_mask"])
+    outs = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        pos = torch.arange(b - a).view(1, -1)
+        outs.append(model(batch["tokens"][:, a:b], pos, None, labels=batch["labels"][:, a:b]))
+    return torch.cat(outs, dim=1), partial(loss_func, batch["loss_mask"])
+
+
+WEIGHTS_DUMP = os.environ.get("MEGATRON_RING_WEIGHTS_DUMP")  # tests: the weights at the start of each iteration
+_dumped: set = set()
+
+
+def _dump_weights(model, args) -> None:
+    """With MEGATRON_RING_WEIGHTS_DUMP=PREFIX: global rank 0 saves every parameter (float64) to
+    PREFIX.it<k>.pt at the first forward of iteration k (the weights after k optimizer steps)."""
+    it = args.curr_iteration
+    if not WEIGHTS_DUMP or it in _dumped:
+        return
+    _dumped.add(it)
+    if dist.get_rank() == 0:
+        torch.save({n: p.detach().double().cpu().clone() for n, p in model.named_parameters()},
+                   f"{WEIGHTS_DUMP}.it{it}.pt")
 
 
 def add_args(parser):
@@ -184,6 +248,10 @@ def add_args(parser):
     group.add_argument("--dynamic-cp-mix", choices=["long-tail", "uniform"], default="long-tail")
     group.add_argument("--dynamic-cp-lengths", default=None, help="file of document lengths (overrides the mix)")
     group.add_argument("--dynamic-cp-batches", type=int, default=1, help="global batches to plan")
+    group = parser.add_argument_group("documents (megatron_ring example)")
+    group.add_argument("--documents", action="store_true",
+                       help="samples are three documents each (cu_seqlens); attention and RoPE stay within documents "
+                            "(implied by --hybrid-context-parallel; without it: the fixed-CP reference)")
     return parser
 
 
