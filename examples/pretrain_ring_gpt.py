@@ -172,7 +172,7 @@ def _log_loss(loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
 def _log_local_loss(loss_sum: torch.Tensor, tokens: torch.Tensor, iteration: int, group_size: int) -> None:
     """Documents mode: each rank appends ``iteration loss_sum tokens group_size`` of its own tokens (and the
     CP size the call ran on) to LOSS_LOG.rank<r>; sum the files per iteration for the global batch."""
-    if LOSS_LOG:
+    if LOSS_LOG and ps.get_tensor_model_parallel_rank() == 0:  # TP peers hold the same loss
         with open(f"{LOSS_LOG}.rank{dist.get_rank()}", "a") as f:
             f.write(f"{iteration} {loss_sum.double().item():.17g} {tokens.double().item():.17g} {group_size}\n")
 
@@ -189,7 +189,7 @@ def forward_step(data_iterator, model):
     args = get_args()
     _dump_weights(model, args)
     if args.hybrid_context_parallel:  # one document per call, on the group of local_cp_size ranks
-        sample = next(data_iterator)
+        sample = next(data_iterator) if data_iterator is not None else None  # None: TP rank > 0
         batch, packed = get_hybrid_cp_batch(sample, layout=args.cp_layout)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed)
         return output, partial(loss_func, batch["loss_mask"], group_size=packed.local_cp_size)

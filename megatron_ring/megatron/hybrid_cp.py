@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -38,15 +39,48 @@ def hybrid_cp_group(local_cp_size: int) -> Any:
     return ps.get_hybrid_data_context_parallel_groups(group_size=local_cp_size)
 
 
-def get_hybrid_cp_batch(sample: Mapping[str, Any], *, layout: str | None = None
+def _from_first_tp_rank(sample: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """With tensor parallelism, megatron-core's hybrid-CP loop gives the sample to the first TP rank only
+    (the others get ``data_iterator=None``): broadcast it over the TP group, as Megatron's ``get_batch``
+    does for fixed CP."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        if sample is None:
+            raise ValueError("no hybrid-CP sample (data_iterator is None) and no tensor-parallel peer to get it from")
+        return sample
+    group, src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
+    first = ps.get_tensor_model_parallel_rank() == 0
+    if first and sample is None:
+        raise ValueError("the first tensor-parallel rank got no hybrid-CP sample")
+    device = sample["tokens"].device if first else (torch.device("cuda", torch.cuda.current_device())
+                                                    if torch.cuda.is_available() else torch.device("cpu"))
+    head = torch.zeros(2, dtype=torch.int64, device=device)
+    if first:
+        size = sample["local_cp_size"]
+        head[0], head[1] = sample["tokens"].numel(), int(size.item()) if isinstance(size, torch.Tensor) else int(size)
+    dist.broadcast(head, src, group=group)
+    length, size = int(head[0]), int(head[1])
+    out: dict[str, Any] = {"local_cp_size": size}
+    for key, dtype in (("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32)):
+        t = sample[key].to(device, dtype) if first else torch.empty(length, dtype=dtype, device=device)
+        dist.broadcast(t, src, group=group)
+        out[key] = t
+    return out
+
+
+def get_hybrid_cp_batch(sample: Mapping[str, Any] | None, *, layout: str | None = None
                         ) -> tuple[dict[str, torch.Tensor], PackedSeqParams]:
     """(this rank's part of the document ``[1, L / p]``, its ``PackedSeqParams``) for one hybrid-CP sample.
 
-    ``position_ids`` are rebuilt as ``0..L-1`` (positions within the document); the ring's packed RoPE
-    uses the document boundaries, so they matter only to learned position embeddings."""
-    if "local_cp_size" not in sample:
+    ``sample`` is what the hybrid-CP loop's one-sample iterator yields, or None on tensor-parallel ranks
+    other than the first (whose iterator Megatron leaves None): those receive it by broadcast over the TP
+    group. ``position_ids`` are rebuilt as ``0..L-1`` (positions within the document); the ring's packed
+    RoPE uses the document boundaries, so they matter only to learned position embeddings."""
+    if sample is not None and "local_cp_size" not in sample:
         raise ValueError("the sample has no 'local_cp_size': get_hybrid_cp_batch is for the samples megatron-core's "
                          "hybrid-CP loop (--hybrid-context-parallel) hands to forward_step")
+    sample = _from_first_tp_rank(sample)
     size = sample["local_cp_size"]
     size = int(size.item()) if isinstance(size, torch.Tensor) else int(size)
     tokens = sample["tokens"]
