@@ -248,6 +248,9 @@ def add_args(parser):
     group.add_argument("--dynamic-cp-mix", choices=["long-tail", "uniform"], default="long-tail")
     group.add_argument("--dynamic-cp-lengths", default=None, help="file of document lengths (overrides the mix)")
     group.add_argument("--dynamic-cp-batches", type=int, default=1, help="global batches to plan")
+    group.add_argument("--ring-cp-scheduler", action="store_true",
+                       help="with --hybrid-context-parallel: our scheduler (cost model) instead of Megatron's "
+                            "BalancedCPScheduler in Megatron's hybrid-CP data path")
     group = parser.add_argument_group("documents (megatron_ring example)")
     group.add_argument("--documents", action="store_true",
                        help="samples are three documents each (cu_seqlens); attention and RoPE stay within documents "
@@ -255,16 +258,10 @@ def add_args(parser):
     return parser
 
 
-def plan_dynamic_cp(args) -> None:
-    """Rank 0 prints the plan of each of the first --dynamic-cp-batches global batches: documents from
-    the file (cut into global batches of --global-batch-size documents) or the seeded mix."""
-    if not getattr(args, "dynamic_cp", False) or dist.get_rank() != 0:
-        return
+def _problem_and_machine(args):
+    """The attention shape per TP rank and rough machine numbers (GPU-class, or this CPU's) for the cost model."""
     from megatron_ring import Machine, Problem
-    from megatron_ring.tools import dynamic_plan as dp
 
-    world = dist.get_world_size() // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
-    cap = getattr(args, "max_seqlen_per_dp_cp_rank", None) or args.seq_length
     heads = args.num_attention_heads // args.tensor_model_parallel_size
     groups = (args.num_query_groups or args.num_attention_heads) // args.tensor_model_parallel_size
     pb = Problem(batch=1, seq=0, heads=heads, kv_heads=max(1, groups), head_dim=args.kv_channels,
@@ -272,6 +269,51 @@ def plan_dynamic_cp(args) -> None:
     m = Machine(flops=400e12, bw_intra=300e9, bw_inter=50e9, gpus_per_node=8, latency=20e-6, call_overhead=20e-6) \
         if torch.cuda.is_available() else Machine(flops=5e9, bw_intra=5e8, latency=1e-3, call_overhead=2e-4,
                                                   overlap=0.0)
+    return pb, m
+
+
+@contextlib.contextmanager
+def ring_cp_scheduler():
+    """With --ring-cp-scheduler: megatron.training builds its HybridCPDataLoaderWrapper as usual, and our
+    RingCPScheduler (cost model, aligned power-of-two groups, one round) replaces its BalancedCPScheduler
+    (the seam: ``use_ring_scheduler``; docs/dynamic_cp.md)."""
+    import megatron.training.training as training
+
+    base = getattr(training, "HybridCPDataLoaderWrapper", None)
+    if base is None:  # this megatron.training has no hybrid-CP data path
+        yield
+        return
+
+    def wrapper(data_iterator, config, *rest, **kwargs):
+        made = base(data_iterator, config, *rest, **kwargs)
+        args = get_args()
+        if getattr(args, "ring_cp_scheduler", False):
+            from megatron_ring.megatron.dynamic_cp import use_ring_scheduler
+
+            pb, m = _problem_and_machine(args)
+            use_ring_scheduler(made, problem=pb, machine=m, seed=args.seed)
+            if dist.get_rank() == 0:
+                print("[ring-cp-scheduler] RingCPScheduler replaces BalancedCPScheduler in Megatron's hybrid-CP "
+                      "data path", flush=True)
+        return made
+
+    training.HybridCPDataLoaderWrapper = wrapper
+    try:
+        yield
+    finally:
+        training.HybridCPDataLoaderWrapper = base
+
+
+def plan_dynamic_cp(args) -> None:
+    """Rank 0 prints the plan of each of the first --dynamic-cp-batches global batches: documents from
+    the file (cut into global batches of --global-batch-size documents) or the seeded mix."""
+    if not getattr(args, "dynamic_cp", False) or dist.get_rank() != 0:
+        return
+    from megatron_ring.tools import dynamic_plan as dp
+
+    world = dist.get_world_size() // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    cap = getattr(args, "max_seqlen_per_dp_cp_rank", None) or args.seq_length
+    pb, m = _problem_and_machine(args)
     n = args.global_batch_size
     every = dp.read_lengths(args.dynamic_cp_lengths) if args.dynamic_cp_lengths else None
     for b in range(args.dynamic_cp_batches):
@@ -285,7 +327,7 @@ def plan_dynamic_cp(args) -> None:
 
 def main() -> None:
     cpu = contextlib.nullcontext() if torch.cuda.is_available() else megatron_training_cpu()
-    with cpu:
+    with cpu, ring_cp_scheduler():
         compat.run_pretrain(pretrain, train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                             forward_step, extra_args_provider=add_args,
                             args_defaults={"tokenizer_type": "NullTokenizer"})

@@ -3,7 +3,8 @@
 megatron-core 0.19's ``pretrain()`` (examples/pretrain_ring_gpt.py) with ``--hybrid-context-parallel
 --calculate-per-token-loss`` on 4 CPU ranks (DP 2 x CP 2 = 4): Megatron's sampler, data wrapper,
 ``BalancedCPScheduler`` and ``hybrid_context_parallel_forward_backward`` run each document of the global
-batch on a group of 1, 2 or 4 ranks; ring attention takes the group from ``packed_seq_params``.
+batch on a group of 1, 2 or 4 ranks; ring attention takes the group from ``packed_seq_params``. A second
+hybrid run swaps our ``RingCPScheduler`` in at Megatron's seam (``--ring-cp-scheduler``).
 
 How the comparison is made: the same 8 samples of 64 tokens (three documents each, lengths multiples of 8,
 from the seeded dataset) form one global batch; the same seed gives the same initial weights (checked);
@@ -56,6 +57,9 @@ RUNS = {  # name: (processes, flags)
     "cp2": (4, "--context-parallel-size 2 --documents"),
     # cap 16 tokens per rank: documents of 8-16 tokens run alone, 24-32 on 2 ranks, 40-48 on 4
     "hybrid": (4, "--context-parallel-size 2 --hybrid-context-parallel --max-seqlen-per-dp-cp-rank 16"),
+    # the same loop with our scheduler at Megatron's seam (RingCPScheduler instead of BalancedCPScheduler)
+    "hybrid-ours": (4, "--context-parallel-size 2 --hybrid-context-parallel --max-seqlen-per-dp-cp-rank 16 "
+                       "--ring-cp-scheduler"),
 }
 TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 LOSS_RTOL = 1e-6
@@ -88,7 +92,7 @@ def _launch(tmp_path, name: str) -> dict:
             tokens[int(it)] += float(t)
             sizes.add(int(g))
     weights = [torch.load(f"{dump}.it{k}.pt") for k in range(ITERS)]
-    return {"loss": dict(loss), "tokens": dict(tokens), "sizes": sizes, "weights": weights}
+    return {"loss": dict(loss), "tokens": dict(tokens), "sizes": sizes, "weights": weights, "stdout": p.stdout}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +113,7 @@ def test_reference_is_meaningful(runs):
     assert max(g.abs().max().item() for g in _grads(ref).values()) > 1e-2, "gradients too small to compare"
 
 
-@pytest.mark.parametrize("name", ["cp2", "hybrid"])
+@pytest.mark.parametrize("name", ["cp2", "hybrid", "hybrid-ours"])
 def test_matches_cp1(runs, name):
     ref, got = runs["cp1"], runs[name]
     assert got["tokens"] == ref["tokens"], (name, got["tokens"])
@@ -126,5 +130,8 @@ def test_matches_cp1(runs, name):
 
 
 def test_hybrid_ran_documents_on_groups_of_1_2_and_4(runs):
-    assert runs["hybrid"]["sizes"] == {1, 2, 4}, runs["hybrid"]["sizes"]
+    for name in ("hybrid", "hybrid-ours"):
+        assert runs[name]["sizes"] == {1, 2, 4}, (name, runs[name]["sizes"])
     assert runs["cp2"]["sizes"] == {2}, runs["cp2"]["sizes"]
+    assert "[ring-cp-scheduler]" in runs["hybrid-ours"]["stdout"], "our scheduler was not swapped in"
+    assert "[ring-cp-scheduler]" not in runs["hybrid"]["stdout"]
