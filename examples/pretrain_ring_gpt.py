@@ -16,11 +16,17 @@ distributed optimizer, the schedule, recompute, logging. This file supplies the 
 * ``forward_step``: the batch split by the configured layout, a CP-aware loss (exact at any CP size);
 * ``train_valid_test_datasets_provider``: a deterministic learnable token stream (no download).
 
+``--hybrid-context-parallel --calculate-per-token-loss --max-seqlen-per-dp-cp-rank N`` runs Megatron's own
+hybrid-CP loop with the ring: samples carry three documents each (``cu_seqlens``), Megatron's data wrapper
+and scheduler give each document a group of DP x CP ranks, and ``forward_step`` runs it on that group
+(:func:`megatron_ring.megatron.get_hybrid_cp_batch`). ``--ring-cp-scheduler`` swaps our
+scheduler in for Megatron's. ``--documents`` runs the same documents at a fixed CP size (the reference:
+document-masked attention, RoPE per document; at CP = 1 one document per call through Megatron's local
+attention). See docs/dynamic_cp.md.
+
 ``--dynamic-cp`` (with ``--dynamic-cp-mix long-tail|uniform`` or ``--dynamic-cp-lengths FILE``) prints, per
 global batch for the first ``--dynamic-cp-batches`` ones, the schedule of our dynamic-CP scheduler vs
-Megatron's hybrid-CP policy vs fixed CP sizes (predicted; see docs/dynamic_cp.md). It plans only: running
-each document on its own group inside this loop needs per-call groups in the attention and Megatron's
-hybrid-CP loop (issue 21 points 1 and 2), and a document-packed dataset.
+Megatron's hybrid-CP policy vs fixed CP sizes (predicted; see docs/dynamic_cp.md). It plans only.
 
 Needs ``megatron.training`` (shipped in the megatron-core wheel from 0.19, or a Megatron-LM checkout on
 PYTHONPATH). ``--attention-backend local`` would mean Megatron's attention: it is refused at CP > 1.
@@ -50,10 +56,9 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.training import get_args, pretrain  # noqa: E402
 from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
 
-from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_batch_on_this_cp_rank, get_gpt_layer_ring_spec, initialize_context_parallel, is_context_parallel_initialized, use_layout_rope)  # noqa: E402
+from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_batch_on_this_cp_rank, get_hybrid_cp_batch, get_gpt_layer_ring_spec, initialize_context_parallel, is_context_parallel_initialized, use_layout_rope)  # noqa: E402
 from megatron_ring.megatron import compat  # noqa: E402
 from megatron_ring.megatron.megatron_lm import check_attention_backend, uses_ring_attention  # noqa: E402
-from megatron_ring.megatron.hybrid_cp import get_hybrid_cp_batch  # noqa: E402
 from megatron_ring.megatron.training_cpu import megatron_training_cpu  # noqa: E402
 
 
