@@ -16,6 +16,7 @@ from megatron_ring.megatron.arguments import add_context_parallel_args, config_f
 from megatron_ring.megatron.attention import RingDotProductAttention
 from megatron_ring.megatron.batch import cp_positions, get_batch_on_this_cp_rank
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig
+from megatron_ring.megatron.hybrid_cp import get_hybrid_cp_batch
 from megatron_ring.megatron.cpu import cpu_support_enabled, disable_cpu_support, enable_cpu_support, megatron_cpu
 from megatron_ring.megatron.layer_spec import get_gpt_layer_ring_spec, with_ring_attention
 from megatron_ring.megatron.megatron_lm import use_ring_attention_in_gpt_config, uses_ring_attention
@@ -31,5 +32,5 @@ __all__ = [
     "LayoutRotaryEmbedding", "use_layout_rope", "get_batch_on_this_cp_rank", "cp_positions",
     "reduce_loss_over_cp", "allreduce_gradients", "CPLoss", "megatron_cpu", "enable_cpu_support",
     "disable_cpu_support", "cpu_support_enabled", "use_ring_attention_in_gpt_config", "uses_ring_attention",
-    "ring_layer_spec", "ring_spec",
+    "ring_layer_spec", "ring_spec", "get_hybrid_cp_batch",
 ]

@@ -109,3 +109,45 @@ def collection_registration_worker(rank: int, world: int) -> dict[str, Any]:
                 "parallel_state_built": ps.model_parallel_is_initialized()}
     finally:
         destroy_context_parallel()
+
+
+def hybrid_batch_worker(rank: int, world: int) -> dict[str, Any]:
+    """World 4, TP 2 x CP 2 with megatron-core's hybrid groups (DP x CP = 2): ``get_hybrid_cp_batch`` on a
+    16-token document, given to the first TP rank only (Megatron's hybrid loop leaves the others' iterator
+    None), for local_cp_size 1 and 2; and a 10-token document on 2 ranks (zigzag needs a multiple of 4)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ring import get_layout
+    from megatron_ring.megatron import get_hybrid_cp_batch
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2,
+                                 hybrid_context_parallel=True)
+    first = ps.get_tensor_model_parallel_rank() == 0
+    out: dict[str, Any] = {}
+    try:
+        for size in (1, 2):
+            n = 16
+            sample = {"tokens": torch.arange(n) + 100, "labels": torch.arange(n) + 200,
+                      "loss_mask": torch.ones(n), "position_ids": torch.arange(n),
+                      "local_cp_size": torch.tensor(size, dtype=torch.int32)} if first else None
+            batch, params = get_hybrid_cp_batch(sample, layout="zigzag")
+            group = ps.get_hybrid_data_context_parallel_groups(group_size=2)
+            pos = get_layout("zigzag").positions(n, 2, group.rank()) if size == 2 else torch.arange(n)
+            out[size] = {
+                "tokens_ok": batch["tokens"].equal((pos + 100).view(1, -1)),
+                "labels_ok": batch["labels"].equal((pos + 200).view(1, -1)),
+                "positions_ok": batch["position_ids"].equal(pos.view(1, -1)),
+                "mask_ok": batch["loss_mask"].equal(torch.ones(1, pos.numel())),
+                "group_ok": params.cp_group is (group if size == 2 else None),
+                "local_cp_size": params.local_cp_size, "cu": params.cu_seqlens_q.tolist(),
+                "qkv_format": params.qkv_format}
+        sample = {"tokens": torch.arange(10), "labels": torch.arange(10), "loss_mask": torch.ones(10),
+                  "local_cp_size": 2} if first else None
+        try:
+            get_hybrid_cp_batch(sample, layout="zigzag")
+            out["uneven"] = "no error"
+        except ValueError as e:
+            out["uneven"] = str(e)
+    finally:
+        ps.destroy_model_parallel()
+    return out
