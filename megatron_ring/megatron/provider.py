@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig
+from megatron_ring.megatron.groups import group_ranks
 
 __all__ = [
     "RingState",
@@ -59,10 +60,6 @@ class RingState:
 
 
 _STATE: RingState | None = None
-
-
-def _ranks(group: Any) -> tuple[int, ...]:
-    return tuple(dist.get_process_group_ranks(group))
 
 
 def initialize_context_parallel(config: RingConfig | None = None, *, context_parallel_size: int | None = None,
@@ -133,7 +130,7 @@ def initialize_context_parallel(config: RingConfig | None = None, *, context_par
                                      context_parallel_size=cp, **model_parallel_kwargs)
 
     group = ps.get_context_parallel_group()
-    ranks = _ranks(group)
+    ranks = group_ranks(group)
     me = dist.get_rank()
     _check_orthogonal(ps, me, ranks)
     r = ranks.index(me)
@@ -159,7 +156,7 @@ def _register_collection(config: RingConfig, pg_collection: Any, seq_length: int
     if group is None:
         raise ContextParallelConfigError("--context-parallel-size", "pg_collection has no 'cp' group; build the "
                                                                     "collection with a CP dimension")
-    ranks = _ranks(group)
+    ranks = group_ranks(group)
     if len(ranks) != config.context_parallel_size:
         raise ContextParallelConfigError(
             "--context-parallel-size", f"pg_collection.cp has {len(ranks)} ranks but the ring config asks for "
@@ -209,12 +206,12 @@ def _check_orthogonal(ps: Any, me: int, cp_ranks: tuple[int, ...]) -> None:
     for name, group in (("tensor", ps.get_tensor_model_parallel_group()),
                         ("pipeline", ps.get_pipeline_model_parallel_group()),
                         ("data", ps.get_data_parallel_group(with_context_parallel=False))):
-        other = set(_ranks(group))
+        other = set(group_ranks(group))
         if cp & other != {me}:
             raise RuntimeError(f"context-parallel group {sorted(cp)} is not orthogonal to the {name}-parallel "
                                f"group {sorted(other)} of rank {me}; check the rank order "
                                "(order= of initialize_model_parallel)")
-    dpcp = set(_ranks(ps.get_data_parallel_group(with_context_parallel=True)))
+    dpcp = set(group_ranks(ps.get_data_parallel_group(with_context_parallel=True)))
     dp = ps.get_data_parallel_world_size(with_context_parallel=False)
     if not cp <= dpcp or len(dpcp) != dp * len(cp):
         raise RuntimeError(f"the DP x CP gradient group {sorted(dpcp)} of rank {me} does not contain the "
