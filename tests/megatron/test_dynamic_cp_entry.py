@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from megatron_ring.megatron.compat import has_megatron_training
-from test_pretrain_loop import CPU, MODEL, SCRIPT, TIMEOUT, _free_port
+from pretrain_cli import free_port
+from test_pretrain_loop import CPU, MODEL, SCRIPT, TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_megatron_training(),
                                                    reason="megatron.training is not installed")]
@@ -18,7 +19,7 @@ def test_entry_script_plans_dynamic_cp(tmp_path):
     lens.write_text("40 8 8 16\n64 4 4 4  # second global batch\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(SCRIPT)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), SCRIPT, *MODEL, *CPU, "--context-parallel-size", "2",
+           "--master-port", str(free_port()), SCRIPT, *MODEL, *CPU, "--context-parallel-size", "2",
            "--dynamic-cp", "--dynamic-cp-lengths", str(lens), "--dynamic-cp-batches", "2"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]

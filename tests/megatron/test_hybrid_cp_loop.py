@@ -23,12 +23,12 @@ relative; gradients 1e-6 absolute (fp32 weights resolve (w1 - w0) / lr to ~1e-7;
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections import defaultdict
 
 import pytest
+from pretrain_cli import CPU_FLAGS, free_port
 
 from megatron_ring.megatron.compat import has_megatron_training
 
@@ -49,9 +49,7 @@ MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-
          "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 --vocab-size 128 "
          "--make-vocab-size-divisible-by 64 --tokenizer-type NullTokenizer --seed 1234 --log-interval 1 "
          "--eval-iters 0 --eval-interval 1000 --calculate-per-token-loss").split()
-CPU = ("--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion "
-       "--transformer-impl local --rerun-mode disabled --no-rope-fusion --no-bias-swiglu-fusion "
-       "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-persist-layer-norm").split()
+CPU = CPU_FLAGS
 RUNS = {  # name: (processes, flags)
     "cp1": (1, "--documents"),
     "cp2": (4, "--context-parallel-size 2 --documents"),
@@ -66,11 +64,6 @@ LOSS_RTOL = 1e-6
 GRAD_ATOL = 1e-6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _launch(tmp_path, name: str) -> dict:
     import torch
@@ -80,7 +73,7 @@ def _launch(tmp_path, name: str) -> dict:
     env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), MEGATRON_RING_WEIGHTS_DUMP=str(dump),
                OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, *MODEL, *CPU, *flags.split()]
+           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *MODEL, *CPU, *flags.split()]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     assert f"iteration        {ITERS}/" in p.stdout, "Megatron's own per-iteration log is missing"

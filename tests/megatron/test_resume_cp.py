@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from pretrain_cli import CPU_FLAGS, free_port, gpt_args
 
 from megatron_ring.megatron.compat import has_megatron_training
 
@@ -45,23 +45,10 @@ SCRIPT = os.path.join(ROOT, "examples", "pretrain_ring_gpt_any_cp.py")
 CORE_WORKER = os.path.join(ROOT, "tests", "megatron", "resume_workers.py")
 ITERS, SAVE_AT = 6, 3
 MICRO_BATCHES = 2  # global batch 4 / (micro batch 2 x DP 1)
-MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
-         "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 "
-         f"--train-iters {ITERS} --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 "
-         "--weight-decay 0.01 --clip-grad 1.0 --position-embedding-type rope --normalization RMSNorm --swiglu "
-         "--disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.1 --hidden-dropout 0 "
-         "--vocab-size 128 --make-vocab-size-divisible-by 64 --tokenizer-type NullTokenizer --seed 1234 "
-         "--log-interval 1 --eval-iters 0 --eval-interval 1000 --ckpt-format torch_dist").split()
-CPU = ("--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion "
-       "--transformer-impl local --rerun-mode disabled --no-rope-fusion --no-bias-swiglu-fusion "
-       "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-persist-layer-norm").split()
+MODEL = gpt_args(ITERS, attention_dropout=0.1, extra="--ckpt-format torch_dist")
+CPU = CPU_FLAGS
 TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pretrain(tmp_path, name: str, cp: int, *extra: str) -> list[float]:
@@ -69,7 +56,7 @@ def pretrain(tmp_path, name: str, cp: int, *extra: str) -> list[float]:
     log = tmp_path / f"{name}.loss"
     env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, *MODEL, *CPU,
+           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *MODEL, *CPU,
            "--context-parallel-size", str(cp), *extra]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
@@ -121,7 +108,7 @@ def core_run(tmp_path, name: str, cp: int, ckpt, start: int, save_at: int | None
     out = tmp_path / f"{name}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), CORE_WORKER, str(cp), str(ckpt), str(start),
+           "127.0.0.1", "--master-port", str(free_port()), CORE_WORKER, str(cp), str(ckpt), str(start),
            str(ITERS), str(-1 if save_at is None else save_at), "1" if load_rng else "0", str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"

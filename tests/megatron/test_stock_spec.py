@@ -13,11 +13,11 @@ Runs where ``megatron.training`` with ``GPTModelBuilder`` is importable (the Pyt
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from pretrain_cli import CPU_FLAGS, free_port, gpt_args
 
 from megatron_ring.megatron.compat import has_megatron_training
 
@@ -39,31 +39,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(HERE, "stock_pretrain_gpt.py")
 ITERS, MICRO = 3, 2
-MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
-         "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 "
-         f"--train-iters {ITERS} --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 "
-         "--weight-decay 0.01 --clip-grad 1.0 --position-embedding-type rope --normalization RMSNorm --swiglu "
-         "--disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 "
-         "--vocab-size 128 --make-vocab-size-divisible-by 64 --tokenizer-type NullTokenizer --seed 1234 "
-         "--log-interval 1 --eval-iters 0 --eval-interval 1000 --distributed-backend gloo "
-         "--use-cpu-initialization --no-gradient-accumulation-fusion --transformer-impl local --rerun-mode disabled "
-         "--no-rope-fusion --no-bias-swiglu-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion "
-         "--no-persist-layer-norm").split()
+MODEL = gpt_args(ITERS) + CPU_FLAGS
 SPEC = ["--spec", "megatron_ring.megatron.spec", "ring_layer_spec"]
 TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp_path, name: str, nproc: int, *extra: str) -> tuple[list[float], str]:
     log = tmp_path / f"{name}.loss"
     env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, *MODEL, "--context-parallel-size", str(nproc),
+           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *MODEL, "--context-parallel-size", str(nproc),
            *extra]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"

@@ -1,0 +1,29 @@
+"""Command lines shared by the tests that launch Megatron's pretrain() with torchrun on CPU."""
+from __future__ import annotations
+
+import socket
+
+#: the flags that make megatron.training run on CPU/gloo through the opt-in (no fusions, no CUDA kernels)
+CPU_FLAGS = ("--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion "
+             "--transformer-impl local --rerun-mode disabled --no-rope-fusion --no-bias-swiglu-fusion "
+             "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-persist-layer-norm").split()
+
+#: the model every model-building test uses: 2 layers, GQA 4/2, RoPE, 64 tokens
+MODEL_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+               "--num-query-groups 2 --seq-length 64 --max-position-embeddings 64 --position-embedding-type rope "
+               "--normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
+               "--hidden-dropout 0 --vocab-size 128 --make-vocab-size-divisible-by 64 --tokenizer-type NullTokenizer "
+               "--seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 1000").split()
+
+
+def gpt_args(iters: int, *, attention_dropout: float = 0.0, extra: str = "") -> list[str]:
+    """The model, a 2 x 2 micro-batch schedule and AdamW with a cosine schedule, for ``iters`` iterations."""
+    return MODEL_FLAGS + (f"--micro-batch-size 2 --global-batch-size 4 --train-iters {iters} --lr 3e-3 "
+                          "--min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 --weight-decay 0.01 "
+                          f"--clip-grad 1.0 --attention-dropout {attention_dropout:g} {extra}").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
