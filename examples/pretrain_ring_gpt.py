@@ -61,12 +61,21 @@ from megatron_ring.megatron import compat  # noqa: E402
 from megatron_ring.megatron.megatron_lm import check_attention_backend, uses_ring_attention  # noqa: E402
 from megatron_ring.megatron.training_cpu import megatron_training_cpu  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pattern_data import PatternDataset  # noqa: E402
+
+
+#: ring attention at every CP size, CP = 1 included (examples/pretrain_ring_gpt_any_cp.py sets it); otherwise
+#: Megatron's own attention at CP = 1, the reference of the parity tests
+RING_AT_EVERY_CP_SIZE = False
+
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     args = get_args()
+    ring = RING_AT_EVERY_CP_SIZE or uses_ring_attention(args)
     if config is None:
         config = core_transformer_config_from_args(args)
-    if uses_ring_attention(args):
+    if ring:
         check_attention_backend(args)  # --attention-backend local would mean Megatron's attention
         # registers the ring on Megatron's CP groups (idempotent); validates --cp-* against the world
         initialize_context_parallel(config_from_args(args), seq_length=args.seq_length)
@@ -81,44 +90,19 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                      parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                      rotary_base=args.rotary_base, **kwargs)
-    if uses_ring_attention(args):
+    if ring:
         use_layout_rope(model)  # RoPE positions follow --cp-layout
     return model
 
 
 HYBRID_DOCS = "--hybrid-context-parallel" in sys.argv or "--documents" in sys.argv  # samples carry cu_seqlens
-DOC_ALIGN = 8  # document lengths are multiples of this: zigzag splits them evenly over groups of up to 4 ranks
-
-
-class PatternDataset(torch.utils.data.Dataset):
-    """Sample i: an arithmetic token sequence mod V with a per-sample start and stride (learnable, no files)."""
-
-    def __init__(self, n: int, seq_length: int, vocab: int, seed: int):
-        self.n, self.s, self.v, self.seed = n, seq_length, vocab, seed
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        start, stride = torch.randint(0, self.v, (2,), generator=g).tolist()
-        seq = (start + (stride % 7 + 1) * torch.arange(self.s + 1)) % self.v
-        noise = torch.rand(self.s + 1, generator=g) < 0.1  # 10% random tokens keep it from being trivial
-        seq = torch.where(noise, torch.randint(0, self.v, (self.s + 1,), generator=g), seq)
-        out = {"tokens": seq[:-1].clone(), "labels": seq[1:].clone(),
-               "loss_mask": torch.ones(self.s), "position_ids": torch.arange(self.s)}
-        if HYBRID_DOCS:  # Megatron's hybrid-CP data path splits samples into documents by cu_seqlens
-            slots = self.s // DOC_ALIGN  # three documents (two cuts), each a multiple of DOC_ALIGN tokens long
-            cut = sorted(torch.randperm(slots - 1, generator=g)[:2].add(1).mul(DOC_ALIGN).tolist())
-            out["cu_seqlens"] = torch.tensor([0, *cut, self.s], dtype=torch.int32)
-        return out
 
 
 def train_valid_test_datasets_provider(num_samples, vp_stage=None):
     args = get_args()
     plan_dynamic_cp(args)
     vocab = args.vocab_size or args.padded_vocab_size
-    return tuple(PatternDataset(max(int(n), 1), args.seq_length, vocab, args.seed + k)
+    return tuple(PatternDataset(max(int(n), 1), args.seq_length, vocab, args.seed + k, documents=HYBRID_DOCS)
                  for k, n in enumerate(num_samples))
 
 

@@ -14,7 +14,8 @@ per (PP, TP) rank, shared over DP x CP. See docs/megatron-runs.md, "Resume at an
     torchrun --nproc-per-node 2 examples/pretrain_ring_gpt_any_cp.py --context-parallel-size 2 \\
         --load ckpt --ckpt-step 4 --ckpt-format torch_dist <the same flags>
 
-The data, forward step and CP-aware loss are examples/pretrain_ring_gpt.py's (imported, not copied).
+The model provider, data, forward step and CP-aware loss are examples/pretrain_ring_gpt.py's (imported,
+not copied), with its switch ``RING_AT_EVERY_CP_SIZE`` on.
 """
 from __future__ import annotations
 
@@ -30,40 +31,18 @@ import pretrain_ring_gpt as base  # noqa: E402  (sets the environment and warnin
 import torch  # noqa: E402
 
 from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.training import get_args, pretrain  # noqa: E402
-from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
+from megatron.training import pretrain  # noqa: E402
 
-from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_gpt_layer_ring_spec, initialize_context_parallel, use_layout_rope)  # noqa: E402
+from megatron_ring.megatron import add_context_parallel_args  # noqa: E402
 from megatron_ring.megatron import compat  # noqa: E402
-from megatron_ring.megatron.megatron_lm import check_attention_backend  # noqa: E402
 from megatron_ring.megatron.training_cpu import megatron_training_cpu  # noqa: E402
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """``GPTModel`` with ring core attention at any CP size (the ring registered on Megatron's CP groups)."""
-    args = get_args()
-    if config is None:
-        config = core_transformer_config_from_args(args)
-    check_attention_backend(args)
-    initialize_context_parallel(config_from_args(args), seq_length=args.seq_length)
-    spec = get_gpt_layer_ring_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
-    kwargs = dict(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-    if pg_collection is not None:
-        kwargs["pg_collection"] = pg_collection
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                     max_sequence_length=args.max_position_embeddings, fp16_lm_cross_entropy=False,
-                     parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                     rotary_base=args.rotary_base, **kwargs)
-    use_layout_rope(model)
-    return model
-
-
 def main() -> None:
+    base.RING_AT_EVERY_CP_SIZE = True
     cpu = contextlib.nullcontext() if torch.cuda.is_available() else megatron_training_cpu()
     with cpu:
-        compat.run_pretrain(pretrain, base.train_valid_test_datasets_provider, model_provider,
+        compat.run_pretrain(pretrain, base.train_valid_test_datasets_provider, base.model_provider,
                             ModelType.encoder_or_decoder, base.forward_step, extra_args_provider=add_context_parallel_args,
                             args_defaults={"tokenizer_type": "NullTokenizer"})
 

@@ -3,6 +3,16 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
+from megatron_ring.megatron.compat import has_megatron_training
+
+#: the marks of a test that runs Megatron-LM's pretrain() (slow; needs megatron.training)
+PRETRAIN_MARKS = [pytest.mark.slow,
+                  pytest.mark.skipif(not has_megatron_training(),
+                                     reason="megatron.training is not installed (megatron-core >= 0.19 wheel or "
+                                            "a Megatron-LM checkout); CI runs this in the Python 3.12 venv")]
+
 #: the flags that make megatron.training run on CPU/gloo through the opt-in (no fusions, no CUDA kernels)
 CPU_FLAGS = ("--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion "
              "--transformer-impl local --rerun-mode disabled --no-rope-fusion --no-bias-swiglu-fusion "

@@ -4,7 +4,7 @@ Built the way Megatron-LM's ``pretrain_gpt.py`` (core_r0.19 / main) builds a run
 -> ``gpt_config_from_args`` (which imports ``--spec``) -> ``pretrain_cfg_container_from_args`` -> ``pretrain``;
 Megatron's own ``get_batch_on_this_cp_rank`` (zigzag) and a ``pretrain_gpt``-style loss (masked sum and
 token count; Megatron's schedule does the CP scaling). Nothing from megatron_ring is called here: the ring
-comes in only through ``--spec``. The data set is a deterministic learnable token stream (no files).
+comes in only through ``--spec``. The data set is the examples' deterministic learnable token stream (examples/pattern_data.py, no files).
 CPU runs enter megatron_ring's scoped CPU opt-in (Megatron's loop assumes CUDA).
 
 Env: ``MEGATRON_RING_LOSS_LOG``: one line per micro-batch on rank 0, loss sum and token count over DP x CP.
@@ -29,24 +29,10 @@ from megatron.training import get_args, pretrain  # noqa: E402
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 
+import sys  # noqa: E402
 
-class PatternDataset(torch.utils.data.Dataset):
-    """Sample i: an arithmetic token sequence mod V with a per-sample start and stride, 10% noise."""
-
-    def __init__(self, n: int, seq_length: int, vocab: int, seed: int):
-        self.n, self.s, self.v, self.seed = n, seq_length, vocab, seed
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        start, stride = torch.randint(0, self.v, (2,), generator=g).tolist()
-        seq = (start + (stride % 7 + 1) * torch.arange(self.s + 1)) % self.v
-        noise = torch.rand(self.s + 1, generator=g) < 0.1
-        seq = torch.where(noise, torch.randint(0, self.v, (self.s + 1,), generator=g), seq)
-        return {"tokens": seq[:-1].clone(), "labels": seq[1:].clone(), "loss_mask": torch.ones(self.s),
-                "position_ids": torch.arange(self.s)}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+from pattern_data import PatternDataset  # noqa: E402  (the examples' synthetic data: no megatron_ring)
 
 
 def datasets_provider(num_samples, vp_stage=None):

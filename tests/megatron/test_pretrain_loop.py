@@ -14,14 +14,10 @@ import subprocess
 import sys
 
 import pytest
-from pretrain_cli import CPU_FLAGS, free_port, gpt_args
+from pretrain_cli import PRETRAIN_MARKS, CPU_FLAGS, free_port, gpt_args
 
-from megatron_ring.megatron.compat import has_megatron_training
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not has_megatron_training(),
-                                 reason="megatron.training is not installed (megatron-core >= 0.19 wheel or "
-                                        "a Megatron-LM checkout); CI runs this in the Python 3.12 venv")]
+pytestmark = PRETRAIN_MARKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_ring_gpt.py")
