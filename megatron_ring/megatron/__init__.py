@@ -23,6 +23,7 @@ from megatron_ring.megatron.megatron_lm import use_ring_attention_in_gpt_config,
 from megatron_ring.megatron.loss import CPLoss, allreduce_gradients, reduce_loss_over_cp
 from megatron_ring.megatron.provider import (RingState, destroy_context_parallel, get_ring_state, initialize_context_parallel, is_context_parallel_initialized)
 from megatron_ring.megatron.rope import LayoutRotaryEmbedding, use_layout_rope
+from megatron_ring.megatron.mtp import cp_invariant_mtp_loss
 from megatron_ring.megatron.spec import ring_layer_spec, ring_spec
 
 __all__ = [
@@ -32,5 +33,5 @@ __all__ = [
     "LayoutRotaryEmbedding", "use_layout_rope", "get_batch_on_this_cp_rank", "cp_positions",
     "reduce_loss_over_cp", "allreduce_gradients", "CPLoss", "megatron_cpu", "enable_cpu_support",
     "disable_cpu_support", "cpu_support_enabled", "use_ring_attention_in_gpt_config", "uses_ring_attention",
-    "ring_layer_spec", "ring_spec", "get_hybrid_cp_batch",
+    "ring_layer_spec", "ring_spec", "cp_invariant_mtp_loss", "get_hybrid_cp_batch",
 ]

@@ -137,7 +137,18 @@ def _ring_mtp(core: Any = None) -> None:
 
             _check_stock_layout()
             out = with_ring_attention(out, _MTP_CORE[0])
-            _announce("multi-token prediction", out, args[0] if args else kwargs.get("config"))
+            from megatron_ring.megatron.mtp import cp_invariant_mtp_loss, mtp_cp_invariant_requested
+
+            config = args[0] if args else kwargs.get("config")
+            exact = mtp_cp_invariant_requested()
+            if exact:
+                cp_invariant_mtp_loss()
+            note = ""
+            if (getattr(_transformer(config), "context_parallel_size", 1) or 1) > 1:
+                note = ("MTP loss weighted as at CP=1 (MEGATRON_RING_MTP_CP_INVARIANT)" if exact else
+                        "MTP loss normalized per CP rank as Megatron does; MEGATRON_RING_MTP_CP_INVARIANT=1 "
+                        "weights it as at CP=1")
+            _announce("multi-token prediction", out, config, note=note)
             return out
 
         wrapped._megatron_ring = True  # type: ignore[attr-defined]
@@ -181,7 +192,7 @@ def describe_core_attention(spec: Any) -> str:
     return ", ".join(f"{k} x{v}" for k, v in seen.items()) or "none"
 
 
-def _announce(where: str, spec: Any, config: Any) -> None:
+def _announce(where: str, spec: Any, config: Any, note: str = "") -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
@@ -197,7 +208,7 @@ def _announce(where: str, spec: Any, config: Any) -> None:
     comm = (model_ct if isinstance(model_ct, str) else ",".join(model_ct)) if model_ct else ",".join(cfg.cp_comm_type)
     print(f"> megatron_ring ({where}): core attention of the layer spec: {describe_core_attention(spec)} "
           f"(CP={getattr(tc, 'context_parallel_size', '?')}, layout {cfg.layout}, wire {cfg.comm_dtype}, "
-          f"comm {comm}; CP group from Megatron at each call)", flush=True)
+          f"comm {comm}; CP group from Megatron at each call){'; ' + note if note else ''}", flush=True)
 
 
 def ring_layer_spec(config: Any, vp_stage: int | None = None) -> Any:

@@ -1,0 +1,77 @@
+"""Multi-token prediction (MTP) at CP > 1: Megatron's MTP loss normalization, made CP-invariant on request.
+
+Megatron (core_v0.16 through main) divides each CP rank's MTP loss by that rank's own count of rolled
+tokens (``roll_tensor(loss_mask)[1]`` is a local sum, never reduced over CP). Rolling drops one token at the
+end of the sequence, and only the CP rank holding that end loses it, so the ranks' counts differ by one and
+each rank's tokens are weighted 1 / (its own count) instead of 1 / (the sequence's count). The main loss
+is not affected. At CP > 1 the MTP gradient therefore differs from CP=1 by O(1 / sequence length) per token,
+whatever the attention: measured on CPU with stock ``pretrain()`` (docs/megatron-runs.md), CP=2 matches
+CP=1 on the first iterations and drifts to ~1e-5 per token by the third.
+
+:func:`cp_invariant_mtp_loss` replaces that count by the sequence's count shared equally by the CP ranks
+(all-reduced over the CP group, divided by its size): every MTP token then carries the weight it has at
+CP=1, for the averaged and the per-token (``--calculate-per-token-loss``) loss alike, and the logged MTP
+loss becomes the sequence mean. Packed (THD) batches are left as Megatron computes them. Opt in with
+``MEGATRON_RING_MTP_CP_INVARIANT=1`` (read when the ring's MTP spec is built) or by calling it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+__all__ = ["MTP_ENV", "cp_invariant_mtp_loss", "mtp_cp_invariant_requested"]
+
+MTP_ENV = "MEGATRON_RING_MTP_CP_INVARIANT"
+
+#: the Megatron modules whose global ``roll_tensor`` computes the MTP token count (0.19/main; 0.16)
+_USERS = ("megatron.core.transformer.multi_token_prediction", "megatron.core.models.gpt.gpt_model")
+
+
+def mtp_cp_invariant_requested() -> bool:
+    """Whether ``MEGATRON_RING_MTP_CP_INVARIANT`` asks for :func:`cp_invariant_mtp_loss`."""
+    from megatron_ring.megatron.config import ContextParallelConfigError
+
+    raw = (os.environ.get(MTP_ENV) or "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ContextParallelConfigError(MTP_ENV, f"must be 1 or 0 (true/false), got {raw!r}")
+
+
+def _with_cp_mean_count(roll: Callable) -> Callable:
+    def roll_tensor(tensor: Any, shifts: int = -1, dims: int = -1, cp_group: Any = None,
+                    packed_seq_params: Any = None) -> Any:
+        rolled, count = roll(tensor, shifts, dims, cp_group, packed_seq_params)
+        if count is None or packed_seq_params is not None or cp_group is None or cp_group.size() == 1:
+            return rolled, count
+        import torch
+        import torch.distributed as dist
+
+        total = count.detach().to(torch.float64)  # a token count: exact in float64
+        dist.all_reduce(total, group=cp_group)
+        return rolled, (total / cp_group.size()).to(count.dtype if count.is_floating_point() else torch.float32)
+
+    roll_tensor._megatron_ring = True  # type: ignore[attr-defined]
+    roll_tensor.__wrapped__ = roll  # type: ignore[attr-defined]
+    return roll_tensor
+
+
+def cp_invariant_mtp_loss() -> list[str]:
+    """Make Megatron's MTP loss weight each token as at CP=1 (module docstring). Idempotent; returns the
+    modules it wrapped (or found wrapped). Each CP rank adds one scalar all-reduce per MTP roll."""
+    import importlib
+
+    done = []
+    for name in _USERS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        fn = getattr(module, "roll_tensor", None)
+        if fn is None:
+            continue
+        if not getattr(fn, "_megatron_ring", False):
+            module.roll_tensor = _with_cp_mean_count(fn)  # type: ignore[attr-defined]
+        done.append(name)
+    return done
