@@ -14,9 +14,13 @@ Stock Megatron-LM (``pretrain_gpt.py``)::
   own spec for the config it is given (dense layer spec, or this stage's entry of the MoE block spec) with
   only core attention swapped. It is still callable as ``ring_layer_spec(config, vp_stage=None)``.
   Which of the two ``ring_layer_spec`` is depends on whether this Megatron-LM has ``GPTModelBuilder``
-  (``megatron/training/models/gpt.py``, looked up without importing it). Multi-token prediction is refused
-  there by name (core_v0.16's builder builds the MTP block from Megatron's own layer spec before any layer
-  of ours exists), as are heterogeneous layer configs.
+  (``megatron/training/models/gpt.py``, looked up without importing it). Refused by name in this form:
+  heterogeneous layer configs (each layer gets a derived config), an MoE block whose final norm would
+  differ from ``TransformerBlock``'s ``LayerNormImpl`` (TransformerEngine installed with the local
+  implementation), and multi-token prediction where the builder builds the MTP block from Megatron's own
+  layer spec (unless :func:`install_mtp_ring_attention` wrapped that builder). core_v0.16.1's own
+  ``gpt_builder`` cannot combine any ``--spec`` with ``--mtp-num-layers`` anyway (``use_te`` is unbound,
+  gpt_builders.py:84).
 
 Megatron-Bridge (any GPT provider)::
 
