@@ -8,7 +8,10 @@
 # through, e.g. MEGATRON_RING_COMM_DTYPE=bf16. Where CUDA is available, drop the CPU opt-in (the module
 # megatron_ring.megatron.training_cpu) and the CPU flags. Needs: torch, megatron-core's dependencies,
 # megatron_ring importable (pip install -e . or PYTHONPATH), and on CPU the checkout's dataset helper built
-# (or copied from the megatron-core 0.19 wheel: megatron/core/datasets/helpers_cpp*.so).
+# (or copied from the megatron-core 0.19 wheel: megatron/core/datasets/helpers_cpp*.so). Works for main,
+# core_r0.19.0 and core_v0.16.1 checkouts; core_v0.16.1's megatron/training also needs triton, six, regex,
+# pyyaml and pydantic (PYTHON=a Python 3.12 with triton, PYTHONPATH=a directory holding the other four: they
+# stay after the checkout and megatron_ring on the path; docs/megatron-runs.md).
 set -euo pipefail
 MLM=$(cd "$1" && pwd); CP=$2; shift 2
 HERE=$(cd "$(dirname "$0")/.." && pwd)
