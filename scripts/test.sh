@@ -2,10 +2,12 @@
 # The test suite on both ends of the supported megatron-core range (extra args go to pytest):
 #   1. .venv    (Python 3.11, megatron-core 0.16.1): pytest "$@" (default: the whole suite, tests/);
 #   2. .venv312 (Python 3.12, megatron-core 0.19.2, ships megatron.training): tests/megatron, which includes
-#      the real-loop tests (Megatron's own pretrain()); only the options of "$@" pass.
+#      the real-loop tests (Megatron's own pretrain()); only the options of "$@" pass;
+#   3. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py.
 # On a machine with NVIDIA GPUs (and a CUDA build of torch in .venv) step 1 also runs tests/gpu (part of
 # tests/; skipped with a reason elsewhere); scripts/gpu_check.sh is the GPU users' one command.
-# Both venvs are set up if needed (idempotent). MEGATRON_RING_SKIP_PY312=1 runs step 1 only.
+# Both venvs are set up if needed (idempotent). MEGATRON_RING_SKIP_PY312=1 runs step 1 only;
+# MEGATRON_RING_SKIP_BRIDGE=1 skips step 3.
 # pytest's exit code 5 ("no tests collected", e.g. a -k that selects nothing in one venv) is not a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +27,14 @@ if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   MEGATRON_RING_FLAVOR=py312 bash scripts/setup_env.sh test || exit $?
   opts=(); for a in "$@"; do [[ "$a" == -* ]] && opts+=("$a"); done
   echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron"
-  run_pytest .venv312 "${opts[@]}" tests/megatron; rc312=$?
+  run_pytest .venv312 "${opts[@]}" tests/megatron --ignore=tests/megatron/test_bridge.py; rc312=$?
 fi
-echo "[test] Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312"
-[ "$rc311" -eq 0 ] && [ "$rc312" -eq 0 ]
+rcbridge=0
+if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then
+  bash scripts/setup_bridge.sh || exit $?
+  echo "[test] Megatron-Bridge $(PYTHONPATH=.bridge312 .venv312/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))'), Python 3.12: tests/megatron/test_bridge.py"
+  PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" tests/megatron/test_bridge.py
+  rcbridge=$?
+fi
+echo "[test] Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312; Megatron-Bridge: rc=$rcbridge"
+[ "$rc311" -eq 0 ] && [ "$rc312" -eq 0 ] && [ "$rcbridge" -eq 0 ]
