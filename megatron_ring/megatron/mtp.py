@@ -16,10 +16,16 @@ loss becomes the sequence mean. Packed (THD) batches are left as Megatron comput
 """
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Callable
 
-__all__ = ["MTP_ENV", "cp_invariant_mtp_loss", "mtp_cp_invariant_requested"]
+import torch
+import torch.distributed as dist
+
+from megatron_ring.megatron.config import ContextParallelConfigError
+
+__all__ = ["MTP_ENV", "cp_invariant_mtp_loss", "mtp_cp_invariant_requested", "apply_mtp_loss_choice"]
 
 MTP_ENV = "MEGATRON_RING_MTP_CP_INVARIANT"
 
@@ -29,8 +35,6 @@ _USERS = ("megatron.core.transformer.multi_token_prediction", "megatron.core.mod
 
 def mtp_cp_invariant_requested() -> bool:
     """Whether ``MEGATRON_RING_MTP_CP_INVARIANT`` asks for :func:`cp_invariant_mtp_loss`."""
-    from megatron_ring.megatron.config import ContextParallelConfigError
-
     raw = (os.environ.get(MTP_ENV) or "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return False
@@ -45,9 +49,6 @@ def _with_cp_mean_count(roll: Callable) -> Callable:
         rolled, count = roll(tensor, shifts, dims, cp_group, packed_seq_params)
         if count is None or packed_seq_params is not None or cp_group is None or cp_group.size() == 1:
             return rolled, count
-        import torch
-        import torch.distributed as dist
-
         total = count.detach().to(torch.float64)  # a token count: exact in float64
         dist.all_reduce(total, group=cp_group)
         return rolled, (total / cp_group.size()).to(count.dtype if count.is_floating_point() else torch.float32)
@@ -60,8 +61,6 @@ def _with_cp_mean_count(roll: Callable) -> Callable:
 def cp_invariant_mtp_loss() -> list[str]:
     """Make Megatron's MTP loss weight each token as at CP=1 (module docstring). Idempotent; returns the
     modules it wrapped (or found wrapped). Each CP rank adds one scalar all-reduce per MTP roll."""
-    import importlib
-
     done = []
     for name in _USERS:
         try:
@@ -75,3 +74,15 @@ def cp_invariant_mtp_loss() -> list[str]:
             module.roll_tensor = _with_cp_mean_count(fn)  # type: ignore[attr-defined]
         done.append(name)
     return done
+
+
+def apply_mtp_loss_choice(cp_size: int) -> str:
+    """When the ring's MTP spec is built: apply :func:`cp_invariant_mtp_loss` if the environment asks; the
+    start-up note on the MTP loss normalization at ``cp_size`` (empty at CP=1, where both agree)."""
+    exact = mtp_cp_invariant_requested()
+    if exact:
+        cp_invariant_mtp_loss()
+    if cp_size <= 1:
+        return ""
+    return (f"MTP loss weighted as at CP=1 ({MTP_ENV})" if exact else
+            f"MTP loss normalized per CP rank as Megatron does; {MTP_ENV}=1 weights it as at CP=1")

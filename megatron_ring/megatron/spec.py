@@ -130,23 +130,27 @@ def _spec_from_transformer_config(tc: Any, vp_stage: int | None, pp_rank: int | 
 
 _MTP_CORE: list[Any] = []  # the core attention the wrapped MTP builders swap in (set by the last installer)
 
+#: Megatron-LM's builders of the multi-token-prediction block, (module, function): main / r0.19, and the
+#: top-level ``gpt_builders`` of the core_v0.16 / v0.19 tags
+_MTP_BUILDERS = (("megatron.training.models.gpt", "mtp_block_spec"), ("gpt_builders", "get_gpt_mtp_block_spec"))
+
+
+def _mtp_builders() -> list[tuple[Any, str]]:
+    """The (module, function name) pairs of :data:`_MTP_BUILDERS` whose module is loaded, after importing
+    ``megatron.training.models.gpt`` where it exists (``gpt_builders`` is never imported)."""
+    try:
+        import megatron.training.models.gpt  # noqa: F401
+    except ImportError:
+        pass
+    return [(sys.modules[m], name) for m, name in _MTP_BUILDERS if m in sys.modules]
+
 
 def _ring_mtp(core: Any = None) -> None:
     """Give multi-token-prediction layers ring attention: Megatron rebuilds the MTP block from its own
-    layer specs (``mtp_block_spec`` in Megatron-LM main / r0.19, ``get_gpt_mtp_block_spec`` in the
-    core_v0.16 ``gpt_builders``), not from ``--spec``. Wraps those builders once (idempotent).
+    layer specs (:data:`_MTP_BUILDERS`), not from ``--spec``. Wraps those builders once (idempotent).
     ``core``: the core attention to swap in (default: the stock-split ring core attention)."""
     _MTP_CORE[:] = [core if core is not None else _ring_core()]
-    targets = []
-    try:
-        import megatron.training.models.gpt as gpt_models
-
-        targets.append((gpt_models, "mtp_block_spec"))
-    except ImportError:
-        pass
-    if "gpt_builders" in sys.modules:  # Megatron-LM's top-level gpt_builders (core_v0.16 / v0.19 tags)
-        targets.append((sys.modules["gpt_builders"], "get_gpt_mtp_block_spec"))
-    for module, name in targets:
+    for module, name in _mtp_builders():
         fn = getattr(module, name, None)
         if fn is None or getattr(fn, "_megatron_ring", False):
             continue
@@ -156,20 +160,12 @@ def _ring_mtp(core: Any = None) -> None:
             if out is None:
                 return out
             from megatron_ring.megatron.layer_spec import with_ring_attention
+            from megatron_ring.megatron.mtp import apply_mtp_loss_choice
 
             _check_stock_layout()
             out = with_ring_attention(out, _MTP_CORE[0])
-            from megatron_ring.megatron.mtp import cp_invariant_mtp_loss, mtp_cp_invariant_requested
-
             config = args[0] if args else kwargs.get("config")
-            exact = mtp_cp_invariant_requested()
-            if exact:
-                cp_invariant_mtp_loss()
-            note = ""
-            if (getattr(_transformer(config), "context_parallel_size", 1) or 1) > 1:
-                note = ("MTP loss weighted as at CP=1 (MEGATRON_RING_MTP_CP_INVARIANT)" if exact else
-                        "MTP loss normalized per CP rank as Megatron does; MEGATRON_RING_MTP_CP_INVARIANT=1 "
-                        "weights it as at CP=1")
+            note = apply_mtp_loss_choice(getattr(_transformer(config), "context_parallel_size", 1) or 1)
             _announce("multi-token prediction", out, config, note=note)
             return out
 
@@ -247,8 +243,7 @@ def _refuse_unswapped_mtp(tc: Any) -> None:
     is builds that block from Megatron's own layer spec first. Refused unless that builder was wrapped."""
     if not getattr(tc, "mtp_num_layers", None):
         return
-    for module_name, fn_name in (("gpt_builders", "get_gpt_mtp_block_spec"),
-                                 ("megatron.training.models.gpt", "mtp_block_spec")):
+    for module_name, fn_name in _MTP_BUILDERS:
         fn = getattr(sys.modules.get(module_name), fn_name, None)
         if fn is not None and not getattr(fn, "_megatron_ring", False):
             raise NotImplementedError(
