@@ -58,8 +58,8 @@ from megatron.training.arguments import core_transformer_config_from_args  # noq
 
 from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_batch_on_this_cp_rank, get_hybrid_cp_batch, get_gpt_layer_ring_spec, initialize_context_parallel, is_context_parallel_initialized, use_layout_rope)  # noqa: E402
 from megatron_ring.megatron import compat  # noqa: E402
-from megatron_ring.megatron.megatron_lm import check_attention_backend, uses_ring_attention  # noqa: E402
-from megatron_ring.megatron.training_cpu import megatron_training_cpu  # noqa: E402
+from megatron_ring.megatron.spec.megatron_lm import check_attention_backend, uses_ring_attention  # noqa: E402
+from megatron_ring.megatron.cpu.training import megatron_training_cpu  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pattern_data import PatternDataset  # noqa: E402
@@ -277,7 +277,7 @@ def ring_cp_scheduler():
         made = base(data_iterator, config, *rest, **kwargs)
         args = get_args()
         if getattr(args, "ring_cp_scheduler", False):
-            from megatron_ring.megatron.dynamic_cp import use_ring_scheduler
+            from megatron_ring.megatron.groups.dynamic_cp import use_ring_scheduler
 
             pb, m = _problem_and_machine(args)
             use_ring_scheduler(made, problem=pb, machine=m, seed=args.seed)

@@ -39,7 +39,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_ring.megatron import (add_context_parallel_args, allreduce_gradients, config_from_args, get_batch_on_this_cp_rank, get_gpt_layer_ring_spec, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp, use_layout_rope)  # noqa: E402
-from megatron_ring.megatron.documents import packed_batch  # noqa: E402
+from megatron_ring.megatron.data.documents import packed_batch  # noqa: E402
 
 VOCAB = 256  # bytes
 
@@ -119,7 +119,7 @@ def _pack(rows: torch.Tensor, args: argparse.Namespace, g: torch.Generator) -> d
     """Each row becomes documents of random lengths (exponential, mean --mean-doc-length, 1 and
     longer-than-a-shard included) separated by EOD; the document mask and restarting position ids are
     what Megatron's --reset-attention-mask --reset-position-ids build."""
-    from megatron_ring.megatron.documents import document_mask
+    from megatron_ring.megatron.data.documents import document_mask
 
     rows = rows.clone()
     s = args.seq_length

@@ -166,3 +166,54 @@ def test_the_rules_see_the_package():
     assert ("megatron_ring.schedules.layouts" in {m for m, *_ in edges["megatron_ring.core.engine"]})
     parts = {_part(_module_name(p)) for p in _sources()}
     assert parts <= set(ALLOWED) | {"leaf"}, parts
+
+
+# The glue's own layout (docs/design.md, "The Megatron glue"): subpackage -> the glue parts it may import.
+# "base" is compat, config, arguments and env; the glue's __init__ (its face) may import everything.
+GLUE_ALLOWED = {
+    "base": {"base"},
+    "groups": {"base"},
+    "data": {"base", "groups"},
+    "attention": {"base", "groups", "data"},
+    "spec": {"base", "groups", "data", "attention"},
+    "cpu": {"base"},
+}
+GLUE_BASE = {"compat", "config", "arguments", "env"}
+
+
+def _glue_part(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["megatron_ring", "megatron"]:
+        return None
+    if len(parts) == 2:
+        return "face"
+    return "base" if parts[2] in GLUE_BASE else parts[2]
+
+
+def test_the_glue_is_split_by_entry_path():
+    bad = []
+    glue = {_module_name(p) for p in _sources() if _glue_part(_module_name(p))}
+    for me, targets in _edges().items():
+        mine = _glue_part(me)
+        if mine in (None, "face"):
+            continue
+        assert mine in GLUE_ALLOWED, f"{me}: a glue module outside the known subpackages ({sorted(GLUE_ALLOWED)})"
+        for mod, line, face, path in targets:
+            theirs = _glue_part(mod if mod in glue else mod.rsplit(".", 1)[0])
+            if theirs is None or theirs == mine:
+                continue
+            if theirs not in GLUE_ALLOWED[mine]:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line}: glue {mine} imports glue {theirs} ({mod})")
+    assert not bad, "\n".join(bad)
+
+
+def test_only_compat_knows_megatron_versions():
+    """Version detection (megatron-core's version, or which Megatron-LM files exist) lives in compat.py only."""
+    markers = ("package_info", "mcore_version", "importlib.metadata", "find_spec(\"megatron", "__version__")
+    bad = []
+    for path in _sources():
+        if _glue_part(_module_name(path)) is None or path.name == "compat.py":
+            continue
+        text = path.read_text()
+        bad += [f"{path.relative_to(ROOT.parent)}: {m}" for m in markers if m in text]
+    assert not bad, "version knowledge outside megatron_ring/megatron/compat.py:\n" + "\n".join(bad)

@@ -1,7 +1,7 @@
 """Megatron-Core integration of megatron_ring (the only subpackage that imports megatron).
 
 Stock Megatron-LM: ``--spec megatron_ring.megatron.spec ring_layer_spec``; Megatron-Bridge:
-``cfg.model.transformer_layer_spec = ring_spec(cfg.model.transformer_layer_spec)`` (see :mod:`.spec`).
+``cfg.model.transformer_layer_spec = ring_spec(cfg.model.transformer_layer_spec)`` (see :mod:`megatron_ring.megatron.spec`).
 
 Typical use in your own loop (see examples/train_gpt.py)::
 
@@ -13,17 +13,17 @@ Typical use in your own loop (see examples/train_gpt.py)::
     batch = get_batch_on_this_cp_rank(batch)
 """
 from megatron_ring.megatron.arguments import add_context_parallel_args, config_from_args
-from megatron_ring.megatron.attention import RingDotProductAttention
-from megatron_ring.megatron.batch import cp_positions, get_batch_on_this_cp_rank
+from megatron_ring.megatron.attention.module import RingDotProductAttention
+from megatron_ring.megatron.data.batch import cp_positions, get_batch_on_this_cp_rank
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig
-from megatron_ring.megatron.hybrid_cp import get_hybrid_cp_batch
-from megatron_ring.megatron.cpu import cpu_support_enabled, disable_cpu_support, enable_cpu_support, megatron_cpu
-from megatron_ring.megatron.layer_spec import get_gpt_layer_ring_spec, with_ring_attention
-from megatron_ring.megatron.megatron_lm import use_ring_attention_in_gpt_config, uses_ring_attention
-from megatron_ring.megatron.loss import CPLoss, allreduce_gradients, reduce_loss_over_cp
-from megatron_ring.megatron.provider import (RingState, destroy_context_parallel, get_ring_state, initialize_context_parallel, is_context_parallel_initialized)
-from megatron_ring.megatron.rope import LayoutRotaryEmbedding, use_layout_rope
-from megatron_ring.megatron.mtp import cp_invariant_mtp_loss
+from megatron_ring.megatron.data.hybrid_cp import get_hybrid_cp_batch
+from megatron_ring.megatron.cpu.core import cpu_support_enabled, disable_cpu_support, enable_cpu_support, megatron_cpu
+from megatron_ring.megatron.spec.layers import get_gpt_layer_ring_spec, with_ring_attention
+from megatron_ring.megatron.spec.megatron_lm import use_ring_attention_in_gpt_config, uses_ring_attention
+from megatron_ring.megatron.data.loss import CPLoss, allreduce_gradients, reduce_loss_over_cp
+from megatron_ring.megatron.groups.provider import (RingState, destroy_context_parallel, get_ring_state, initialize_context_parallel, is_context_parallel_initialized)
+from megatron_ring.megatron.data.rope import LayoutRotaryEmbedding, use_layout_rope
+from megatron_ring.megatron.data.mtp_loss import cp_invariant_mtp_loss
 from megatron_ring.megatron.spec import ring_layer_spec, ring_spec
 
 __all__ = [

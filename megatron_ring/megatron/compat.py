@@ -8,16 +8,27 @@ keyword arguments and feature detection (never version-number checks, never posi
   0.19 also hides the signature behind ``(*args, **kwargs)`` -> ``get_gpt_layer_local_submodules``.
 * ``megatron.core.utils.get_batch_on_this_cp_rank``: 0.16 ``(batch)``; 0.19 ``(batch, is_hybrid_cp, cp_group=...)``.
 * ``megatron.training`` ships in the megatron-core wheel from 0.19 (``has_megatron_training``).
+* How a Megatron-LM builder uses ``--spec``: main / core_r0.19 build GPT models through ``GPTModelBuilder``
+  (``megatron/training/models/gpt.py``), which calls the object with a ``GPTModelConfig``
+  (``gpt_builder_calls_spec``, ``is_gpt_model_config``, ``default_gpt_layer_spec``); core_v0.16 hands it to
+  ``GPTModel`` as it is.
+* Where Megatron-LM rebuilds the multi-token-prediction block from its own layer specs
+  (``MTP_BLOCK_BUILDERS``) and which modules compute the MTP token count (``MTP_ROLL_TENSOR_USERS``).
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
 from typing import Any, Callable
 
 __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gpt_layer_local_spec",
-           "megatron_get_batch_on_this_cp_rank", "has_megatron_training", "run_pretrain"]
+           "megatron_get_batch_on_this_cp_rank", "has_megatron_training", "run_pretrain", "gpt_builder_calls_spec",
+           "is_gpt_model_config", "default_gpt_layer_spec", "MTP_BLOCK_BUILDERS", "loaded_mtp_block_builders",
+           "MTP_ROLL_TENSOR_USERS"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -123,3 +134,47 @@ def run_pretrain(pretrain: Callable, datasets_provider: Callable, model_provider
                         **kwargs)
     return pretrain(datasets_provider, model_provider, model_type, forward_step,
                     extra_args_provider=extra_args_provider, args_defaults=args_defaults or {}, **kwargs)
+
+
+def gpt_builder_calls_spec() -> bool:
+    """Whether this Megatron-LM builds GPT models through ``GPTModelBuilder`` (main, core_r0.19+), which
+    calls a ``--spec`` callable with the config. Looks for ``megatron/training/models/gpt.py`` in the
+    ``megatron.training`` Python would import, without importing it (core_v0.16 has no such file; a
+    megatron-core wheel without ``megatron.training`` has none either)."""
+    try:
+        found = importlib.util.find_spec("megatron.training")
+    except (ImportError, ValueError):
+        return False
+    places = getattr(found, "submodule_search_locations", None) or []
+    return any(os.path.isfile(os.path.join(p, "models", "gpt.py")) for p in places)
+
+
+def is_gpt_model_config(config: Any) -> bool:
+    """Whether ``config`` is Megatron-LM main / core_r0.19's ``GPTModelConfig`` (it holds the
+    ``TransformerConfig`` as ``.transformer``), not a ``TransformerConfig``."""
+    return hasattr(config, "transformer")
+
+
+def default_gpt_layer_spec(config: Any, vp_stage: int | None) -> Any:
+    """The layer/block spec ``GPTModelBuilder`` builds for a ``GPTModelConfig`` (main / core_r0.19)."""
+    from megatron.training.models.gpt import default_layer_spec
+
+    return default_layer_spec(config, vp_stage)
+
+
+#: Megatron-LM's builders of the multi-token-prediction block, (module, function): main / r0.19, and the
+#: top-level ``gpt_builders`` of the core_v0.16 / v0.19 tags
+MTP_BLOCK_BUILDERS = (("megatron.training.models.gpt", "mtp_block_spec"), ("gpt_builders", "get_gpt_mtp_block_spec"))
+
+#: the Megatron modules whose global ``roll_tensor`` computes the MTP token count (0.19/main; 0.16)
+MTP_ROLL_TENSOR_USERS = ("megatron.core.transformer.multi_token_prediction", "megatron.core.models.gpt.gpt_model")
+
+
+def loaded_mtp_block_builders() -> list[tuple[Any, str]]:
+    """The (module, function name) pairs of :data:`MTP_BLOCK_BUILDERS` whose module is loaded, after importing
+    ``megatron.training.models.gpt`` where it exists (``gpt_builders`` is never imported)."""
+    try:
+        import megatron.training.models.gpt  # noqa: F401
+    except ImportError:
+        pass
+    return [(sys.modules[m], name) for m, name in MTP_BLOCK_BUILDERS if m in sys.modules]

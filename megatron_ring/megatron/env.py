@@ -1,6 +1,6 @@
 """The ``MEGATRON_RING_*`` environment variables: ring options a stock Megatron-LM script cannot pass as flags.
 
-Read when no ring was registered with :func:`~megatron_ring.megatron.provider.initialize_context_parallel`
+Read when no ring was registered with :func:`~megatron_ring.megatron.groups.provider.initialize_context_parallel`
 (stock ``pretrain_gpt.py`` with ``--spec megatron_ring.megatron.spec ring_layer_spec``, Megatron-Bridge with
 :func:`~megatron_ring.megatron.spec.ring_spec`). A registered ring's settings win over the environment.
 

@@ -19,7 +19,7 @@ EOD = 0
 def doc_batch(m: dict, step: int, n_seqs: int) -> dict[str, torch.Tensor]:
     """``make_batch`` with EOD tokens at random places (documents of length 1 included), the
     ``--reset-attention-mask`` mask and ``--reset-position-ids`` positions."""
-    from megatron_ring.megatron.documents import document_mask
+    from megatron_ring.megatron.data.documents import document_mask
 
     batch = W.make_batch(m, step, n_seqs)
     g = torch.Generator().manual_seed(99 + step % m["data_cycle"])
@@ -94,7 +94,7 @@ def ring_configs_worker(rank: int, world: int, m: dict, configs: list[tuple[int,
     from megatron.core import tensor_parallel
 
     from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp)
-    from megatron_ring.megatron.documents import packed_batch
+    from megatron_ring.megatron.data.documents import packed_batch
 
     def reduce(tok, loss_mask):
         red = reduce_loss_over_cp(tok, loss_mask)

@@ -49,7 +49,7 @@ def test_a2a_p2p_needs_hierarchical_sizes():
 
 def test_per_layer_types_follow_megatron_convention():
     from megatron_ring.megatron import ContextParallelConfigError, RingConfig
-    from megatron_ring.megatron.comm_types import layer_comm_type
+    from megatron_ring.megatron.attention.comm_types import layer_comm_type
 
     ring = RingConfig(context_parallel_size=2, cp_comm_type=["a2a", "all_gather", "auto"])
     assert [ring.comm_type_for_layer(i) for i in (1, 2, 3)] == ["a2a", "all_gather", "auto"]

@@ -37,7 +37,7 @@ def test_reset_attention_mask_matches_megatron_cp1(run, tp, cp):
 
 def test_reset_attention_mask_negative_control():
     """The documents matter: the CP = 1 reference without the mask differs clearly from the one with it."""
-    from megatron_ring.megatron.documents import document_mask
+    from megatron_ring.megatron.data.documents import document_mask
 
     b = D.doc_batch(W.MODEL, 0, 2)
     assert b["attention_mask"].any() and (b["position_ids"] == 0).sum() > 2
@@ -89,7 +89,7 @@ def test_batch_helper_shards_packed_batches():
 
     from megatron_ring.schedules.layouts import get_layout
     from megatron_ring.megatron import get_batch_on_this_cp_rank
-    from megatron_ring.megatron.documents import packed_cu_seqlens
+    from megatron_ring.megatron.data.documents import packed_cu_seqlens
 
     T, cu = 16, torch.tensor([0, 3, 4, 11], dtype=torch.int32)
     pos = torch.cat([torch.arange(a, b) - a for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())] + [torch.zeros(5)])

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ring.megatron import ContextParallelConfigError, RingConfig
-from megatron_ring.megatron import attention as attn
+from megatron_ring.megatron.attention import module as attn
 from megatron_ring.megatron.config import refuse_mtp_without_zigzag
 
 
@@ -100,7 +100,7 @@ def test_per_call_group_fields_are_checked(monkeypatch):
 def test_allgather_spelling_is_all_gather():
     assert RingConfig(cp_comm_type="allgather").cp_comm_type == ("all_gather",)
     assert RingConfig(cp_comm_type=["p2p", "allgather"]).cp_comm_type == ("p2p", "all_gather")
-    from megatron_ring.megatron.comm_types import layer_comm_type
+    from megatron_ring.megatron.attention.comm_types import layer_comm_type
 
     assert layer_comm_type(SimpleNamespace(cp_comm_type="allgather"), 1, None, None) == "all_gather"
     assert layer_comm_type(SimpleNamespace(cp_comm_type=["p2p", "allgather"]), 2, None, None) == "all_gather"
@@ -110,7 +110,7 @@ def test_allgather_spelling_is_all_gather():
 def test_per_group_facts_are_released_with_the_group(monkeypatch):
     import gc
 
-    from megatron_ring.megatron import groups
+    from megatron_ring.megatron.groups import resolve as groups
 
     monkeypatch.setattr(groups.dist, "get_process_group_ranks", lambda g: list(g.ranks))
     many = [_Group([i, i + 1]) for i in range(50)]

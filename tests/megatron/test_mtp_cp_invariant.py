@@ -26,7 +26,7 @@ def test_mtp_token_count_is_cp_invariant_after_the_opt_in(run, world):
 
 def test_the_environment_switch_names_itself(monkeypatch):
     from megatron_ring.megatron.config import ContextParallelConfigError
-    from megatron_ring.megatron.mtp import mtp_cp_invariant_requested
+    from megatron_ring.megatron.data.mtp_loss import mtp_cp_invariant_requested
 
     for raw, want in (("", False), ("0", False), ("off", False), ("1", True), ("true", True)):
         monkeypatch.setenv("MEGATRON_RING_MTP_CP_INVARIANT", raw)

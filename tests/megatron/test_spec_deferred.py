@@ -169,11 +169,11 @@ def test_refusals_by_name(monkeypatch):
     if "megatron.training.models.gpt" in sys.modules:  # keep this test independent of other tests' wrapping
         monkeypatch.delitem(sys.modules, "megatron.training.models.gpt")
     with pytest.raises(NotImplementedError, match="--mtp-num-layers 1"):
-        ring_spec_module._refuse_unswapped_mtp(_cfg(mtp_num_layers=1))
-    ring_spec_module._refuse_unswapped_mtp(_cfg())  # no MTP: nothing to refuse
+        ring_spec_module.mtp.refuse_unswapped_mtp(_cfg(mtp_num_layers=1))
+    ring_spec_module.mtp.refuse_unswapped_mtp(_cfg())  # no MTP: nothing to refuse
     ring_spec_module.install_mtp_ring_attention()
     assert getattr(fake.get_gpt_mtp_block_spec, "_megatron_ring", False)
-    ring_spec_module._refuse_unswapped_mtp(_cfg(mtp_num_layers=1))  # wrapped: the MTP block gets ring attention
+    ring_spec_module.mtp.refuse_unswapped_mtp(_cfg(mtp_num_layers=1))  # wrapped: the MTP block gets ring attention
 
 
 def test_called_with_layer_arguments_it_builds_like_any_module_spec(mpu):

@@ -64,7 +64,7 @@ def test_stock_split_refuses_packed_batches_at_cp_above_one(monkeypatch):
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_ring.megatron import attention as attn
+    from megatron_ring.megatron.attention import module as attn
 
     class Two:
         def size(self):

@@ -84,12 +84,12 @@ def test_stock_spec_gives_mtp_layers_ring_attention(tmp_path):
     assert "(multi-token prediction): core attention of the layer spec: RingDotProductAttention" in out, out[-3000:]
     assert "MTP loss normalized per CP rank as Megatron does" in out, out[-3000:]
     assert abs(got[0] - ref[0]) <= 1e-5, (got, ref)  # before any update: the forward pass is exact
-    # Megatron normalizes each CP rank's MTP loss by its own rolled-token count (megatron_ring/megatron/mtp.py):
+    # Megatron normalizes each CP rank's MTP loss by its own rolled-token count (megatron_ring/megatron/data/mtp_loss.py):
     # with that made CP-invariant, the whole curve equals CP=1 (fp32; measured 1.2e-7 over 3 iterations).
     exact, out = launch(tmp_path, "mtp-cp2-exact", 2, "--mtp-num-layers", "1", *SPEC,
                         MEGATRON_RING_MTP_CP_INVARIANT="1")
     assert "MTP loss weighted as at CP=1" in out, out[-3000:]
     assert max(abs(a - b) for a, b in zip(exact, ref)) <= 2e-6, (exact, ref)
     # control: without it the curve leaves CP=1 by the third iteration (measured 8.6e-6), so the check above
-    # resolves the normalization; if this fails, Megatron's MTP normalization changed (see mtp.py)
+    # resolves the normalization; if this fails, Megatron's MTP normalization changed (see data/mtp_loss.py)
     assert max(abs(a - b) for a, b in zip(got, ref)) > 2e-6, (got, ref)

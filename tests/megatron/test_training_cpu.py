@@ -40,7 +40,7 @@ def _current():
 
 def test_training_cpu_replaces_exactly_the_named_functions_and_restores_them():
     from megatron_ring.megatron import cpu_support_enabled
-    from megatron_ring.megatron.training_cpu import REPLACED, megatron_training_cpu, training_cpu_enabled
+    from megatron_ring.megatron.cpu.training import REPLACED, megatron_training_cpu, training_cpu_enabled
 
     assert set(REPLACED) == EXPECTED and len(REPLACED) == len(EXPECTED)
     before = _current()
@@ -62,7 +62,7 @@ def test_training_cpu_replaces_exactly_the_named_functions_and_restores_them():
 
 
 def test_training_cpu_is_never_active_on_cuda(monkeypatch):
-    from megatron_ring.megatron.training_cpu import megatron_training_cpu
+    from megatron_ring.megatron.cpu.training import megatron_training_cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is available"):
@@ -84,7 +84,7 @@ def test_gpt_config_glue_puts_ring_into_the_spec_and_refuses_attention_backend_l
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_ring.megatron import ContextParallelConfigError, RingDotProductAttention, compat
-    from megatron_ring.megatron import megatron_lm
+    from megatron_ring.megatron.spec import megatron_lm
 
     cfg = types.SimpleNamespace(transformer_layer_spec=None, pre_wrap_hooks=[])
     assert megatron_lm.use_ring_attention_in_gpt_config(_args(context_parallel_size=1), cfg) is cfg

@@ -24,13 +24,10 @@ class CPLoss:
 def _cp_group(group: Any) -> Any:
     if group is not None:
         return group
-    from megatron_ring.megatron.provider import get_ring_state, is_context_parallel_initialized
+    from megatron_ring.megatron.groups.provider import get_ring_state, is_context_parallel_initialized
+    from megatron_ring.megatron.groups.resolve import default_cp_group
 
-    if is_context_parallel_initialized():
-        return get_ring_state().group
-    from megatron.core import parallel_state as ps
-
-    return ps.get_context_parallel_group()
+    return default_cp_group(get_ring_state() if is_context_parallel_initialized() else None)
 
 
 def reduce_loss_over_cp(losses: torch.Tensor, loss_mask: torch.Tensor, group: Any = None) -> CPLoss:

@@ -16,14 +16,15 @@ from megatron.core.utils import divide
 
 import megatron_ring
 
-from megatron_ring.megatron import comm_types, groups
+from megatron_ring.megatron.attention import comm_types
+from megatron_ring.megatron.groups import resolve as groups
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
-from megatron_ring.megatron.documents import DocumentsFromMask, packed_cu_seqlens
-from megatron_ring.megatron.dropout import dropout_seed
+from megatron_ring.megatron.data.documents import DocumentsFromMask, packed_cu_seqlens
+from megatron_ring.megatron.attention.dropout import dropout_seed
 from megatron_ring.megatron.env import kv_pieces_from_env, ring_config_from_env
-from megatron_ring.megatron.sinks import make_softmax_offset, ring_softmax_offset
-from megatron_ring.megatron.provider import get_ring_state, is_context_parallel_initialized
-from megatron_ring.megatron.packed_rope import apply_packed_rope
+from megatron_ring.megatron.attention.sinks import make_softmax_offset, ring_softmax_offset
+from megatron_ring.megatron.groups.provider import get_ring_state, is_context_parallel_initialized
+from megatron_ring.megatron.data.packed_rope import apply_packed_rope
 
 __all__ = ["RingDotProductAttention"]
 
@@ -37,19 +38,19 @@ class RingDotProductAttention(MegatronModule):
     Same constructor and forward as ``megatron.core.transformer.dot_product_attention.DotProductAttention``:
     query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (GQA: ``np % ng == 0``, K/V never repeated),
     output ``[sq, b, np * hn]``. ``sq`` is this rank's share of the sequence, split with the configured
-    layout (see :func:`~megatron_ring.megatron.batch.get_batch_on_this_cp_rank`).
+    layout (see :func:`~megatron_ring.megatron.data.batch.get_batch_on_this_cp_rank`).
 
     The CP group is looked up at each call, never in ``__init__`` (no collective at model build):
     ``packed_seq_params.cp_group`` / ``local_cp_size`` (a per-call group: Megatron's hybrid / dynamic CP),
     else the model's ``pg_collection.cp`` (followed when Megatron replaces it, e.g. eval-time CP
     rebinding), else the group registered by
-    :func:`~megatron_ring.megatron.provider.initialize_context_parallel`, else ``parallel_state``'s. The
+    :func:`~megatron_ring.megatron.groups.provider.initialize_context_parallel`, else ``parallel_state``'s. The
     options (layout, wire dtype, comm type, timeout) come from the registered ring, else from the
-    ``MEGATRON_RING_*`` environment variables (:mod:`.env`). ``batch_split="megatron"`` (set by
-    :mod:`.spec`): the batch was split by stock Megatron, so packed THD batches at CP > 1 are refused.
+    ``MEGATRON_RING_*`` environment variables (:mod:`megatron_ring.megatron.env`). ``batch_split="megatron"`` (set by
+    :mod:`megatron_ring.megatron.spec`): the batch was split by stock Megatron, so packed THD batches at CP > 1 are refused.
     Supported masks: ``causal`` and ``no_mask``; documents from ``packed_seq_params`` (THD, global
     ``cu_seqlens``) or, with ``causal``, from an ``attention_mask`` that is causal within documents
-    (``--reset-attention-mask``; see :mod:`.documents`); ``config.window_size`` (sliding window).
+    (``--reset-attention-mask``; see :mod:`megatron_ring.megatron.data.documents`); ``config.window_size`` (sliding window).
     Multi-latent attention (``k_channels != v_channels``, passed by Megatron's ``MLASelfAttention``),
     ``config.softmax_type`` "off-by-one" / "learnable" (attention sinks; the learnable ``softmax_offset``
     parameter is named and initialised like Megatron's), and ``attention_dropout > 0`` in training mode
@@ -69,8 +70,10 @@ class RingDotProductAttention(MegatronModule):
         k_channels: Optional[int] = None,
         v_channels: Optional[int] = None,
         batch_split: str = "ring",
+        **newer_kwargs: Any,
     ):
         super().__init__(config=config)
+        _refuse_meaningful("constructor", newer_kwargs)
         self.config: TransformerConfig = config
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
@@ -164,7 +167,7 @@ class RingDotProductAttention(MegatronModule):
         The group, first found: ``packed_seq_params.cp_group`` / ``local_cp_size`` (per call: Megatron's
         hybrid/dynamic CP); the model's ``pg_collection.cp`` (read now: Megatron's eval-time CP rebinding
         replaces ``pg_collection`` on live modules); the registered ring's group; ``parallel_state``'s CP
-        group. The options come from the registered ring, else from ``MEGATRON_RING_*`` (:mod:`.env`).
+        group. The options come from the registered ring, else from ``MEGATRON_RING_*`` (:mod:`megatron_ring.megatron.env`).
         """
         state = get_ring_state() if is_context_parallel_initialized() else None
         cfg = state.config if state is not None else ring_config_from_env(self.config.context_parallel_size)
@@ -192,8 +195,13 @@ class RingDotProductAttention(MegatronModule):
         attn_mask_type: Optional[AttnMaskType] = None,
         attention_bias: Optional[Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
+        **newer_kwargs: Any,
     ) -> Tensor:
-        """``[sq, b, np, hn]`` x ``[sk, b, ng, hn]`` x2 -> ``[sq, b, np * hn]``."""
+        """``[sq, b, np, hn]`` x ``[sk, b, ng, hn]`` x2 -> ``[sq, b, np * hn]``.
+
+        Keywords newer Megatron passes to core attention (``core_attention_extra_kwargs``, e.g. the inputs of
+        a sparse-attention variant) are accepted when None and refused by name otherwise."""
+        _refuse_meaningful("forward", newer_kwargs)
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by RingDotProductAttention")
         causal = self._mask_causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
@@ -236,6 +244,16 @@ class RingDotProductAttention(MegatronModule):
                 rows.append(run(query[:, i], key[:, i], value[:, i], "thd", torch.tensor(cu)))
             out = torch.stack(rows, 1)
         return out.view(out.size(0), out.size(1), self.hidden_size_per_partition)
+
+
+def _refuse_meaningful(where: str, kwargs: dict[str, Any]) -> None:
+    """Keywords this module does not know: None (the caller's "not used") is accepted; a value is refused by
+    name, since ignoring it could change what the model computes."""
+    used = sorted(k for k, v in kwargs.items() if v is not None)
+    if used:
+        raise NotImplementedError(f"RingDotProductAttention {where}: got {', '.join(used)}, which ring attention "
+                                  "does not implement (a core attention variant of newer Megatron); use that "
+                                  "variant's own core attention for these layers")
 
 
 def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int, int]]:

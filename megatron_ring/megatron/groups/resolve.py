@@ -3,6 +3,8 @@
 * :func:`per_call_group`: the group a call brings in ``packed_seq_params`` (Megatron's hybrid / dynamic
   context parallelism: ``cp_group``, ``local_cp_size``; ``local_cp_size == 1`` without a group means
   "no CP for this micro-batch", like TransformerEngine's attention reads it).
+* :func:`default_cp_group`: the group of a call that names none (batch split, loss): the registered ring's,
+  else ``parallel_state``'s; :func:`hybrid_cp_group`: the group of one hybrid-CP document.
 * :func:`model_group`: the model's CP group, looked up at each call (``pg_collection.cp``, else the
   registered ring's group, else ``parallel_state``'s), so a model follows Megatron when it replaces the
   groups on live modules (Megatron-Bridge's eval-time CP rebinding).
@@ -22,7 +24,8 @@ import torch.distributed as dist
 
 from megatron_ring.megatron.config import ContextParallelConfigError
 
-__all__ = ["per_call_group", "model_group", "same_ranks", "group_ranks", "single_rank_group"]
+__all__ = ["per_call_group", "model_group", "default_cp_group", "hybrid_cp_group", "same_ranks", "group_ranks",
+           "single_rank_group"]
 
 _RANKS: "weakref.WeakKeyDictionary[Any, tuple[int, ...]]" = weakref.WeakKeyDictionary()
 _SINGLE: dict[int, Any] = {}  # this process's one-rank group, by global rank
@@ -99,3 +102,25 @@ def model_group(pg_collection: Any, state: Any) -> Any:
     if group is None:
         group = single_rank_group()
     return group
+
+
+def default_cp_group(state: Any = None) -> Any:
+    """The CP group when a caller names none: the registered ring's (``state``), else ``parallel_state``'s.
+    Raises (naming the fix) when neither exists."""
+    if state is not None:
+        return state.group
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("no context-parallel group: call initialize_context_parallel() (or Megatron's "
+                           "initialize_model_parallel) first, or pass the group")
+    return ps.get_context_parallel_group()
+
+
+def hybrid_cp_group(local_cp_size: int) -> Any:
+    """The DP x CP group of ``local_cp_size`` ranks this rank belongs to in Megatron's hybrid CP (None for 1)."""
+    if local_cp_size == 1:
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_hybrid_data_context_parallel_groups(group_size=local_cp_size)

@@ -114,7 +114,7 @@ def packed_batch(batch: dict[str, Any]) -> dict[str, Any]:
     document start and at each row start) as ONE packed THD stream, the way Megatron feeds packed
     sequences: every ``[b, s, ...]`` tensor becomes ``[1, b*s, ...]``, the mask is dropped, and
     ``packed_seq_params`` (``qkv_format="thd"``, GLOBAL ``cu_seqlens_q/kv`` of the stream, ``max_seqlen``)
-    carries the documents. Call before :func:`~megatron_ring.megatron.batch.get_batch_on_this_cp_rank`
+    carries the documents. Call before :func:`~megatron_ring.megatron.data.batch.get_batch_on_this_cp_rank`
     and pass ``packed_seq_params=`` to the model; the result equals the masked batch's exactly (rows
     never share a document; RoPE restarts per document, see :mod:`.rope`)."""
     from megatron.core.packed_seq_params import PackedSeqParams

@@ -1,7 +1,7 @@
 """Ring attention in Megatron layer specs.
 
 * :func:`get_gpt_layer_ring_spec`: Megatron's local GPT layer spec with ring attention as core attention
-  (same arguments as ``get_gpt_layer_local_spec``, keywords passed through :mod:`.compat`).
+  (same arguments as ``get_gpt_layer_local_spec``, keywords passed through :mod:`megatron_ring.megatron.compat`).
 * :func:`with_ring_attention`: ANY layer or block spec (local, TransformerEngine, MoE decoder block,
   multi-token-prediction block, heterogeneous, user specs) with only its self-attention's core attention
   replaced; linears, norms, MLP/MoE and everything else stay exactly as given.
@@ -16,7 +16,7 @@ from typing import Any, Optional
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ring.megatron import compat
-from megatron_ring.megatron.attention import RingDotProductAttention
+from megatron_ring.megatron.attention.module import RingDotProductAttention
 
 __all__ = ["get_gpt_layer_ring_spec", "with_ring_attention"]
 

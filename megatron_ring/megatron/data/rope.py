@@ -56,12 +56,10 @@ def use_layout_rope(model: torch.nn.Module, layout: str | None = None) -> int:
     non-zigzag layouts (they slice zigzag internally).
     """
     if layout is None:
-        from megatron_ring.megatron.provider import get_ring_state
+        from megatron_ring.megatron.groups.provider import get_ring_state
 
         layout = get_ring_state().layout
     get_layout(layout)  # validate the name
-    from megatron_ring.megatron.attention import RingDotProductAttention
-
     n = 0
     for chunk in (model if isinstance(model, (list, tuple)) else [model]):
         rotary = []
@@ -74,7 +72,9 @@ def use_layout_rope(model: torch.nn.Module, layout: str | None = None) -> int:
                 raise NotImplementedError(f"{type(m).__name__} only supports --cp-layout zigzag, got {layout}")
         n += len(rotary)
         # packed (THD) batches: the chunk's ring attentions apply its RoPE at the layout's positions
-        ring = [m for m in chunk.modules() if isinstance(m, RingDotProductAttention)]
+        # (RingDotProductAttention declares ``packed_rope``; found by that attribute, so data/ needs no
+        # import of attention/)
+        ring = [m for m in chunk.modules() if hasattr(m, "packed_rope")]
         if len(rotary) == 1 and ring:
             rotary[0].packed_by_ring = True
             for m in ring:

@@ -4,7 +4,7 @@
 :func:`use_ring_attention_in_gpt_config` makes ring attention the core attention of whatever layer spec
 Megatron-LM would build (``--transformer-impl local`` or ``transformer_engine``, dense or MoE, ``--spec``)
 when ``--context-parallel-size`` > 1: it wraps ``model_cfg.transformer_layer_spec`` with
-:func:`~megatron_ring.megatron.layer_spec.with_ring_attention`, registers the ring on Megatron's CP groups
+:func:`~megatron_ring.megatron.spec.layers.with_ring_attention`, registers the ring on Megatron's CP groups
 when the model is built, and makes RoPE follow ``--cp-layout`` (a pre-wrap hook).
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 from megatron_ring.megatron.arguments import config_from_args
 from megatron_ring.megatron.config import ContextParallelConfigError
-from megatron_ring.megatron.attention import RingDotProductAttention
-from megatron_ring.megatron.layer_spec import with_ring_attention
-from megatron_ring.megatron.provider import initialize_context_parallel
-from megatron_ring.megatron.rope import use_layout_rope
+from megatron_ring.megatron.attention.module import RingDotProductAttention
+from megatron_ring.megatron.spec.layers import with_ring_attention
+from megatron_ring.megatron.groups.provider import initialize_context_parallel
+from megatron_ring.megatron.data.rope import use_layout_rope
 
 __all__ = ["use_ring_attention_in_gpt_config", "uses_ring_attention", "check_attention_backend"]
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig
-from megatron_ring.megatron.groups import group_ranks
+from megatron_ring.megatron.groups.resolve import group_ranks
 
 __all__ = [
     "RingState",
@@ -69,7 +69,7 @@ def initialize_context_parallel(config: RingConfig | None = None, *, context_par
     """Register the ring's options (and its group) and return its :class:`RingState`.
 
     Optional: without it, :class:`~megatron_ring.megatron.attention.RingDotProductAttention` takes the CP
-    group Megatron gives it at first use and its options from ``MEGATRON_RING_*`` (:mod:`.env`). Call it to
+    group Megatron gives it at first use and its options from ``MEGATRON_RING_*`` (:mod:`megatron_ring.megatron.env`). Call it to
     validate the options against the job and set them in code. It never creates a second set of groups:
     with ``pg_collection`` (Megatron-Bridge's decentralized process groups, ``HyperCommGrid``) its ``cp``
     (and ``dp_cp``) are used as they are; else Megatron's ``parallel_state`` groups when they exist; only

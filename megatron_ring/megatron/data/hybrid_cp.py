@@ -9,7 +9,7 @@ many DP x CP ranks share the document in this round. The group itself is left to
 :func:`get_hybrid_cp_batch` turns that sample into what the ring wants: the document as a one-document
 THD stream (``[1, L / p]`` per rank, split by the ring layout over the document's group) and a
 ``PackedSeqParams`` that carries the group (``cp_group`` / ``local_cp_size``) and the document boundaries,
-so ring attention and its RoPE (:func:`~megatron_ring.megatron.rope.use_layout_rope`) run on that group.
+so ring attention and its RoPE (:func:`~megatron_ring.megatron.data.rope.use_layout_rope`) run on that group.
 ``local_cp_size == 1`` gives no group (the ring runs on this rank alone; megatron-core builds no hybrid
 group of size 1). The document must split evenly under the layout (zigzag: length divisible by 2p);
 otherwise a ValueError names the fix.
@@ -23,20 +23,12 @@ import torch.distributed as dist
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_ring.megatron.batch import get_batch_on_this_cp_rank
+from megatron_ring.megatron.data.batch import get_batch_on_this_cp_rank
+from megatron_ring.megatron.groups.resolve import hybrid_cp_group
 
 __all__ = ["HYBRID_KEYS", "hybrid_cp_group", "get_hybrid_cp_batch"]
 
 HYBRID_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # the per-token tensors of a hybrid-CP sample
-
-
-def hybrid_cp_group(local_cp_size: int) -> Any:
-    """The DP x CP group of ``local_cp_size`` ranks this rank belongs to (None for size 1)."""
-    if local_cp_size == 1:
-        return None
-    from megatron.core import parallel_state as ps
-
-    return ps.get_hybrid_data_context_parallel_groups(group_size=local_cp_size)
 
 
 def _from_first_tp_rank(sample: Mapping[str, Any] | None) -> Mapping[str, Any]:

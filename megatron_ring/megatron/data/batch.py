@@ -18,7 +18,7 @@ GLOBAL_KEYS = frozenset({"cu_seqlens", "cu_seqlens_q", "cu_seqlens_kv", "cu_seql
 
 
 def _resolve(layout: str | None, cp_group: Any, cp_size: int | None, cp_rank: int | None) -> tuple[str, int, int]:
-    from megatron_ring.megatron.provider import get_ring_state, is_context_parallel_initialized
+    from megatron_ring.megatron.groups.provider import get_ring_state, is_context_parallel_initialized
 
     if is_context_parallel_initialized():
         state = get_ring_state()
@@ -26,12 +26,9 @@ def _resolve(layout: str | None, cp_group: Any, cp_size: int | None, cp_rank: in
         cp_group = cp_group if cp_group is not None else state.group
     if cp_size is None or cp_rank is None:
         if cp_group is None:
-            from megatron.core import parallel_state as ps
+            from megatron_ring.megatron.groups.resolve import default_cp_group
 
-            if not ps.model_parallel_is_initialized():
-                raise RuntimeError("no context-parallel group: call initialize_context_parallel() or pass "
-                                   "cp_group= / cp_size= and cp_rank=")
-            cp_group = ps.get_context_parallel_group()
+            cp_group = default_cp_group()  # no ring registered (state is None): parallel_state's
         cp_size, cp_rank = cp_group.size(), cp_group.rank()
     return layout or "zigzag", cp_size, cp_rank
 
@@ -60,7 +57,7 @@ def get_batch_on_this_cp_rank(batch: Mapping[str, Any], *, layout: str | None = 
     their key dimension. No per-document padding is needed (pad the stream's end only).
 
     Pass full-sequence ``position_ids`` (``0..s-1``) so learned position embeddings see global positions;
-    RoPE gets them from :func:`~megatron_ring.megatron.rope.use_layout_rope`.
+    RoPE gets them from :func:`~megatron_ring.megatron.data.rope.use_layout_rope`.
     """
     layout, cp_size, cp_rank = _resolve(layout, cp_group, cp_size, cp_rank)
     out = dict(batch)

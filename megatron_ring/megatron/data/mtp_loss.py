@@ -23,14 +23,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from megatron_ring.megatron import compat
 from megatron_ring.megatron.config import ContextParallelConfigError
 
 __all__ = ["MTP_ENV", "cp_invariant_mtp_loss", "mtp_cp_invariant_requested", "apply_mtp_loss_choice"]
 
 MTP_ENV = "MEGATRON_RING_MTP_CP_INVARIANT"
 
-#: the Megatron modules whose global ``roll_tensor`` computes the MTP token count (0.19/main; 0.16)
-_USERS = ("megatron.core.transformer.multi_token_prediction", "megatron.core.models.gpt.gpt_model")
 
 
 def mtp_cp_invariant_requested() -> bool:
@@ -62,7 +61,7 @@ def cp_invariant_mtp_loss() -> list[str]:
     """Make Megatron's MTP loss weight each token as at CP=1 (module docstring). Idempotent; returns the
     modules it wrapped (or found wrapped). Each CP rank adds one scalar all-reduce per MTP roll."""
     done = []
-    for name in _USERS:
+    for name in compat.MTP_ROLL_TENSOR_USERS:
         try:
             module = importlib.import_module(name)
         except ImportError:
