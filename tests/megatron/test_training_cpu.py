@@ -106,3 +106,27 @@ def test_gpt_config_glue_puts_ring_into_the_spec_and_refuses_attention_backend_l
     assert spec.submodules.self_attention.submodules.core_attention is RingDotProductAttention
     assert registered and registered[0].layout == "striped" and len(cfg.pre_wrap_hooks) == 1
     assert local.submodules.self_attention.submodules.core_attention is not RingDotProductAttention
+
+
+def test_each_replaced_cuda_function_is_its_own_object():
+    """dynamo keeps one trace rule per torch object: one stand-in under several torch.cuda names made the first
+    torch.compile inside the opt-in assert "Duplicate torch object" (Megatron's compiled MoE router). dynamo builds
+    its rule map once per process (importing megatron-core already does), so the test rebuilds it inside the opt-in
+    (the old stand-ins fail exactly there), then compiles a function."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from megatron_ring.megatron.cpu.training import megatron_training_cpu\n"
+            "with megatron_training_cpu():\n"
+            "    from torch._dynamo import trace_rules\n"
+            "    trace_rules.get_torch_obj_rule_map.cache_clear()\n"
+            "    trace_rules.get_torch_obj_rule_map()\n"
+            "    f = torch.compile(lambda x: torch.sigmoid(x) * 2, backend='eager', fullgraph=True)\n"
+            "    assert torch.equal(f(torch.ones(3)), torch.sigmoid(torch.ones(3)) * 2)\n"
+            "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]

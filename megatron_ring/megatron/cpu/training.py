@@ -80,7 +80,18 @@ class _CpuEvent:
         return (end.t - self.t) * 1e3
 
 
-def _none(*args: Any, **kwargs: Any) -> None:
+def _stand_in(name: str, result: Callable[..., Any]) -> Callable[..., Any]:
+    """A new function object standing in for ``torch.cuda.<name>``: every replaced attribute gets its own, since
+    dynamo keeps one trace rule per torch object and asserts on one object found under several names
+    ("Duplicate torch object ... with different rules", met by Megatron's compiled MoE router)."""
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        return result(*args, **kwargs)
+
+    stand_in.__name__ = stand_in.__qualname__ = f"cpu_{name}"
+    return stand_in
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
@@ -103,8 +114,8 @@ def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> No
     torch.set_rng_state(new_state)
 
 
-def _one(*args: Any, **kwargs: Any) -> int:
-    return 1
+_DEVICE_COUNT_ONE = _stand_in("device_count", lambda *a, **k: 1)
+_SET_DEVICE = _stand_in("set_device", _nothing)
 
 
 def _with_one_device(fn: Callable) -> Callable:
@@ -113,7 +124,7 @@ def _with_one_device(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         saved = torch.cuda.device_count, torch.cuda.set_device
-        torch.cuda.device_count, torch.cuda.set_device = _one, _none
+        torch.cuda.device_count, torch.cuda.set_device = _DEVICE_COUNT_ONE, _SET_DEVICE
         try:
             return fn(*args, **kwargs)
         finally:
@@ -133,26 +144,28 @@ def _cpu_stream_context(stream: Any = None) -> contextlib.AbstractContextManager
     return contextlib.nullcontext()
 
 
-#: torch.cuda functions replaced in the scope: name -> replacement
-_TORCH_CUDA = {
-    "synchronize": _none, "current_device": _zero, "Stream": _CpuStream, "Event": _CpuEvent,
+#: torch.cuda functions replaced in the scope: name -> what the stand-in returns (each a distinct function)
+_TORCH_CUDA_RESULTS: dict[str, Callable[..., Any]] = {
+    "synchronize": _nothing, "current_device": _zero,
     "current_stream": lambda *a, **k: _CpuStream(), "default_stream": lambda *a, **k: _CpuStream(),
-    "stream": _cpu_stream_context, "set_stream": _none, "empty_cache": _none,
+    "stream": _cpu_stream_context, "set_stream": _nothing, "empty_cache": _nothing,
     "memory_allocated": _zero, "max_memory_allocated": _peak_rss_bytes, "memory_reserved": _zero,
-    "max_memory_reserved": _peak_rss_bytes, "reset_peak_memory_stats": _none, "reset_max_memory_allocated": _none,
-    "memory_stats": lambda *a, **k: {}, "manual_seed": _none, "manual_seed_all": _none,
-    "ipc_collect": _none,
+    "max_memory_reserved": _peak_rss_bytes, "reset_peak_memory_stats": _nothing,
+    "reset_max_memory_allocated": _nothing, "memory_stats": lambda *a, **k: {}, "manual_seed": _nothing,
+    "manual_seed_all": _nothing, "ipc_collect": _nothing,
     # checkpoints save/restore the "CUDA" generator next to the RNG tracker states: on CPU, the CPU one
     "get_rng_state": _cpu_get_rng_state, "set_rng_state": _cpu_set_rng_state,
 }
+_TORCH_CUDA: dict[str, Any] = {"Stream": _CpuStream, "Event": _CpuEvent,
+                               **{n: _stand_in(n, r) for n, r in _TORCH_CUDA_RESULTS.items()}}
 
 #: megatron.training functions replaced in the scope: (module, attribute) -> wrapper factory / replacement
 _MEGATRON = {
     ("megatron.training.training", "initialize_megatron"): _allow_no_cuda,   # asserts CUDA otherwise
     ("megatron.training.initialize", "_initialize_distributed"): _with_one_device,  # groups only if GPUs
     ("megatron.training.initialize", "_set_random_seed"): _with_one_device,  # RNG tracker only if GPUs
-    ("megatron.training.initialize", "_compile_dependencies"): lambda fn: _none,  # runs `make`, CUDA kernels
-    ("megatron.training.training", "set_jit_fusion_options"): lambda fn: _none,  # JIT warm-up on CUDA
+    ("megatron.training.initialize", "_compile_dependencies"): lambda fn: _nothing,  # runs `make`, CUDA kernels
+    ("megatron.training.training", "set_jit_fusion_options"): lambda fn: _nothing,  # JIT warm-up on CUDA
     ("megatron.training.arguments", "get_device_arch_version"): lambda fn: _zero,  # CUDA query, TP/CP > 1
     # activation recompute saves/restores the "CUDA" RNG state: on CPU that is the CPU generator
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): lambda fn: _cpu_get_rng_state,
