@@ -146,3 +146,26 @@ def test_a_device_side_refusal_still_raises_on_every_rank():
             assert "contains inf/NaN at [b, h, group]" in str(res)
         else:
             assert "global rank(s) 1" in str(res)
+
+
+def test_a_call_without_backward_reads_once_at_the_forward_end():
+    """torch.no_grad with a value-checking wire: nothing would read the codes later, so the forward's end
+    does (one read per forward ring); every rank raises there. Without a checking wire: no read."""
+    from ring_fakes import run_threads
+    from megatron_ring.errors import WireFiniteError
+
+    def body(rank, ring, wire, bad):
+        k = torch.randn(1, 8, 2, 8)
+        if bad and rank == 2:
+            k[0, 1, 0, 0] = float("nan")
+        counter = HostReadCounter()
+        counter.taint(k)
+        with counter, torch.no_grad():
+            ring_attention(k, k, k, ring=ring, comm_dtype=wire)
+        return counter.total()
+
+    with device.use("cpu", FakeCuda()):
+        assert run_threads(lambda r, ring: body(r, ring, "fp8", False), 3) == [1, 1, 1]
+        assert run_threads(lambda r, ring: body(r, ring, "bf16", False), 3) == [0, 0, 0]
+        results = run_threads(lambda r, ring: body(r, ring, "fp8", True), 3)
+    assert all(isinstance(res, WireFiniteError) for res in results), results
