@@ -222,6 +222,7 @@ def run_case(case: Case, rank: int | None = None, dev: FakeCuda | None = None):
         q, k, v, kw, leaves = _inputs(case)
         out = ring_attention(q, k, v, ring=LoopbackRing(case.P, rank, q.device), **kw)
         grads = fake_backward(out, torch.randn_like(out), leaves)
+    assert not torch.cuda.is_initialized()  # every device question went through the seam
     return leaves, out, grads, checker, dev
 
 
