@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The test suite on both ends of the supported megatron-core range (extra args go to pytest):
 #   1. .venv    (Python 3.11, megatron-core 0.16.1): pytest "$@" (default: the whole suite, tests/);
-#   2. .venv312 (Python 3.12, megatron-core 0.19.2, ships megatron.training): tests/megatron, which includes
-#      the real-loop tests (Megatron's own pretrain()); only the options of "$@" pass;
+#   2. .venv312 (Python 3.12, megatron-core 0.19.2, ships megatron.training; its torch is a CUDA build that runs
+#      on CPU): tests/megatron, which includes the real-loop tests (Megatron's own pretrain()), and
+#      tests/fake_cuda, the fake-CUDA tier (the GPU path traced under FakeTensorMode, fast); only the options
+#      of "$@" pass;
 #   3. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py.
 # On a machine with NVIDIA GPUs (and a CUDA build of torch in .venv) step 1 also runs tests/gpu (part of
 # tests/; skipped with a reason elsewhere); scripts/gpu_check.sh is the GPU users' one command.
@@ -26,8 +28,8 @@ rc312=0
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   MEGATRON_RING_FLAVOR=py312 bash scripts/setup_env.sh test || exit $?
   opts=(); for a in "$@"; do [[ "$a" == -* ]] && opts+=("$a"); done
-  echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron"
-  run_pytest .venv312 "${opts[@]}" tests/megatron --ignore=tests/megatron/test_bridge.py; rc312=$?
+  echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron tests/fake_cuda"
+  run_pytest .venv312 "${opts[@]}" tests/megatron tests/fake_cuda --ignore=tests/megatron/test_bridge.py; rc312=$?
 fi
 rcbridge=0
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then

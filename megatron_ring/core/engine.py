@@ -128,7 +128,8 @@ class _KVStream:
         b, h_kv, s, d = k.shape
         hj = h_kv // n
         self.spec = KVSpec((b, hj, s, d), (b, hj, s, v.shape[-1]), k.dtype, k.device)
-        self.status = RingStatus(plan.ring, plan.codec, k.device, refusal=refusal)
+        self.status = RingStatus(plan.ring, plan.codec, k.device, refusal=refusal,
+                                 backward_follows=plan.checks.backward_follows)
         self.rot: Rotation | None = None
         if plan.ring.world > 1:
             self.rot = Rotation(plan.ring, status_buffers(plan.codec, self.spec, n + 1), channel)
@@ -355,6 +356,7 @@ class RingAttentionFunction(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
                 heads: list[slice], sink: torch.Tensor | None = None) -> torch.Tensor:
         """``sink``: optional fp32 ``[h]`` softmax offsets (attention sinks), folded into the lse."""
+        plan.checks.backward_follows = any(ctx.needs_input_grad[:3])  # where the status is read (core/status.py)
         out, lse = forward_by_heads(q, v, heads, lambda hs, qs: ring_forward(
             q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs)), sink)
         ctx.save_for_backward(q, k, v, out, lse, sink)

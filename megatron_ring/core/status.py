@@ -10,25 +10,38 @@ forwarded unchanged with the block, so after the forward ring every rank has see
 A failing rank does NOT raise at once: it still takes part in every exchange of the forward ring (its
 neighbours would otherwise wait for the group time-out), then raises its own error. A rank whose input
 is refused before its K/V could be encoded runs the same K/V stream with zeros and code 2
-(:func:`~megatron_ring.core.engine.refuse_on_ring`): one protocol, whatever the failure. The others read the
-codes where reading is free or a synchronisation already happens:
+(:func:`~megatron_ring.core.engine.refuse_on_ring`): one protocol, whatever the failure. Every rank reads the codes ONCE per call, where reading is free or cannot be avoided:
 
-* CPU (gloo): at the end of the forward ring (every wait there is a host wait anyway);
-* CUDA with a value-checking codec (fp8 with ``check_finite``, fp16 wire): at the end of the forward ring
-  (the codec's check already synchronises once per call);
-* CUDA otherwise: the codes are copied to pinned host memory without blocking at the end of the forward
-  ring, and checked at the start of the backward ring (the first place a missing rank would make the
-  others wait), by then long complete.
+* a device whose host reads are free (CPU, gloo): at the end of the forward ring (every wait there is a
+  host wait anyway);
+* a device with streams (CUDA): the codes are copied to host memory (pinned, ``non_blocking``) at the end
+  of the forward ring, and read at the start of the backward ring (the first place a missing rank would
+  make the others wait). The read first asks whether the copy's event is complete
+  (:meth:`~megatron_ring.device.DeviceOps.event_done`, never blocks); only if the device has not reached
+  the end of this call's forward ring yet does the host wait for it (one device-to-host synchronisation,
+  on a copy of ``4 * P`` bytes). In training the backward of a layer starts after the forward of every
+  later layer and the loss, so the copy is long complete: steady state makes no host sync;
+* a call with no backward (``torch.no_grad``, inference) and a value-checking wire (fp8 with
+  ``check_finite``, fp16): at the end of the forward ring, one synchronisation per call (without a
+  value-checking wire such a call leaves the codes unread: a refusal on another rank surfaces as that
+  rank's error and, here, at the next ring that rank misses).
+
+Value checks of the wire (inf/NaN for FP8, the fp16 range) run ON THE DEVICE
+(:meth:`~megatron_ring.wire.codecs.KVCodec.encode_flagged`): the verdict goes straight into the status
+element, refused values travel as NaN, and no rank reads a value on the host during the ring. The rank
+whose K/V was refused learns it at the same read as the others, and only then (on the failure path) runs
+the codec's host check to name the first bad element in its error.
 
 The others raise the same exception type, naming the failing global rank(s).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
+from megatron_ring.device import DeviceOps, ops_for
 from megatron_ring.core.buffers import POOL
 from megatron_ring.wire.codecs import KVCodec, KVSpec
 from megatron_ring.errors import WireFiniteError
@@ -46,10 +59,6 @@ def status_buffers(codec: KVCodec, spec: KVSpec, count: int) -> list[torch.Tenso
     return [POOL.take(proto.numel() + 1, proto.dtype, spec.device) for _ in range(count)]
 
 
-def _reads_in_forward(codec: KVCodec, device: torch.device) -> bool:
-    return device.type == "cpu" or bool(getattr(codec, "checks_values", False))
-
-
 class StatusRecorder(Protocol):
     """Where a collective strategy's call records a refusal (``strategies.refusal.StrategyStatus``)."""
 
@@ -60,64 +69,93 @@ class StatusRecorder(Protocol):
 
 
 class PendingChecks:
-    """Status codes a forward ring left to check at the start of the backward ring (CUDA, see the module
-    doc): pinned host copies with the event that completes each. One per plan, an explicit field of
-    :class:`~megatron_ring.core.engine.RingPlan`."""
+    """Status codes a forward ring left to check at the start of the backward ring (devices with streams,
+    see the module doc): host copies with the event that completes each. One per plan, an explicit field
+    of :class:`~megatron_ring.core.engine.RingPlan`.
+
+    ``backward_follows``: whether the call that runs the forward rings will run a backward (set by the
+    autograd function; a call without one reads value-checking wires' codes at the forward's end)."""
 
     def __init__(self) -> None:
-        self._items: list[tuple[torch.Tensor, Any, Any, KVCodec]] = []
+        self._items: list[tuple[torch.Tensor, Any, DeviceOps, Any, KVCodec, Callable[[], None] | None]] = []
+        self.backward_follows = True
 
-    def add(self, host: torch.Tensor, event: Any, ring: Any, codec: KVCodec) -> None:
-        self._items.append((host, event, ring, codec))
+    def add(self, host: torch.Tensor, event: Any, ops: DeviceOps, ring: Any, codec: KVCodec,
+            explain: Callable[[], None] | None = None) -> None:
+        self._items.append((host, event, ops, ring, codec, explain))
 
     def check(self) -> None:
-        """Raise if a forward ring carried a failing rank's code; the checks are consumed."""
+        """Raise if a forward ring carried a failing rank's code; the checks are consumed. Waits for a
+        copy only if the device has not completed it yet (see the module doc)."""
         items, self._items = self._items, []
-        for host, event, ring, codec in items:
-            event.synchronize()  # waits for that small copy only (recorded at the end of the forward ring)
-            raise_for(host.tolist(), ring, codec)
+        for host, event, ops, ring, codec, explain in items:
+            if not ops.event_done(event):
+                ops.wait_event_host(event)  # the one possible sync: the forward ring's end not reached yet
+            raise_for(host.tolist(), ring, codec, explain)
 
 
 class RingStatus:
     """This rank's status and the codes received from every source rank during one forward ring.
 
     ``refusal``: this rank's input was refused before the ring; every piece it sends carries
-    :data:`BAD_INPUT` (its payload is whatever it encodes, zeros), and it raises ``refusal``."""
+    :data:`BAD_INPUT` (its payload is whatever it encodes, zeros), and it raises ``refusal``.
+    ``backward_follows``: False for a call without a backward (see the module doc)."""
 
     def __init__(self, ring: Any, codec: KVCodec, device: torch.device,
-                 refusal: BaseException | None = None) -> None:
+                 refusal: BaseException | None = None, backward_follows: bool = True) -> None:
         self.ring, self.codec = ring, codec
+        self.ops = ops_for(device)
         self.refusal = refusal
         self.local_error: BaseException | None = refusal
         self.codes = torch.zeros(ring.world, dtype=torch.float32, device=device)
-        self.read_in_forward = _reads_in_forward(codec, device)
+        self.read_in_forward = self.ops.host_reads_free or (codec.checks_values and not backward_follows)
+        self._checked: list[tuple[torch.Tensor, torch.Tensor]] = []  # pieces whose values the device checked
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, raw: torch.Tensor) -> int:
-        """Encode the local block into ``raw`` (payload + status); remember an error instead of raising.
-        Returns the status code written."""
-        code = OK if self.refusal is None else BAD_INPUT
+    def encode(self, k: torch.Tensor, v: torch.Tensor, raw: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Encode the local block into ``raw``'s payload; remember a host-side error instead of raising.
+        Returns the status code and the codec's device verdict on the values (None: not checked)."""
+        code, flag = (OK if self.refusal is None else BAD_INPUT), None
         try:
-            self.codec.encode(k, v, raw[:-1])
+            flag = self.codec.encode_flagged(k, v, raw[:-1])
         except WireFiniteError as exc:
             self.local_error, code = exc, BAD_VALUES
         except (ValueError, RuntimeError) as exc:
             self.local_error, code = exc, BAD_INPUT
-        self.mark(raw, code)
-        return code
+        if flag is not None:
+            self._checked.append((k, v))
+        return code, flag
 
     def encode_pieces(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], raws: list[torch.Tensor]) -> None:
-        """Encode the local block's pieces; every piece carries the worst code of them all."""
-        worst = max(self.encode(k, v, raw) for (k, v), raw in zip(blocks, raws))
+        """Encode the local block's pieces; every piece carries the worst code of them all. A value the
+        codec refuses on the device makes the code :data:`BAD_VALUES` there, without a host read."""
+        results = [self.encode(k, v, raw) for (k, v), raw in zip(blocks, raws)]
+        worst = max(code for code, _ in results)
+        flags = [flag for _, flag in results if flag is not None]
+        bad = None
+        if flags and worst == OK:
+            bad = flags[0] if len(flags) == 1 else torch.stack(flags).any()
         for raw in raws:
-            self.mark(raw, worst)
+            self.mark(raw, worst, bad)
 
-    def mark(self, raw: torch.Tensor, code: int) -> None:
+    def mark(self, raw: torch.Tensor, code: int, bad: torch.Tensor | None = None) -> None:
+        """Write ``code`` (or :data:`BAD_VALUES` where the device verdict ``bad`` is true) as ``raw``'s
+        status and this rank's."""
         raw[-1:].fill_(code)
-        self.codes[self.ring.rank].fill_(code)
+        mine = self.codes[self.ring.rank:self.ring.rank + 1]
+        mine.fill_(code)
+        if bad is not None:
+            raw[-1:].masked_fill_(bad, BAD_VALUES)
+            mine.masked_fill_(bad, BAD_VALUES)
 
     def received(self, src: int, raw: torch.Tensor) -> None:
         """Record the status of the block that came from group rank ``src`` (a device copy, no sync)."""
         self.codes[src:src + 1].copy_(raw[-1:])
+
+    def explain(self) -> None:
+        """On the failure path only: this rank's own K/V were refused by the device check; raise the
+        codec's host-side error naming the first bad element."""
+        for k, v in self._checked:
+            self.codec.check_values(k, v)
 
     def settle(self, checks: PendingChecks) -> None:
         """After the forward ring: raise here, or leave the check for the backward ring (see module doc).
@@ -128,21 +166,23 @@ class RingStatus:
             return
         if self.local_error is not None:
             raise self.local_error
+        explain = self.explain if self._checked else None
         if self.read_in_forward:
-            raise_for(self.codes.tolist(), self.ring, self.codec)
+            raise_for(self.codes.tolist(), self.ring, self.codec, explain)
             return
-        host = torch.empty(self.codes.shape, dtype=self.codes.dtype, pin_memory=True)
-        host.copy_(self.codes, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        checks.add(host, event, self.ring, self.codec)
+        host, event = self.ops.to_host(self.codes)
+        checks.add(host, event, self.ops, self.ring, self.codec, explain)
 
 
-def raise_for(codes: list[float], ring: Any, codec: KVCodec) -> None:
+def raise_for(codes: list[float], ring: Any, codec: KVCodec, explain: Callable[[], None] | None = None) -> None:
+    """Raise if any code is bad. ``explain``: raises this rank's own detailed error when its own code is
+    :data:`BAD_VALUES` (called only then)."""
     bad = {int(c): [ring.members[i] for i, x in enumerate(codes) if int(x) == int(c)] for c in codes if c}
     if not bad:
         return
     me = ring.my_global
+    if explain is not None and int(codes[ring.rank]) == BAD_VALUES:
+        explain()
     if BAD_VALUES in bad:
         ranks = ", ".join(map(str, bad[BAD_VALUES]))
         raise WireFiniteError(

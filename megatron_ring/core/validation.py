@@ -143,7 +143,10 @@ def check_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
     if isinstance(cu_seqlens, (list, tuple)):
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
             raise ValueError("cu_seqlens must hold integers; pass torch.tensor(cu_seqlens, dtype=torch.int32)")
-        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+        if len(cu_seqlens) < 1:
+            raise ValueError("cu_seqlens must be 1-D [n_docs + 1] (global cumulative document lengths), got an "
+                             "empty list")
+        return _check_boundaries(tuple(int(x) for x in cu_seqlens), total)  # host values: no tensor, no read
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
             or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be an integer tensor (int32/int64), got "
@@ -151,7 +154,10 @@ def check_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D [n_docs + 1] (global cumulative document lengths), got shape "
                          f"{tuple(cu_seqlens.shape)}; for one batch row per sequence use qkv_format='bshd'")
-    cu = tuple(int(x) for x in cu_seqlens.tolist())
+    return _check_boundaries(tuple(int(x) for x in cu_seqlens.tolist()), total)  # a device tensor: one read
+
+
+def _check_boundaries(cu: tuple[int, ...], total: int) -> tuple[int, ...]:
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}; prepend 0")
     if any(b < a for a, b in zip(cu, cu[1:])):

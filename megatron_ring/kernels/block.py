@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from megatron_ring.device import ops_for
+
 __all__ = ["BlockKernel", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel", "TorchFlashCudaKernel",
            "CudnnKernel", "TEFusedKernel", "select_kernel", "KERNELS", "causal_sub_blocks", "set_deterministic",
            "ReversedKernel"]
@@ -77,7 +79,8 @@ def causal_sub_blocks(sq: int, sk: int, causal: bool) -> list[tuple[slice, slice
 
 
 def _cuda_arch(q: torch.Tensor) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(q.device)
+    """The GPU architecture of ``q``'s device, through the device seam ((0, 0): not a GPU)."""
+    return ops_for(q.device).capability(q.device) or (0, 0)
 
 
 def _fused_cuda_case(q: torch.Tensor, max_head_dim: int) -> bool:

@@ -33,6 +33,7 @@ import torch
 from megatron_ring.wire.codecs import KVCodec
 from megatron_ring.errors import WireFiniteError
 from megatron_ring.core.engine import RingAttentionFunction, RingPlan
+from megatron_ring.device import ops_for
 from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, raise_for
 from megatron_ring.errors import RingInputError
 from megatron_ring.transport.deadline import timeout_seconds
@@ -61,7 +62,7 @@ class StrategyStatus:
         mine = torch.full((1,), float(self.code), dtype=torch.float32, device=out.device)
         codes = mine.new_empty(ring.world)
         pending = all_gather(codes, mine, ring.group, timeout_seconds(ring), "all-gather of the input status")
-        if out.device.type == "cpu" or self.plan.codec.checks_values or self.error is not None:
+        if ops_for(out.device).host_reads_free or self.plan.codec.checks_values or self.error is not None:
             pending.wait()
             self._raise(codes)
             return out

@@ -189,12 +189,14 @@ class Ring(Transport):
 
 
 class LoopbackRing(Transport):
-    """Same schedule, no network: "receives" a local copy of what it sends (compute-only timing)."""
+    """Same schedule, no network: "receives" a local copy of what it sends (compute-only timing). The copy
+    runs on the device's side stream, as a real exchange would (a no-op seam on CPU)."""
 
     def __init__(self, world: int, rank: int, device: torch.device) -> None:
-        super().__init__(world, rank, range(world))  # no side stream: copies run inline
+        super().__init__(world, rank, range(world), stream=side_stream_for(torch.device(device)))
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:
-        recv.copy_(send)
+        with self.stream.launch(send, recv):
+            recv.copy_(send)
         self.bytes_sent[channel] += send.numel() * send.element_size()
         return Exchange(self, [], channel, step)

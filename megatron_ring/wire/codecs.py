@@ -55,7 +55,7 @@ class KVCodec(abc.ABC):
     """Packs K and V into one flat buffer and back. Subclasses set ``name``."""
 
     name: str = "abstract"
-    #: whether :meth:`encode` checks values (and so synchronises with the device once per call)
+    #: whether the codec checks values (:meth:`encode` raises; :meth:`encode_flagged` returns a device verdict)
     checks_values: bool = False
 
     @abc.abstractmethod
@@ -74,6 +74,19 @@ class KVCodec(abc.ABC):
         """Bytes one encoded block occupies on the wire (payload plus any scales)."""
         buf = self.new_buffer(KVSpec(spec.k_shape, spec.v_shape, spec.dtype, torch.device("meta")))
         return buf.numel() * buf.element_size()
+
+    def encode_flagged(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`encode` without reading any value on the host (no device synchronisation): a codec that
+        checks values returns its verdict as a 0-dim bool tensor on the device (True: the wire refuses
+        these values; they are encoded so that they decode as inf/NaN, never as a finite wrong value);
+        a codec that checks nothing returns None. The ring puts the verdict in its status element
+        (``core/status.py``)."""
+        self.encode(k, v, out)
+        return None
+
+    def check_values(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise :class:`WireFiniteError` naming the first element this wire refuses (a host read; the
+        failure path of :meth:`encode_flagged`, and :meth:`encode` itself)."""
 
 
 
@@ -97,9 +110,24 @@ class _FlatCodec(KVCodec):
     def wire_bytes(self, spec: KVSpec) -> int:
         return (spec.k_numel + spec.v_numel) * self._wire(spec).itemsize
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    def check_values(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check(k, "K")
         self._check(v, "V")
+
+    def _refused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Hook: the device verdict (0-dim bool) on the values of ``x`` (None: nothing checked)."""
+        return None
+
+    def encode_flagged(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        flags = [f for f in (self._refused(k), self._refused(v)) if f is not None]
+        self._copy_in(k, v, out)
+        return None if not flags else flags[0] if len(flags) == 1 else flags[0] | flags[1]
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        self.check_values(k, v)
+        self._copy_in(k, v, out)
+
+    def _copy_in(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         nk = k.numel()
         out[:nk].view(k.shape).copy_(k)
         out[nk:].view(v.shape).copy_(v)
@@ -144,13 +172,23 @@ class CastCodec(_FlatCodec):
         """Raise if ``x`` would overflow an FP16 wire (only checked when the wire is FP16)."""
         if self.wire_dtype != torch.float16 or x.dtype == torch.float16 or x.numel() == 0:
             return
-        wmax = torch.finfo(torch.float16).max
-        ok = (x.abs() <= wmax) | ~torch.isfinite(x)  # genuine inf/NaN are carried as they are
+        ok = self._fits(x)
         if not bool(ok.all()):
             raise WireFiniteError(
-                f"fp16 wire: {what} has finite |x| > {wmax:g} (fp16 max) at "
+                f"fp16 wire: {what} has finite |x| > {torch.finfo(torch.float16).max:g} (fp16 max) at "
                 f"[b, h, s, d]={_first_bad(ok)}; use comm_dtype=torch.bfloat16 or fp8 (scaled)"
             )
+
+
+    def _refused(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.wire_dtype != torch.float16 or x.dtype == torch.float16 or x.numel() == 0:
+            return None
+        return ~self._fits(x).all()  # stays on the device; the overflowing values travel as inf
+
+    @staticmethod
+    def _fits(x: torch.Tensor) -> torch.Tensor:
+        """Per element: fits an fp16 wire (genuine inf/NaN are carried as they are)."""
+        return (x.abs() <= torch.finfo(torch.float16).max) | ~torch.isfinite(x)
 
 
 # Scale exponents are clamped to [-_EXP_LIMIT, _EXP_LIMIT]: 2^±120 and its reciprocal stay normal fp32.
@@ -245,8 +283,9 @@ class FP8Codec(KVCodec):
             return g.unsqueeze(-1)
         return g.repeat_interleave(self.group_tokens, dim=-1)[..., :s].unsqueeze(-1)
 
-    def _scales(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """fp32 power-of-two scales ``[b, h, g]`` for ``x`` ``[b, h, s, d]``."""
+    def _scales(self, x: torch.Tensor, what: str, on_device: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 power-of-two scales ``[b, h, g]`` for ``x`` ``[b, h, s, d]`` and the per-group finiteness.
+        ``on_device``: never raise (no host read): the scale of a non-finite group is NaN."""
         b, h, s, _ = x.shape
         row = x.abs().amax(dim=-1).float()  # [b, h, s] max |x|; NaN propagates
         gt = self.group_tokens
@@ -260,7 +299,7 @@ class FP8Codec(KVCodec):
                 row = torch.nn.functional.pad(row, (0, g * gt - s))
             amax = row.view(b, h, g, gt).amax(dim=-1)
         finite = torch.isfinite(amax)
-        if self.check_finite and not bool(finite.all()):
+        if self.check_finite and not on_device and not bool(finite.all()):
             raise WireFiniteError(
                 f"{self.name} wire: {what} contains inf/NaN at [b, h, group]={_first_bad(finite)} "
                 f"(group = {gt or s} tokens); refusing to quantize (pass check_finite=False to get NaN)"
@@ -269,25 +308,46 @@ class FP8Codec(KVCodec):
         mant, exp = torch.frexp(amax.double() / self.fp8_max)  # amax/fp8_max = mant * 2^exp, mant in [0.5, 1)
         exp = (exp - (mant == 0.5).int()).clamp_(-_EXP_LIMIT, _EXP_LIMIT)  # exact powers of two: no bump
         scale = torch.ldexp(torch.ones_like(amax), exp)  # amax == 0 -> 2^0 = 1
-        if not self.check_finite:
+        if not self.check_finite or on_device:
             scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
-        return scale
+        return scale, finite
 
     # ----- codec --------------------------------------------------------------------------
-    def _quantize(self, x: torch.Tensor, scale_out: torch.Tensor, payload_out: torch.Tensor, what: str) -> None:
+    def _quantize(self, x: torch.Tensor, scale_out: torch.Tensor, payload_out: torch.Tensor, what: str,
+                  on_device: bool = False) -> torch.Tensor | None:
+        """Quantize ``x`` into the views; returns the device verdict (any group non-finite) when
+        ``on_device`` (None for an empty ``x``)."""
         if x.numel() == 0:
             scale_out.fill_(1.0)
-            return
-        scale = self._scales(x, what)
+            return None
+        scale, finite = self._scales(x, what, on_device)
         scale_out.copy_(scale)
         inv = self._row_scale(scale.reciprocal(), x.shape[2])  # exact: powers of two
         # x (any strides, any float dtype) * 2^-e is exact in fp32; the fp8 cast is the only rounding.
         payload_out.copy_(torch.mul(x, inv))
+        return ~finite.all() if on_device else None
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         ks, vs, kp, vp = self._views(out, tuple(k.shape), tuple(v.shape))
         self._quantize(k, ks, kp, "K")
         self._quantize(v, vs, vp, "V")
+
+    def encode_flagged(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """With ``check_finite``: the non-finite check on the device (the affected groups' scales are
+        NaN, so they decode as NaN) and its verdict; without it, :meth:`encode` (nothing checked)."""
+        if not self.check_finite:
+            self.encode(k, v, out)
+            return None
+        ks, vs, kp, vp = self._views(out, tuple(k.shape), tuple(v.shape))
+        flags = [f for f in (self._quantize(k, ks, kp, "K", True), self._quantize(v, vs, vp, "V", True))
+                 if f is not None]
+        return None if not flags else flags[0] if len(flags) == 1 else flags[0] | flags[1]
+
+    def check_values(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.check_finite:
+            for x, what in ((k, "K"), (v, "V")):
+                if x.numel():
+                    self._scales(x, what)
 
     def _lut(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """All 256 fp8 codes as ``dtype`` values (exact for fp32/bf16; NaN codes stay NaN)."""

@@ -1,0 +1,145 @@
+"""The device seam: everything the library asks of a device beyond tensor operations.
+
+Streams, events, the architecture and memory queries, and copies to host memory go through ONE small
+interface, :class:`DeviceOps`, looked up per device type with :func:`ops_for`. Nothing here touches CUDA
+at import or in a constructor: :class:`CudaOps` calls ``torch.cuda`` only inside its methods, when the
+engine actually runs on a CUDA device. Tests supply a fake device with :func:`use` (e.g. a fake CUDA
+device whose streams record waits and ``record_stream`` calls, for tensors of ``FakeTensorMode``).
+
+What each method means on a device without streams (CPU): :class:`DeviceOps`' defaults (no streams,
+events complete at once, host reads free, no architecture).
+
+A leaf module: it imports nothing of the package, so every part (kernels, transport, core) may use it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["DeviceOps", "CudaOps", "ops_for", "use"]
+
+
+class DeviceOps:
+    """A device's streams, events and queries. The base class is a device without streams (CPU):
+    every operation runs in program order, so streams and events are no-ops and reading a value on the
+    host costs nothing beyond the read."""
+
+    #: whether work runs on streams the host does not wait for (CUDA): a side stream is worth having
+    has_streams: bool = False
+    #: whether reading a device value on the host is free (no queue of device work to wait for)
+    host_reads_free: bool = True
+
+    # ----- streams --------------------------------------------------------------------------
+    def new_stream(self, device: torch.device) -> Any:
+        """A new stream on ``device`` (None without streams)."""
+        return None
+
+    def current_stream(self, device: torch.device) -> Any:
+        return None
+
+    def on_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Context in which ops are queued on ``stream``."""
+        return contextlib.nullcontext()
+
+    def wait_stream(self, waiter: Any, waited: Any) -> None:
+        """Later work on ``waiter`` waits for the work queued on ``waited`` so far (no host wait)."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the allocator ``tensor`` is in use on ``stream`` (not reused before that work is done)."""
+
+    # ----- events ---------------------------------------------------------------------------
+    def record_event(self, stream: Any = None) -> Any:
+        """An event marking the work queued so far on ``stream`` (the current stream if None)."""
+        return None
+
+    def event_done(self, event: Any) -> bool:
+        """Whether the device has passed ``event`` (never waits)."""
+        return True
+
+    def wait_event_host(self, event: Any) -> None:
+        """Block the host until the device has passed ``event``: a device-to-host synchronisation."""
+
+    # ----- host memory and queries ------------------------------------------------------------
+    def to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying ``x`` to host memory without blocking the host: ``(host tensor, event)``; the
+        host tensor may be read once :meth:`event_done` (or :meth:`wait_event_host`) says so."""
+        return x.detach().clone(), None
+
+    def capability(self, device: torch.device) -> tuple[int, int] | None:
+        """The compute architecture ``(major, minor)`` (None: not a GPU)."""
+        return None
+
+    def memory(self, device: torch.device) -> tuple[int, int] | None:
+        """``(free, total)`` bytes of device memory (None: not known)."""
+        return None
+
+
+class CudaOps(DeviceOps):
+    """CUDA through ``torch.cuda`` (called only when a CUDA device is used)."""
+
+    has_streams = True
+    host_reads_free = False
+
+    def new_stream(self, device):
+        return torch.cuda.Stream(device=device)
+
+    def current_stream(self, device):
+        return torch.cuda.current_stream(device)
+
+    def on_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def wait_stream(self, waiter, waited):
+        waiter.wait_stream(waited)
+
+    def record_stream(self, tensor, stream):
+        tensor.record_stream(stream)
+
+    def record_event(self, stream=None):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def event_done(self, event):
+        return event.query()
+
+    def wait_event_host(self, event):
+        event.synchronize()
+
+    def to_host(self, x):
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        return host, self.record_event()
+
+    def capability(self, device):
+        return torch.cuda.get_device_capability(device)
+
+    def memory(self, device):
+        return torch.cuda.mem_get_info(device)
+
+
+_BUILTIN: dict[str, DeviceOps] = {"cuda": CudaOps()}
+_DEFAULT = DeviceOps()
+_override: dict[str, DeviceOps] = {}
+
+
+def ops_for(device: torch.device | str) -> DeviceOps:
+    """The :class:`DeviceOps` of ``device``'s type (a test's fake where one is installed by :func:`use`)."""
+    kind = device if isinstance(device, str) else device.type
+    return _override.get(kind) or _BUILTIN.get(kind, _DEFAULT)
+
+
+@contextlib.contextmanager
+def use(device_type: str, ops: DeviceOps) -> Iterator[DeviceOps]:
+    """Within the block, devices of ``device_type`` use ``ops`` (tests: a fake device)."""
+    before = _override.get(device_type)
+    _override[device_type] = ops
+    try:
+        yield ops
+    finally:
+        if before is None:
+            _override.pop(device_type, None)
+        else:
+            _override[device_type] = before

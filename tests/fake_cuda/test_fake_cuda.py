@@ -1,0 +1,307 @@
+"""The fake-CUDA tier: the GPU path of the whole engine, traced without a GPU.
+
+Inside ``torch._subclasses.fake_tensor.FakeTensorMode`` (a CUDA build of torch, running on CPU) tensors on
+device ``cuda`` run the real ops' meta kernels: every shape, dtype, stride and device is checked as on a
+GPU while nothing is computed. Anything that initialises CUDA fails here ("Found no NVIDIA driver"), so
+this tier also proves that the engine asks the device only through its seam (``megatron_ring/device.py``):
+the tests install :class:`fake_device.FakeCuda` for ``cuda`` (streams and events as Python objects, an
+sm90 capability), and :class:`fake_device.StreamChecker` checks every op against the stream it runs on:
+a tensor written on one stream and used on another must be waited for, and every tensor used on the
+side stream must be ``record_stream``-ed there. A host read of a device value would raise in this mode
+(a fake tensor has no value), so a traced call also proves the ring makes none.
+
+How the backward runs: the autograd engine itself wants a CUDA device for fake CUDA tensors ("hasPrimaryContext
+expects a valid device index"), so :func:`fake_backward` walks the graph by hand, as the engine would, with
+grad mode off: from the output's ``grad_fn`` it applies each node (``node(grad)``) down to the
+``RingAttentionFunction`` node, calls that node's ``apply`` (which is ``RingAttentionFunction.backward(ctx,
+dout)``, our Python code), and applies the nodes from each of its inputs up to the leaf's ``AccumulateGrad``.
+The gradients that reach the leaves are checked (shape, dtype, device, strides).
+
+The cases (``CASES``): every torch-native CUDA kernel of ``kernels/block.py`` (``sdpa_cuda`` -- torch's
+memory-efficient op --, ``flash_cuda``, ``cudnn``) and ``auto``, forward and backward, at P = 1, 2, 4 on the
+loopback transport; causal and not; zigzag / striped / contiguous; BSHD / SBHD / THD with documents; GQA
+and MQA; MLA head dims; windows; sinks; dropout; bf16 and fp16; as-is / bf16 / fp8 / fp16 wire;
+``kv_pieces`` and ``head_chunks``; and at P = 1 every comm type (a loopback runs only ``p2p`` at P > 1).
+``flash_attn`` and TransformerEngine cannot be installed here: their call signatures are checked against
+the libraries' sources in ``test_library_signatures.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fake_device import FakeCuda, StreamChecker
+from megatron_ring import device, ring_attention
+from megatron_ring.core.engine import RingAttentionFunction
+from megatron_ring.kernels import block as K
+from megatron_ring.transport.ring import LoopbackRing
+from megatron_ring.transport.streams import SideStream
+
+pytestmark = pytest.mark.fake_cuda
+
+S_LOCAL = 64  # tokens per rank (nothing is computed: the size only has to be valid for every layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kernel: str = "flash_cuda"
+    P: int = 2
+    causal: bool = True
+    layout: str = "zigzag"
+    fmt: str = "bshd"
+    heads: tuple[int, int] = (4, 2)
+    dims: tuple[int, int] = (64, 64)  # (d_qk, d_v)
+    dtype: torch.dtype = torch.bfloat16
+    wire: str | None = None
+    kv_pieces: int | None = None
+    head_chunks: int = 1
+    window: tuple[int, int] | None = None
+    sink: str | None = None  # None, "float", "tensor"
+    dropout: float = 0.0
+    comm_type: str = "p2p"
+
+    @property
+    def id(self) -> str:
+        base = Case()
+        diff = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name) and f.name != "kernel"]
+        return "-".join([self.kernel, *diff]).replace("torch.", "").replace(" ", "")
+
+
+NATIVE = ("sdpa_cuda", "flash_cuda", "cudnn")
+
+
+def _cases() -> list[Case]:
+    out: list[Case] = []
+    for kernel in (*NATIVE, "auto"):  # the core: every kernel x P x causal
+        for P in (1, 2, 4):
+            for causal in (True, False):
+                out.append(Case(kernel=kernel, P=P, causal=causal))
+    for kernel in NATIVE:
+        out += [Case(kernel=kernel, P=4, layout=lay) for lay in ("striped", "contiguous")]
+        out += [Case(kernel=kernel, P=4, fmt="sbhd", causal=False),
+                Case(kernel=kernel, P=4, fmt="thd"),  # with documents (cu_seqlens)
+                Case(kernel=kernel, P=2, fmt="thd", causal=False),
+                Case(kernel=kernel, P=4, heads=(8, 2)),  # GQA
+                Case(kernel=kernel, P=2, heads=(4, 1), causal=False),  # MQA
+                Case(kernel=kernel, P=4, window=(40, 0)),
+                Case(kernel=kernel, P=2, causal=False, window=(64, 64), layout="contiguous"),
+                Case(kernel=kernel, P=2, sink="float"),
+                Case(kernel=kernel, P=4, sink="tensor", causal=False),
+                Case(kernel=kernel, P=2, dtype=torch.float16),
+                Case(kernel=kernel, P=4, dtype=torch.float16, causal=False, layout="striped"),
+                Case(kernel=kernel, P=4, heads=(8, 4), kv_pieces=2),
+                Case(kernel=kernel, P=2, heads=(8, 4), head_chunks=2),
+                Case(kernel=kernel, P=4, heads=(8, 4), kv_pieces=2, head_chunks=2, wire="fp8")]
+        out += [Case(kernel=kernel, P=P, wire=w) for P in (2, 4) for w in ("bf16", "fp8")]
+        out.append(Case(kernel=kernel, P=2, wire="fp16", dtype=torch.bfloat16, causal=False))
+    # MLA head dims (d_qk 192 > cuDNN's 128: auto falls back to flash_cuda); cuDNN with d_qk 128, d_v 64
+    out += [Case(kernel=k, P=2, dims=(192, 128)) for k in ("sdpa_cuda", "flash_cuda", "auto")]
+    out.append(Case(kernel="cudnn", P=2, dims=(128, 64)))
+    out += [Case(kernel="auto", P=P, dropout=0.1) for P in (1, 4)]  # dropout runs its own fp32 kernel
+    out += [Case(kernel="auto", P=1, comm_type=c) for c in ("all_gather", "a2a", "a2a+p2p", "auto")]
+    return out
+
+
+CASES = _cases()
+
+
+def _expected_kernel(case: Case) -> str | None:
+    """The CUDA kernel class the case must reach (None: dropout, whose own kernel runs every task)."""
+    if case.dropout:
+        return None
+    if case.kernel != "auto":
+        return case.kernel
+    return "cudnn" if case.dims[0] <= 128 else "flash_cuda"  # flash_attn, te_fused: not installed here
+
+
+_KERNEL_CLASSES = {"sdpa_cuda": K.CudaSDPAKernel, "flash_cuda": K.TorchFlashCudaKernel, "cudnn": K.CudnnKernel}
+
+
+def fake_backward(out: torch.Tensor, dout: torch.Tensor, leaves: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The backward of ``out`` by hand (see the module doc); returns ``{id(leaf): gradient reaching it}``."""
+    grads: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        node, g = out.grad_fn, (dout,)
+        while getattr(node, "_forward_cls", None) is not RingAttentionFunction:
+            g = node(*g)
+            g = g if isinstance(g, tuple) else (g,)
+            node = next(fn for fn, _ in node.next_functions if fn is not None)
+        results = node.apply(*g)  # RingAttentionFunction.backward(ctx, dout)
+        # its graph edges are its tensor inputs only: q, k, v (and the sink, input 5, when given)
+        results = list(results[:3]) + ([results[5]] if len(node.next_functions) == 4 else [])
+        for (fn, _), grad in zip(node.next_functions, results):
+            while fn is not None and grad is not None and type(fn).__name__ != "AccumulateGrad":
+                grad = fn(grad)
+                grad = grad[0] if isinstance(grad, tuple) else grad
+                fn = next((f for f, _ in fn.next_functions if f is not None), None)
+            if fn is not None and grad is not None:
+                grads[id(fn.variable)] = grad
+    assert set(grads) == {id(t) for t in leaves}, "a leaf got no gradient"
+    return grads
+
+
+def _inputs(case: Case):
+    b = 1 if case.fmt == "thd" else 2
+    h, hk = case.heads
+    dqk, dv = case.dims
+    s = S_LOCAL
+
+    def make(heads, d):
+        shape = {"bshd": (b, s, heads, d), "sbhd": (s, b, heads, d), "thd": (s, heads, d)}[case.fmt]
+        return torch.randn(shape, device="cuda", dtype=case.dtype, requires_grad=True)
+
+    q, k, v = make(h, dqk), make(hk, dqk), make(hk, dv)
+    kw = dict(causal=case.causal, layout=case.layout, qkv_format=case.fmt, comm_dtype=case.wire,
+              kernel=case.kernel, kv_pieces=case.kv_pieces, head_chunks=case.head_chunks, window=case.window,
+              comm_type=case.comm_type)
+    leaves = [q, k, v]
+    if case.fmt == "thd":  # documents over the global stream, boundaries inside blocks
+        total = s * case.P
+        # host boundaries (a list): a CUDA tensor would cost one device-to-host read per call (the schedule is
+        # planned on the host from them), which FakeTensorMode refuses
+        kw["cu_seqlens"] = [0, 37, total // 2 + 5, total - 9]  # as in _plan_on_host
+    if case.sink == "float":
+        kw["softmax_offset"] = 0.0
+    elif case.sink == "tensor":
+        kw["softmax_offset"] = torch.zeros(h, device="cuda", requires_grad=True)
+        leaves.append(kw["softmax_offset"])
+    if case.dropout:
+        kw.update(dropout_p=case.dropout, dropout_seed=1234)
+    return q, k, v, kw, leaves
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls: dict[str, list[int]] = {n: [0, 0] for n in _KERNEL_CLASSES}
+    for name, cls in _KERNEL_CLASSES.items():
+        fwd, bwd = cls._fwd, cls._bwd
+
+        def spy_f(self, *a, _f=fwd, _n=name):
+            calls[_n][0] += 1
+            return _f(self, *a)
+
+        def spy_b(self, *a, _b=bwd, _n=name):
+            calls[_n][1] += 1
+            return _b(self, *a)
+
+        monkeypatch.setattr(cls, "_fwd", spy_f)
+        monkeypatch.setattr(cls, "_bwd", spy_b)
+    return calls
+
+
+def _plan_on_host(case: Case, rank: int) -> None:
+    """Build the masked schedules (documents, windows) with real host tensors first: the engine plans on
+    the host from CPU index tensors (cached per signature), which FakeTensorMode would make fake."""
+    from megatron_ring.api import _attention_mask
+    from megatron_ring.schedules.layouts import get_layout
+    from megatron_ring.schedules.masks import needed_steps, schedule
+
+    total = S_LOCAL * case.P
+    cu = [0, 37, total // 2 + 5, total - 9] if case.fmt == "thd" else None
+    rule = _attention_mask(case.causal, cu, case.window, total)
+    if not rule.plain:
+        lay = get_layout(case.layout)
+        needed_steps(lay, rule, case.P, S_LOCAL)
+        for t in range(case.P):
+            schedule(lay, rule, case.P, rank, (rank - t) % case.P, S_LOCAL)
+
+
+def run_case(case: Case, rank: int | None = None, dev: FakeCuda | None = None):
+    """Trace one forward and backward of ``case`` on fake CUDA; returns (q, out, grads, checker, dev)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dev = dev or FakeCuda()
+    rank = case.P // 2 if rank is None else rank  # not rank 0: every kind of step (src <, ==, > rank)
+    _plan_on_host(case, rank)
+    # allow_non_fake_inputs: the host plan's real CPU tensors (positions) meet fake device tensors, as host
+    # tensors meet CUDA ones on a GPU
+    with device.use("cuda", dev), FakeTensorMode(allow_non_fake_inputs=True), StreamChecker(dev) as checker:
+        q, k, v, kw, leaves = _inputs(case)
+        out = ring_attention(q, k, v, ring=LoopbackRing(case.P, rank, q.device), **kw)
+        grads = fake_backward(out, torch.randn_like(out), leaves)
+    assert not torch.cuda.is_initialized()  # every device question went through the seam
+    return leaves, out, grads, checker, dev
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_forward_and_backward_on_fake_cuda(case, kernel_calls):
+    leaves, out, grads, checker, dev = run_case(case)
+    q, v = leaves[0], leaves[2]
+    # the output: q's layout with v's head dim, q's dtype, on the GPU, contiguous in the caller's format
+    assert out.shape == (*q.shape[:-1], v.shape[-1])
+    assert out.dtype == q.dtype and out.device.type == "cuda" and out.is_contiguous()
+    for leaf in leaves:  # each gradient: its input's shape, dtype, device and strides
+        g = grads[id(leaf)]
+        assert (g.shape, g.dtype, g.device, g.stride()) == (leaf.shape, leaf.dtype, leaf.device, leaf.stride())
+    # the CUDA kernel asked for (or auto's choice) ran, forward and backward
+    want = _expected_kernel(case)
+    if want is not None and not (case.fmt == "thd" and not case.causal):  # there documents split every tile:
+        # all its tasks are masked ones, which the math kernel runs (kernels without supports_mask)
+        assert kernel_calls[want][0] > 0 and kernel_calls[want][1] > 0, kernel_calls
+    assert all(c == [0, 0] for n, c in kernel_calls.items() if n != want), kernel_calls
+    # streams: every consumer waits, every tensor used on the side stream is recorded there
+    assert checker.problems == [], checker.problems[:5]
+    assert checker.unrecorded() == [], checker.unrecorded()[:5]
+    if case.P > 1:
+        assert checker.ops_on.get("side1", 0) > 0 and dev.log["record_stream"] > 0 and dev.log["wait_stream"] > 0
+        assert dev.log["to_host"] == case.head_chunks  # the status, copied once per forward ring
+    else:
+        assert dev.log["new_stream"] == 0  # one rank: no exchange, no side stream
+
+
+def test_the_stream_checker_catches_a_missing_wait(monkeypatch):
+    """Not vacuous: without the join (the compute stream's wait for the exchange) the checker objects."""
+    monkeypatch.setattr(SideStream, "join", lambda self: None)
+    *_, checker, _ = run_case(Case(P=2))
+    assert any("without waiting" in p for p in checker.problems)
+
+
+def test_the_stream_checker_catches_a_missing_record_stream(monkeypatch):
+    monkeypatch.setattr(FakeCuda, "record_stream", lambda self, t, s: None)
+    *_, checker, _ = run_case(Case(P=2))
+    assert checker.unrecorded()
+
+
+def test_auto_never_picks_a_kernel_whose_library_is_missing(monkeypatch):
+    """flash_attn and TransformerEngine are not installed here: auto skips them (cuDNN first; without cuDNN,
+    torch's flash kernel), and forcing them is refused with a message naming the fix."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import importlib.util
+    assert importlib.util.find_spec("flash_attn") is None and importlib.util.find_spec("transformer_engine") is None
+    with device.use("cuda", FakeCuda()), FakeTensorMode():
+        q = torch.empty(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
+        K._auto_choice.clear()
+        assert K.select_kernel(q).name == "cudnn"
+        monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+        K._auto_choice.clear()
+        assert K.select_kernel(q).name == "flash_cuda"
+        for name in ("flash_attn", "te_fused"):
+            assert not K.KERNELS[name]().supports(q)
+            with pytest.raises(ValueError, match="kernel='auto'"):
+                K.select_kernel(q, name)
+    K._auto_choice.clear()
+
+
+def test_architecture_comes_from_the_seam():
+    """Fused kernels ask the device seam for the architecture: sm75 gets only the memory-efficient op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with device.use("cuda", FakeCuda(capability=(7, 5))), FakeTensorMode():
+        q = torch.empty(1, 4, 64, 64, device="cuda", dtype=torch.float16)
+        assert [n for n in ("sdpa_cuda", "flash_cuda", "cudnn") if K.KERNELS[n]().supports(q)] == ["sdpa_cuda"]
+
+
+def test_nothing_touches_cuda_at_import_or_construction():
+    """Building a ring, a side stream and a kernel for a CUDA device makes no CUDA call (no fake installed:
+    any call would fail here, there is no driver)."""
+    from megatron_ring.transport.streams import side_stream_for
+
+    side = side_stream_for(torch.device("cuda", 1))  # a device no other test used
+    ring = LoopbackRing(2, 0, torch.device("cuda", 1))
+    for name in K.KERNELS:
+        K.KERNELS[name]()
+    assert side._made is None and ring.stream._made is None and not torch.cuda.is_initialized()

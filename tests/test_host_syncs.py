@@ -1,0 +1,171 @@
+"""No device-to-host synchronisation in steady state: 0 per forward+backward call after the first, in every
+case (the FP8 and fp16 wires included: their value checks stay on the device, core/status.py).
+
+The calls run on CPU tensors over the loopback transport, with the device seam's fake CUDA device
+(:class:`fake_device.FakeCuda`) installed for ``cpu``: the engine then takes the CUDA code path (its status
+codes copied to the host without blocking at the end of the forward ring and read at the start of the
+backward ring, not read in the forward as on a real CPU) while the ops still compute.
+:class:`fake_device.HostReadCounter` counts every host read of a value derived from q, k, v (taint tracked
+through every op: ``item``/``bool``/``int`` (``_local_scalar_dense``), ``nonzero``, ``equal``, ``tolist``,
+``numpy``, ...) and the fake device's host waits. Host-side plan tensors (positions, masks) are not
+derived from the inputs and do not count.
+
+The one read the refusal protocol keeps: the status codes' host copy at the start of the backward ring; it
+waits only if the device has not reached the end of that call's forward ring (counted below as a host wait
+when the fake device says the copy is not complete yet).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fake_device import FakeCuda, HostReadCounter
+from megatron_ring import device, ring_attention
+from megatron_ring.transport.ring import LoopbackRing
+from megatron_ring.wire.codecs import FP8Codec
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncCase:
+    P: int = 2
+    causal: bool = True
+    layout: str = "zigzag"
+    fmt: str = "bshd"
+    heads: tuple[int, int] = (4, 2)
+    wire: str | None = None
+    kv_pieces: int | None = None
+    head_chunks: int = 1
+    window: tuple[int, int] | None = None
+    sink: bool = False
+    dropout: float = 0.0
+    dims: tuple[int, int] = (16, 16)
+
+    @property
+    def id(self) -> str:
+        base = SyncCase()
+        return "-".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                        if getattr(self, f.name) != base.__dict__[f.name]).replace(" ", "") or "base"
+
+
+def _sync_cases() -> list[SyncCase]:
+    out = [SyncCase(P=P, causal=c, wire=w) for P in (1, 2, 4) for c in (True, False)
+           for w in (None, "bf16", "fp8", "fp16")]
+    out += [SyncCase(P=4, layout=lay, wire="fp8") for lay in ("striped", "contiguous")]
+    out += [SyncCase(P=4, fmt="sbhd", wire="fp8"), SyncCase(P=4, fmt="thd", wire="fp8"),
+            SyncCase(P=4, heads=(8, 1), wire="fp8"), SyncCase(P=4, dims=(24, 16), wire="fp8"),
+            SyncCase(P=4, window=(20, 0), wire="fp8"), SyncCase(P=4, sink=True, wire="fp8"),
+            SyncCase(P=4, dropout=0.1, wire="fp8"), SyncCase(P=4, heads=(8, 4), kv_pieces=4, wire="fp8"),
+            SyncCase(P=4, heads=(8, 4), head_chunks=2, kv_pieces=2, wire="fp8"),
+            SyncCase(P=2, heads=(8, 4), head_chunks=4, wire="fp16")]
+    return out
+
+
+def _call(case: SyncCase, counter: HostReadCounter) -> None:
+    s = 16
+    b = 1 if case.fmt == "thd" else 2
+    h, hk = case.heads
+
+    def make(heads, d):
+        shape = {"bshd": (b, s, heads, d), "sbhd": (s, b, heads, d), "thd": (s, heads, d)}[case.fmt]
+        return torch.randn(shape, requires_grad=True)
+
+    q, k, v = make(h, case.dims[0]), make(hk, case.dims[0]), make(hk, case.dims[1])
+    counter.taint(q, k, v)
+    kw = dict(causal=case.causal, layout=case.layout, qkv_format=case.fmt, comm_dtype=case.wire,
+              kv_pieces=case.kv_pieces, head_chunks=case.head_chunks, window=case.window)
+    if case.fmt == "thd":
+        kw["cu_seqlens"] = torch.tensor([0, 5, s * case.P - 3])  # host boundaries (a device tensor costs a read)
+    if case.sink:
+        kw["softmax_offset"] = torch.zeros(h, requires_grad=True)
+    if case.dropout:
+        kw.update(dropout_p=case.dropout, dropout_seed=7)
+    with counter:
+        out = ring_attention(q, k, v, ring=LoopbackRing(case.P, case.P // 2, q.device), **kw)
+        out.float().square().sum().backward()
+
+
+def count_syncs(case: SyncCase, calls: int = 3, dev: FakeCuda | None = None) -> list[dict]:
+    """Host reads per call, for ``calls`` calls of ``case`` (the first one included)."""
+    dev = dev or FakeCuda()
+    per_call = []
+    with device.use("cpu", dev):
+        for _ in range(calls):
+            counter = HostReadCounter(dev)
+            _call(case, counter)
+            per_call.append(dict(counter.reads))
+    return per_call
+
+
+CASES = _sync_cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_no_host_sync_after_the_first_call(case):
+    per_call = count_syncs(case)
+    assert per_call[1:] == [{}, {}], per_call
+
+
+def test_the_counter_sees_the_old_fp8_check(monkeypatch):
+    """Not vacuous: the FP8 codec's host-side finiteness check (``bool(finite.all())``, what the wire did
+    before the check moved to the device) is counted: 2 per piece and call (K and V) in the forward, and
+    again in the backward's K/V ring."""
+    monkeypatch.setattr(FP8Codec, "encode_flagged", lambda self, k, v, out: self.encode(k, v, out))
+    per_call = count_syncs(SyncCase(P=2, wire="fp8", kv_pieces=1))
+    assert per_call[-1] == {"aten::_local_scalar_dense": 4}, per_call
+
+
+def test_a_host_that_runs_ahead_waits_once_per_ring_at_the_status_read():
+    """Where the refusal protocol reads: the status copy, at the start of the backward ring. If the device
+    has not reached the end of the forward ring by then, that read waits, once per forward ring."""
+    per_call = count_syncs(SyncCase(P=2, heads=(4, 4), head_chunks=2), dev=FakeCuda(events_done=False))
+    assert per_call[-1] == {"host wait (event)": 2}, per_call
+
+
+def test_a_device_side_refusal_still_raises_on_every_rank():
+    """The FP8 check on the device: the refusing rank's status travels the ring; the other ranks (and the
+    refusing one, with the element named) raise at the status read, the start of the backward."""
+    from ring_fakes import run_threads
+    from megatron_ring.errors import WireFiniteError
+
+    def body(rank, ring):
+        q = torch.randn(1, 8, 2, 8, requires_grad=True)
+        k = torch.randn(1, 8, 2, 8)
+        if rank == 1:
+            k[0, 3, 1, 2] = float("inf")
+        out = ring_attention(q, k.requires_grad_(), k.detach().clone().requires_grad_(), ring=ring,
+                             comm_dtype="fp8")
+        out.sum().backward()
+
+    with device.use("cpu", FakeCuda()):
+        results = run_threads(body, 3)
+    for rank, res in enumerate(results):
+        assert isinstance(res, WireFiniteError), (rank, res)
+        if rank == 1:
+            assert "contains inf/NaN at [b, h, group]" in str(res)
+        else:
+            assert "global rank(s) 1" in str(res)
+
+
+def test_a_call_without_backward_reads_once_at_the_forward_end():
+    """torch.no_grad with a value-checking wire: nothing would read the codes later, so the forward's end
+    does (one read per forward ring); every rank raises there. Without a checking wire: no read."""
+    from ring_fakes import run_threads
+    from megatron_ring.errors import WireFiniteError
+
+    def body(rank, ring, wire, bad):
+        k = torch.randn(1, 8, 2, 8)
+        if bad and rank == 2:
+            k[0, 1, 0, 0] = float("nan")
+        counter = HostReadCounter()
+        counter.taint(k)
+        with counter, torch.no_grad():
+            ring_attention(k, k, k, ring=ring, comm_dtype=wire)
+        return counter.total()
+
+    with device.use("cpu", FakeCuda()):
+        assert run_threads(lambda r, ring: body(r, ring, "fp8", False), 3) == [1, 1, 1]
+        assert run_threads(lambda r, ring: body(r, ring, "bf16", False), 3) == [0, 0, 0]
+        results = run_threads(lambda r, ring: body(r, ring, "fp8", True), 3)
+    assert all(isinstance(res, WireFiniteError) for res in results), results
