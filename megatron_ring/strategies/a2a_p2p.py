@@ -85,9 +85,11 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
     ring = plan.ring
     inner, outer = hierarchical_groups
     n = len(group_ranks(inner))
-    check_heads(qh.shape[1], n, f"comm_type='a2a+p2p' (inner group of {n})")
+    what = f"comm_type='a2a+p2p' (inner group of {n})"
+    check_heads(qh.shape[1], n, what)
     timeout = timeout_seconds(ring)
     outer_ring = _outer_rings.setdefault(outer, (qh.device, timeout), lambda: Ring(outer, qh.device, timeout))
     kh, vh = precheck_kv(plan, plan.codec, kh, vh)  # K/V the outer ring's codec refuses: zeros, recorded
     return run_grouped(qh, kh, vh, plan, inner=_A2A(inner, n, timeout), outer=outer_ring,
-                       a2a_codec=IdentityCodec(), ring_codec=plan.codec, head_chunks=head_chunks, sink=sink)
+                       a2a_codec=IdentityCodec(), ring_codec=plan.codec, head_chunks=head_chunks, sink=sink,
+                       what=what)
