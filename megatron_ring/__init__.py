@@ -8,7 +8,8 @@ Megatron-Core glue lives in :mod:`megatron_ring.megatron`; tools (benchmark, pla
 from megatron_ring.api import ring_attention
 from megatron_ring.errors import HeadSplitError, RingInputError, RingPeerError, WireFiniteError
 from megatron_ring.kernels.block import set_deterministic
-from megatron_ring.schedules.layouts import LAYOUTS, DocumentZigzag, get_layout
+from megatron_ring.schedules.layouts import LAYOUTS, get_layout
+from megatron_ring.schedules.masks import DocumentZigzag
 from megatron_ring.sequence import gather_sequence, shard_sequence
 from megatron_ring.strategies import COMM_TYPES
 from megatron_ring.strategies.cost_model import Machine, Problem

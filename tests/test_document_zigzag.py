@@ -4,7 +4,7 @@ Its positions are checked against an independent construction (chunks r and 2P-1
 document, in document order) for P = 1..8, and ring attention run in that order (p2p, all_gather, a2a)
 matches the float64 per-document reference, outputs AND dq/dk/dv, for random document mixes (lengths
 padded to multiples of 2P, filler after each document as its own document, empty documents), causal and
-not. Tolerances as tests/test_documents.py.
+not, and without documents (the global causal mask over those positions). Tolerances as tests/test_documents.py.
 """
 import random
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_ring.schedules.layouts import DocumentZigzag
+from megatron_ring import DocumentZigzag
 from test_documents import TOL, _case
 
 
@@ -61,6 +61,10 @@ def _worker(rank, world):
             for what, err in _case(world, lay, causal, "per-document zigzag", cu_pad[-1], ring_cu, None, (4, 2),
                                    torch.float32, "auto", seed=i, comm_type=ct):
                 rows.append((ct, cu_pad, causal, what, err))
+    cu_pad, _ = padded_mix(world, 7)  # no documents given: the global causal mask over these positions
+    for what, err in _case(world, DocumentZigzag(cu_pad), True, "global causal", cu_pad[-1], None, None, (4, 4),
+                           torch.float32, "auto", seed=9):
+        rows.append(("p2p", cu_pad, True, what, err))
     return rows
 
 
