@@ -9,8 +9,8 @@ take only ``cp_size``), so "Megatron puts every token back where it belongs" is 
 * BSHD: the ring's ``zigzag`` split (``get_layout('zigzag')``, ``shard_sequence``, the glue's
   ``get_batch_on_this_cp_rank``) for every P = 1..8 and several lengths; ``contiguous`` / ``striped`` are
   other orders (and :func:`attention_layout` refuses them by name);
-* THD: ``DocumentZigzag(cu_seqlens_padded)`` (what :func:`attention_layout` picks; the glue's split in it)
-  for P = 1..8 and 25 random document mixes each (odd real lengths padded to 2P, empty documents, one
+* THD: ``DocumentZigzag(cu_seqlens_padded)`` (what :func:`attention_layout` picks; the glue's split in it,
+  which equals Megatron's own THD batch split) for P = 1..8 and 25 random document mixes each (odd real lengths padded to 2P, empty documents, one
   long document), through Megatron's THD branch, which calls ``thd_get_partitioned_indices``: here the
   pure-torch one, installed the way the CPU opt-in does it. The stream ``zigzag`` equals it only for one
   document (checked both ways), which is why THD converts at the split.
@@ -41,12 +41,21 @@ WORLDS = range(1, 9)
 
 @pytest.fixture
 def partitioner(monkeypatch):
-    """Megatron's Mamba CP module with the pure-torch partitioner where TE is missing (restored after)."""
-    monkeypatch.setattr(mcp, "tex", mcp.tex)
-    monkeypatch.setattr(mcp, "is_te_min_version", mcp.is_te_min_version)
+    """Megatron with the pure-torch partitioner where TE is missing (restored after the test)."""
+    import megatron.core.utils as mutils
+
+    for mod in (mcp, mutils):
+        monkeypatch.setattr(mod, "tex", mod.tex)
+        monkeypatch.setattr(mod, "is_te_min_version", mod.is_te_min_version)
     which = install_thd_partitioner()
-    assert which in ("torch", "transformer_engine")
+    assert set(which.values()) <= {"torch", "transformer_engine"}, which
     assert install_thd_partitioner() == which  # idempotent
+    if which["megatron.core.utils"] == "torch":  # every other version question still goes to Megatron's own
+        try:
+            answer = mutils.is_te_min_version("2.0.0")
+        except (ImportError, TypeError):  # Megatron's own answer without TE, on some versions
+            answer = None
+        assert answer is not True
     return which
 
 
@@ -65,6 +74,27 @@ def padded_mixes(world, count=25, seed=0):
             cu_pad.append(cu_pad[-1] + p)
         out.append((cu, cu_pad))
     return out
+
+
+def _megatron_thd_split(batch, cu, cu_pad, world, rank):
+    """Megatron's own THD batch split of ``batch['tokens']`` (whichever function the installed version has)."""
+    import megatron.core.utils as mutils
+
+    b = {"tokens": batch["tokens"].clone(), "labels": batch["tokens"].clone()}
+    if hasattr(mutils, "get_thd_batch_on_this_cp_rank"):
+        out, _ = mutils.get_thd_batch_on_this_cp_rank(b, torch.tensor(cu, dtype=torch.int32),
+                                                      torch.tensor(cu_pad, dtype=torch.int32),
+                                                      torch.tensor([cu_pad[-1]]), cp_size=world, cp_rank=rank)
+        return out["tokens"][0]
+    group = object()
+    real_size, real_rank = torch.distributed.get_world_size, torch.distributed.get_rank
+    torch.distributed.get_world_size = lambda g=None: world if g is group else real_size(g)
+    torch.distributed.get_rank = lambda g=None: rank if g is group else real_rank(g)
+    try:
+        b.update(cu_seqlens=torch.tensor([cu], dtype=torch.int32), cu_seqlens_padded=torch.tensor([cu_pad], dtype=torch.int32))
+        return mutils._get_batch_on_this_cp_rank_per_document_balancing(b, group)["tokens"][0]
+    finally:
+        torch.distributed.get_world_size, torch.distributed.get_rank = real_size, real_rank
 
 
 def _gathered(layout, seq_len, world):
@@ -143,6 +173,10 @@ def test_thd_document_zigzag_is_megatrons_order(world, partitioner):
         for r in range(world):
             got = get_batch_on_this_cp_rank(batch, layout=lay, cp_size=world, cp_rank=r)["tokens"][0]
             assert torch.equal(got, thd_get_partitioned_indices(torch.tensor(cu_pad), total, world, r).long())
+        # ... and exactly what Megatron's own THD batch split hands it
+        for r in range(world):
+            assert torch.equal(_megatron_thd_split(batch, cu, cu_pad, world, r), thd_get_partitioned_indices(
+                torch.tensor(cu_pad), total, world, r).long())
         # the stream zigzag is the same order only at P=1 or for a single document
         nonempty = sum(b > a for a, b in zip(cu_pad, cu_pad[1:]))
         assert same_order("zigzag", lay, total, world) == (world == 1 or nonempty == 1), (world, cu_pad)

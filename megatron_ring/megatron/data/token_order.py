@@ -15,9 +15,9 @@ attention's load balancing (``_undo_attention_load_balancing``):
   it; nothing is permuted per layer. A layout that cannot be made consistent raises
   :class:`TokenOrderError`.
 
-Without TransformerEngine, Megatron's THD branch asserts; :func:`install_thd_partitioner` puts
-:func:`thd_get_partitioned_indices` (pure torch, TransformerEngine's semantics) where that module looks
-it up, without editing Megatron's files (the CPU opt-in calls it).
+Without TransformerEngine, Megatron's THD branches assert (Mamba's undo/redo, its own THD batch split);
+:func:`install_thd_partitioner` puts :func:`thd_get_partitioned_indices` (pure torch, TransformerEngine's
+semantics) where those modules look it up, without editing Megatron's files (the CPU opt-in calls it).
 
 Megatron's development branch adds ``cp_partition_mode`` (``zigzag`` | ``contiguous``, THD only): the
 order of the batch split; its attention module converts to zigzag before core attention, and GDN
@@ -151,27 +151,46 @@ class _TorchTex:
 _SHIM = _TorchTex()
 
 
-def install_thd_partitioner() -> str:
-    """Give Megatron's Mamba context parallelism :func:`thd_get_partitioned_indices` where TransformerEngine
-    is missing (its THD branch asserts otherwise): that module's ``tex`` becomes a pure-torch stand-in
-    and its TE version check passes for it only. Nothing is changed where TransformerEngine is installed
-    or the module is absent. Idempotent. Returns ``"transformer_engine"``, ``"torch"`` or ``"absent"``."""
-    try:
-        from megatron.core.ssm import mamba_context_parallel as mcp
-    except ImportError:
-        return "absent"
-    tex = getattr(mcp, "tex", None)
-    if tex is _SHIM:
-        return "torch"
-    if tex is not None:
-        return "transformer_engine"
-    original = getattr(mcp, "is_te_min_version", None)
+#: Where Megatron looks ``thd_get_partitioned_indices`` up (module global ``tex``): Mamba's CP undo/redo and
+#: Megatron's own THD batch split (``get_thd_batch_on_this_cp_rank`` / per-document balancing).
+PARTITIONER_MODULES = ("megatron.core.ssm.mamba_context_parallel", "megatron.core.utils")
 
+
+def install_thd_partitioner() -> dict[str, str]:
+    """Give Megatron :func:`thd_get_partitioned_indices` where TransformerEngine is missing (its THD
+    branches assert or fail otherwise), without editing its files: in each of ``PARTITIONER_MODULES``
+    whose ``tex`` is None, ``tex`` becomes a pure-torch stand-in holding only that function, and the
+    module's ``is_te_min_version`` answers True to the THD branch's question (``"1.10.0"``) while the
+    stand-in is there (every other question goes to Megatron's own). Where TransformerEngine is installed
+    nothing changes. Idempotent. Returns ``{module: "transformer_engine" | "torch" | "absent"}``."""
+    import importlib
+
+    out = {}
+    for name in PARTITIONER_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            out[name] = "absent"
+            continue
+        tex = getattr(mod, "tex", None)
+        if tex is _SHIM:
+            out[name] = "torch"
+            continue
+        if tex is not None or not hasattr(mod, "tex"):
+            out[name] = "transformer_engine" if tex is not None else "absent"
+            continue
+        mod.is_te_min_version = _version_check(mod, getattr(mod, "is_te_min_version", None))
+        mod.tex = _SHIM
+        out[name] = "torch"
+    return out
+
+
+def _version_check(mod: Any, original: Any):
     def is_te_min_version(version, check_equality=True):
-        if mcp.tex is _SHIM or original is None:  # the THD branch's only question: is the function there
+        if mod.tex is _SHIM and str(version) == "1.10.0":  # the THD branch: is thd_get_partitioned_indices there
             return True
+        if original is None:
+            raise ImportError("transformer_engine is not installed")
         return original(version, check_equality)
-
-    mcp.tex = _SHIM
-    mcp.is_te_min_version = is_te_min_version
-    return "torch"
+    is_te_min_version.megatron_ring_original = original
+    return is_te_min_version
