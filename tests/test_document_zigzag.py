@@ -1,8 +1,8 @@
 """``DocumentZigzag``: the per-document zigzag THD order (Megatron-Core / TransformerEngine's) as a ring layout.
 
 Its positions are checked against an independent construction (chunks r and 2P-1-r of every padded
-document, in document order) for P = 1..8, and ring attention run in that order (p2p, all_gather, a2a)
-matches the float64 per-document reference, outputs AND dq/dk/dv, for random document mixes (lengths
+document, in document order) for P = 1..8, and ring attention run in that order (p2p, all_gather, a2a, auto)
+matches the float64 per-document reference, outputs AND dq/dk/dv, for random document mixes (p2p, all_gather, a2a and auto; lengths
 padded to multiples of 2P, filler after each document as its own document, empty documents), causal and
 not, and without documents (the global causal mask over those positions). Tolerances as tests/test_documents.py.
 """
@@ -57,7 +57,7 @@ def _worker(rank, world):
         cu_pad, ring_cu = padded_mix(world, 100 + i)
         lay = DocumentZigzag(cu_pad)
         causal = i % 2 == 0
-        for ct in ("p2p", "all_gather", "a2a"):
+        for ct in ("p2p", "all_gather", "a2a", "auto"):
             for what, err in _case(world, lay, causal, "per-document zigzag", cu_pad[-1], ring_cu, None, (4, 2),
                                    torch.float32, "auto", seed=i, comm_type=ct):
                 rows.append((ct, cu_pad, causal, what, err))

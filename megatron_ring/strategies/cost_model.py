@@ -56,7 +56,7 @@ import torch
 
 from megatron_ring.core.heads import head_split
 from megatron_ring.wire.codecs import wire_dtype
-from megatron_ring.schedules.layouts import get_layout
+from megatron_ring.schedules.layouts import Layout, get_layout
 
 __all__ = ["Machine", "Problem", "predict", "predict_all", "pick", "activation_bytes", "workspace_bytes",
            "candidate_types", "BWD_FLOP_FACTOR"]
@@ -91,7 +91,7 @@ class Problem:
     kv_heads: int
     head_dim: int
     causal: bool = True
-    layout: str = "zigzag"
+    layout: str | Layout = "zigzag"  # a name, or a Layout object (e.g. DocumentZigzag)
     elem_bytes: int = 2  # compute dtype
     wire_bytes: float | None = None  # K/V bytes per element on the wire (None: elem_bytes)
     gather_head_groups: int = 2  # all_gather: K/V gathered in this many groups of heads, one ahead of use
