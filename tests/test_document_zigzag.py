@@ -2,7 +2,7 @@
 
 Its positions are checked against an independent construction (chunks r and 2P-1-r of every padded
 document, in document order) for P = 1..8, and ring attention run in that order (p2p, all_gather, a2a, auto)
-matches the float64 per-document reference, outputs AND dq/dk/dv, for random document mixes (p2p, all_gather, a2a and auto; lengths
+matches the float64 per-document reference, outputs AND dq/dk/dv, for random document mixes (lengths
 padded to multiples of 2P, filler after each document as its own document, empty documents), causal and
 not, and without documents (the global causal mask over those positions). Tolerances as tests/test_documents.py.
 """
