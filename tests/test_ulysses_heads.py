@@ -3,12 +3,14 @@
 The head-split rule (``core/heads.head_split``; docs/strategies.md, "Heads") is checked by brute force
 for every small (h, h_kv, P): the query heads split as evenly as they go, each rank receives exactly the
 K/V heads its query heads use (never one more on the wire), no balanced contiguous split needs fewer,
-and the local repetition maps every query head to its own K/V head. Then every case runs on gloo against
+and the runs of even GQA grouping map every query head to its own K/V head. Then every case runs on gloo against
 the float64 full-attention reference (outputs AND dq/dk/dv; the bound of tests/test_ring_attention: at
 most FACTOR x one-process SDPA's error in the same dtype plus a floor), over the three layouts, causal
 and not, bshd/sbhd, fp32 (and bf16 for some), a2a at P=2, 3, 4 and a2a+p2p over hierarchical groups
 (2x2, and 4x2 at P=8), while the bytes each K/V all-to-all puts on the wire are counted and compared
 with the rule's. Fewer query heads than ranks raises ``HeadSplitError`` on every rank.
+Cases where a rank's heads are not one even GQA grouping (12/3 at P=4, 6/3 at 2x2, 12/3 at 4x2) run the
+engine once per run of even grouping (``HeadSplit.runs``).
 """
 import itertools
 
@@ -47,13 +49,17 @@ def test_head_split_rule_is_exact_and_minimal(world):
             for j in range(world):
                 used = _kv_used(sp.q[j].start, sp.q[j].stop, g)
                 assert set(range(sp.kv[j].start, sp.kv[j].stop)) == used, (sp, j)  # exactly the K/V heads used
-                idx = sp.local_kv(j)
-                local = list(range(sp.kv[j].start, sp.kv[j].stop)) if idx is None else [
-                    sp.kv[j].start + i for i in idx]
-                u = (sp.q[j].stop - sp.q[j].start) // len(local)
-                assert u * len(local) == sp.q[j].stop - sp.q[j].start, (sp, j)  # an even local GQA grouping
-                for i, qh in enumerate(range(sp.q[j].start, sp.q[j].stop)):
-                    assert local[i // u] == qh // g, (sp, j, qh)  # every query head meets its own K/V head
+                runs = sp.runs(j)  # even GQA groupings covering the rank's heads, in order
+                nq, nk = sp.q[j].stop - sp.q[j].start, sp.kv[j].stop - sp.kv[j].start
+                assert runs[0][0].start == 0 and runs[-1][0].stop == nq and runs[0][1].start == 0 and \
+                    runs[-1][1].stop == nk and len(runs) <= 3, (sp, j, runs)
+                for (qs, ks), (qn, kn) in zip(runs, runs[1:]):
+                    assert qs.stop == qn.start and ks.stop == kn.start
+                for qs, ks in runs:
+                    u = (qs.stop - qs.start) // (ks.stop - ks.start)
+                    assert u * (ks.stop - ks.start) == qs.stop - qs.start, (sp, j, runs)
+                    for i in range(qs.start, qs.stop):  # every query head meets its own K/V head
+                        assert sp.kv[j].start + ks.start + (i - qs.start) // u == (sp.q[j].start + i) // g
             # no other balanced contiguous split needs fewer K/V heads (largest count, then the total)
             best = min((max(c), sum(c)) for c in (
                 [len(_kv_used(sum(s[:j]), sum(s[:j + 1]), g)) for j in range(world)]
@@ -83,7 +89,7 @@ def test_cost_model_counts_the_split():
         sp = head_split(h, h_kv, world)
         q = [s.stop - s.start for s in sp.q]
         kv = [s.stop - s.start for s in sp.kv]
-        wide = sp.shared or any(sp.local_kv(j) is not None for j in range(world))
+        wide = sp.shared
         sent = max(4 * (h - q[j]) * c * d * 2 + (sum(kv) - kv[j]) * c * d * 2 * (2 + (4 if wide else 2))
                    for j in range(world))
         r = predict("a2a", pb, world, m)

@@ -30,8 +30,8 @@ class HeadSplit:
     as even as they can be (``h % world`` ranks hold one head more), and among those compositions the
     one whose ranks need the fewest K/V heads (the largest count first, then the total) is taken, the
     larger slices first on ties. Rank j receives exactly the K/V heads its query heads use, ``kv[j]``
-    (contiguous): a K/V head crosses the wire once per rank that needs it and never more. On the rank it
-    is repeated locally (``local_kv``) only when its query heads there are not an even GQA grouping.
+    (contiguous): a K/V head crosses the wire once per rank that needs it and never more. Where the rank's
+    query heads are not an even GQA grouping of those K/V heads, it computes them in ``runs`` that are.
     """
 
     h: int
@@ -54,21 +54,22 @@ class HeadSplit:
         """Some K/V head goes to more than one rank (its dK/dV are summed over ranks on the way back)."""
         return sum(_len(s) for s in self.kv) > self.h_kv
 
-    def local_kv(self, rank: int) -> tuple[int, ...] | None:
-        """Indices into ``kv[rank]`` that make the rank's K/V heads an even GQA grouping of its query heads
-        (each K/V head repeated ``count / gcd`` times), or None when they already are one."""
+    def runs(self, rank: int) -> tuple[tuple[slice, slice], ...]:
+        """The rank's heads as runs of even GQA groupings: ``(query heads, K/V heads)`` slices, local to
+        ``q[rank]`` / ``kv[rank]``, each K/V head of a run serving the same number of the run's query heads
+        (at most 3 runs: a partial group, whole groups, a partial group). One run when the rank's heads
+        are already an even grouping."""
         g, qs, ks = self.group, self.q[rank], self.kv[rank]
         counts = [min(qs.stop, (k + 1) * g) - max(qs.start, k * g) for k in range(ks.start, ks.stop)]
-        u = 0
-        for c in counts:
-            u = gcd(u, c)
-        if all(c == u for c in counts):
-            return None
-        return tuple(i for i, c in enumerate(counts) for _ in range(c // u))
-
-    def local_kv_heads(self, rank: int) -> int:
-        idx = self.local_kv(rank)
-        return _len(self.kv[rank]) if idx is None else len(idx)
+        out, qi, i = [], 0, 0
+        while i < len(counts):
+            j = i
+            while j < len(counts) and counts[j] == counts[i]:
+                j += 1
+            n = counts[i] * (j - i)
+            out.append((slice(qi, qi + n), slice(i, j)))
+            qi, i = qi + n, j
+        return tuple(out)
 
 
 def _len(s: slice) -> int:

@@ -122,13 +122,12 @@ class HeadToSeq(torch.autograd.Function):
 
 
 class KVSeqToHead(torch.autograd.Function):
-    """K and V in ONE all-to-all in the codec's wire format: rank j gets the K/V heads ``split.kv[j]``,
-    repeated locally by ``split.local_kv(j)`` where its query heads need it."""
+    """K and V in ONE all-to-all in the codec's wire format: rank j gets the K/V heads ``split.kv[j]``."""
 
     @staticmethod
     def forward(ctx, k, v, a2a: _A2A, codec: KVCodec, split: HeadSplit, plan: RingPlan | None = None):
         me = a2a.rank
-        ctx.a2a, ctx.split, ctx.local = a2a, split, split.local_kv(me)
+        ctx.a2a, ctx.split = a2a, split
         b, _, s, d = k.shape
 
         def spec(sl: slice) -> KVSpec:
@@ -144,25 +143,14 @@ class KVSeqToHead(torch.autograd.Function):
         own = split.kv[me]
         blocks = [(k[:, own], v[:, own]) if i == me else codec.decode(recv[i], mine)
                   for i in range(a2a.world)]  # this rank's own shard as is (never through the codec), like p2p
-        k_h, v_h = torch.cat([x[0] for x in blocks], dim=2), torch.cat([x[1] for x in blocks], dim=2)
-        if ctx.local is not None:
-            idx = torch.tensor(ctx.local, device=k.device)
-            k_h, v_h = k_h.index_select(1, idx), v_h.index_select(1, idx)
-        return k_h, v_h
+        return torch.cat([x[0] for x in blocks], dim=2), torch.cat([x[1] for x in blocks], dim=2)
 
     @staticmethod
     def backward(ctx, dk, dv):
         a2a, split = ctx.a2a, ctx.split
-        wire = torch.float32 if split.shared or ctx.local is not None else dk.dtype  # copies summed in fp32
+        wire = torch.float32 if split.shared else dk.dtype  # a head's gradients from several ranks: fp32 sum
         d = dk.shape[-1]
         both = torch.cat([dk.to(wire), dv.to(wire)], dim=-1)  # one message: [dK | dV] per head (MLA: d_v != d)
-        if ctx.local is not None:  # sum the local copies of each K/V head
-            b, _, ps, dd = both.shape
-            idx = torch.tensor(ctx.local, device=both.device)
-            both = both.new_zeros((b, _len(split.kv[a2a.rank]), ps, dd)).index_add_(1, idx, both)
-            if not split.shared:
-                wire = dk.dtype
-                both = both.to(wire)
         parts = _head_to_seq(both, a2a, split.kv, "all-to-all of dK/dV")  # per rank j: my shard of kv[j]
         if split.shared:
             back = parts[0].new_zeros((parts[0].shape[0], split.h_kv, *parts[0].shape[2:]))
@@ -186,12 +174,15 @@ def run_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: Ring
     mine = split.q[inner.rank]
     q_h = SeqToHead.apply(qh, inner, split.q)
     k_h, v_h = KVSeqToHead.apply(kh, vh, inner, a2a_codec, split, plan)
-    drop = plan.heads_dropout(mine.start)
-    heads_plan = RingPlan(ring=outer, layout=GroupedView(plan.layout, inner.world), causal=plan.causal,
-                          scale=plan.scale, kernel=plan.kernel, codec=ring_codec, mask=plan.mask, dropout=drop,
-                          pieces=plan.pieces)
-    out_h = outer_ring(q_h, k_h, v_h, heads_plan, head_groups(k_h.shape[1], head_chunks),
-                       sink[mine] if sink is not None else None, plan)
+    outs = []
+    for qs, ks in split.runs(inner.rank):  # even GQA groupings of this rank's heads (one, usually)
+        heads_plan = RingPlan(ring=outer, layout=GroupedView(plan.layout, inner.world), causal=plan.causal,
+                              scale=plan.scale, kernel=plan.kernel, codec=ring_codec, mask=plan.mask,
+                              dropout=plan.heads_dropout(mine.start + qs.start), pieces=plan.pieces)
+        sink_run = sink[mine][qs] if sink is not None else None
+        outs.append(outer_ring(q_h[:, qs], k_h[:, ks], v_h[:, ks], heads_plan, head_groups(_len(ks), head_chunks),
+                               sink_run, plan))
+    out_h = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return HeadToSeq.apply(out_h, inner, split.q)
 
 

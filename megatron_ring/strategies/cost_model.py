@@ -29,8 +29,9 @@ by F; backward uses the backward rate. So causal skipping and the layout's balan
   overlapped with compute; heads split by :func:`~megatron_ring.core.heads.head_split` (rank j: query
   heads ``q[j]``, K/V heads ``kv[j]``), so an all-to-all of per-rank head counts ``n_j`` costs the
   busiest rank's bytes, ``max_i max(sum_{j != i} n_j, (P-1) n_i)`` heads of one shard ((P-1)/P of the
-  tensor when the split is even); dK/dV travel in fp32 when a K/V head goes to several ranks or is
-  repeated on one. Compute is the whole sequence for the largest head slice (``ceil(h/P)`` heads).
+  tensor when the split is even); dK/dV travel in fp32 when a K/V head goes to several ranks. Compute
+  is the whole sequence for the largest head slice (``ceil(h/P)`` heads); a rank whose heads are not
+  one even GQA grouping runs the engine once per run (``HeadSplit.runs``: the outer ring's messages).
 * ``a2a+p2p``: inner all-to-all (size n) as ``a2a``, plus the ring of ``a2a`` super-blocks over the
   outer group (size P/n) as ``p2p``.
 
@@ -213,6 +214,9 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
         ring_kv = 2 * b * hs.kv_local * n * c * d
         ring_f, ring_b = _ring(pb, m, outer, 4 * b * hs.q_max * d, ring_kv * pb.w, ring_kv * 4,
                                lambda o, t: grouped(o, (o - t) % outer), m.bw(outer, stride=n))
+        extra = hs.runs - 1  # a rank whose heads are not one even GQA grouping runs the ring once per run
+        ring_f += extra * (outer - 1) * m.latency
+        ring_b += extra * (2 * outer - 1) * m.latency
         fwd, bwd = fwd_comm + ring_f, bwd_comm + ring_b
         sent = max(4 * qs + ks + ds for qs, ks, ds in zip(q_sent, kv_sent, dkv_sent))
         if outer > 1:
@@ -232,8 +236,9 @@ class _HeadShares:
         self.q = [sl.stop - sl.start for sl in split.q]
         self.kv = [sl.stop - sl.start for sl in split.kv]
         self.q_max = max(self.q)
-        self.kv_local = max(split.local_kv_heads(j) for j in range(n))  # K/V heads a rank computes with
-        self.fp32_grads = split.shared or any(split.local_kv(j) is not None for j in range(n))
+        self.kv_local = max(self.kv)  # K/V heads a rank computes with (and a2a+p2p's outer ring carries)
+        self.fp32_grads = split.shared
+        self.runs = max(len(split.runs(j)) for j in range(n))  # engine calls per rank (uneven GQA groupings)
 
     @staticmethod
     def a2a(counts: list[int], unit: float) -> tuple[list[float], float]:
