@@ -105,7 +105,7 @@ def _gathered(layout, seq_len, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_bshd_zigzag_is_megatrons_order(world):
-    from megatron_ring.megatron.batch import get_batch_on_this_cp_rank
+    from megatron_ring.megatron.data.batch import get_batch_on_this_cp_rank
 
     for seq_len in (2 * world, 6 * world, 10 * world):
         x = _gathered("zigzag", seq_len, world)[:, None, None]  # [s, b, h] as Megatron's a2a output
@@ -148,7 +148,7 @@ def _fake_group_lookup(monkeypatch):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_thd_document_zigzag_is_megatrons_order(world, partitioner):
-    from megatron_ring.megatron.batch import get_batch_on_this_cp_rank
+    from megatron_ring.megatron.data.batch import get_batch_on_this_cp_rank
 
     for cu, cu_pad in padded_mixes(world):
         total = cu_pad[-1]
@@ -249,3 +249,15 @@ def test_without_the_partitioner_megatron_refuses_thd(monkeypatch):
                              cu_seqlens_q_padded=torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(AssertionError, match="Transformer Engine"):
         mcp._undo_attention_load_balancing(torch.arange(8)[:, None, None], 2, params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,comm_type", [(2, "p2p"), (4, "p2p"), (4, "a2a")])
+def test_stock_split_packed_batches_run_in_megatrons_order(run, world, comm_type):
+    """The stock ``--spec`` core attention fed a packed batch split the way Megatron splits it (per document)
+    equals the float64 per-document reference on every real token (outputs and gradients), with and
+    without a sliding window: Megatron's THD order is the ring's, not a refusal."""
+    import token_order_workers as TW
+
+    for errs in run(TW.stock_packed_attention_worker, world, comm_type):
+        assert max(errs.values()) < 2e-5, errs
