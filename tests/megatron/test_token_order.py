@@ -261,3 +261,21 @@ def test_stock_split_packed_batches_run_in_megatrons_order(run, world, comm_type
 
     for errs in run(TW.stock_packed_attention_worker, world, comm_type):
         assert max(errs.values()) < 2e-5, errs
+
+
+def test_cpu_opt_in_installs_and_restores_the_partitioner():
+    """``megatron_cpu()`` puts the pure-torch partitioner where TE is missing and puts Megatron's own back."""
+    import megatron.core.utils as mutils
+
+    from megatron_ring.megatron import megatron_cpu
+
+    before = [(m.tex, m.is_te_min_version) for m in (mcp, mutils)]
+    if any(t is not None for t, _ in before):
+        pytest.skip("TransformerEngine is installed: nothing is replaced")
+    with megatron_cpu():
+        assert all(type(m.tex).__name__ == "_TorchTex" for m in (mcp, mutils))
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 8, 12], dtype=torch.int32),
+                                 cu_seqlens_q_padded=torch.tensor([0, 8, 16], dtype=torch.int32))
+        x = _gathered(DocumentZigzag([0, 8, 16]), 16, 2)[:, None, None]
+        assert torch.equal(mcp._undo_attention_load_balancing(x, 2, params).flatten(), torch.arange(16))
+    assert [(m.tex, m.is_te_min_version) for m in (mcp, mutils)] == before

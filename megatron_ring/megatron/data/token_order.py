@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from megatron_ring import DocumentZigzag, get_layout
+from megatron_ring.megatron import compat
 
 __all__ = ["TokenOrderError", "thd_get_partitioned_indices", "attention_layout", "data_layout",
            "same_order", "install_thd_partitioner", "PARTITION_MODES"]
@@ -151,46 +152,17 @@ class _TorchTex:
 _SHIM = _TorchTex()
 
 
-#: Where Megatron looks ``thd_get_partitioned_indices`` up (module global ``tex``): Mamba's CP undo/redo and
-#: Megatron's own THD batch split (``get_thd_batch_on_this_cp_rank`` / per-document balancing).
-PARTITIONER_MODULES = ("megatron.core.ssm.mamba_context_parallel", "megatron.core.utils")
+compat.register_tex_stand_in(_SHIM)  # the CPU opt-in installs it through compat (cpu/ does not import data/)
 
 
-def install_thd_partitioner() -> dict[str, str]:
+def install_thd_partitioner(patch: Any = setattr) -> dict[str, str]:
     """Give Megatron :func:`thd_get_partitioned_indices` where TransformerEngine is missing (its THD
-    branches assert or fail otherwise), without editing its files: in each of ``PARTITIONER_MODULES``
-    whose ``tex`` is None, ``tex`` becomes a pure-torch stand-in holding only that function, and the
-    module's ``is_te_min_version`` answers True to the THD branch's question (``"1.10.0"``) while the
-    stand-in is there (every other question goes to Megatron's own). Where TransformerEngine is installed
-    nothing changes. Idempotent. Returns ``{module: "transformer_engine" | "torch" | "absent"}``."""
-    import importlib
-
-    out = {}
-    for name in PARTITIONER_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            out[name] = "absent"
-            continue
-        tex = getattr(mod, "tex", None)
-        if tex is _SHIM:
-            out[name] = "torch"
-            continue
-        if tex is not None or not hasattr(mod, "tex"):
-            out[name] = "transformer_engine" if tex is not None else "absent"
-            continue
-        mod.is_te_min_version = _version_check(mod, getattr(mod, "is_te_min_version", None))
-        mod.tex = _SHIM
-        out[name] = "torch"
-    return out
-
-
-def _version_check(mod: Any, original: Any):
-    def is_te_min_version(version, check_equality=True):
-        if mod.tex is _SHIM and str(version) == "1.10.0":  # the THD branch: is thd_get_partitioned_indices there
-            return True
-        if original is None:
-            raise ImportError("transformer_engine is not installed")
-        return original(version, check_equality)
-    is_te_min_version.megatron_ring_original = original
-    return is_te_min_version
+    branches assert or fail otherwise), without editing its files: in each module of
+    ``compat.THD_PARTITIONER_USERS`` (Mamba's CP undo/redo, Megatron's own THD batch split) whose ``tex``
+    is None, ``tex`` becomes a pure-torch stand-in holding only that function, and the module's
+    ``is_te_min_version`` answers True to the THD branch's question (``"1.10.0"``) while the stand-in is
+    there (every other question goes to Megatron's own). Where TransformerEngine is installed nothing
+    changes. Idempotent. ``patch(module, name, value)`` sets each name (default ``setattr``; the CPU
+    opt-in passes its own, which ``disable_cpu_support`` undoes). Returns ``{module: "transformer_engine" |
+    "torch" | "absent"}``."""
+    return compat.install_tex_stand_in(patch)
