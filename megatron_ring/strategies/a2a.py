@@ -1,8 +1,8 @@
 """``a2a`` (Ulysses): all-to-all from sequence shards to head shards, attention over the whole sequence
 for a slice of heads, all-to-all back.
 
-After the all-to-all, group rank j holds query heads ``[j*h/P, (j+1)*h/P)`` (and the K/V heads they
-use) for every shard of the sequence, shard i at rows ``[i*s, (i+1)*s)``. The attention over that
+After the all-to-all, group rank j holds its query heads ``head_split(h, h_kv, P).q[j]`` (and the K/V
+heads they use) for every shard of the sequence, shard i at rows ``[i*s, (i+1)*s)``. The attention over that
 sequence is the SAME schedule as the ring: for every (query shard i, key shard j) the layout's
 ``block_tasks(causal, P, i, j, s)`` (:class:`~megatron_ring.schedules.views.GroupedView`), run by the engine as a
 world-size-1 plan; so causal skipping, and any mask a layout puts into its tasks, is the ring's.

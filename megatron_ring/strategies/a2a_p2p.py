@@ -3,7 +3,8 @@
 ``hierarchical_groups=(inner, outer)`` follows Megatron's ``hierarchical_context_parallel_sizes``
 convention: with ``group`` ranks ``g_0..g_{P-1}`` and inner size ``n``, rank ``o*n + i`` has inner group
 ``g_{o*n} .. g_{o*n+n-1}`` (consecutive) and outer group ``g_i, g_{n+i}, g_{2n+i}, ...`` (same inner
-index). After the inner all-to-all a rank holds ``h/n`` heads of its ``n`` inner shards (a super-block);
+index). After the inner all-to-all a rank holds its head slice (``head_split(h, h_kv, n)``: ``h/n`` heads when
+``n`` divides them) of its ``n`` inner shards (a super-block);
 the engine's ring then passes those super-blocks around the outer group with the layout's own tasks
 (:class:`~megatron_ring.schedules.views.GroupedView`). The wire codec applies on the outer ring (the inter-node hop,
 where bytes cost most), so each block is quantised once; the inner all-to-all carries the compute dtype.
