@@ -6,9 +6,10 @@ Megatron-Core glue lives in :mod:`megatron_ring.megatron`; tools (benchmark, pla
 :mod:`megatron_ring.tools`.
 """
 from megatron_ring.api import ring_attention
-from megatron_ring.errors import RingInputError, RingPeerError, WireFiniteError
+from megatron_ring.errors import HeadSplitError, RingInputError, RingPeerError, WireFiniteError
 from megatron_ring.kernels.block import set_deterministic
 from megatron_ring.schedules.layouts import LAYOUTS, get_layout
+from megatron_ring.schedules.masks import DocumentZigzag
 from megatron_ring.sequence import gather_sequence, shard_sequence
 from megatron_ring.strategies import COMM_TYPES
 from megatron_ring.strategies.cost_model import Machine, Problem
@@ -16,6 +17,7 @@ from megatron_ring.strategies.dynamic_cp import Schedule, SubSample, schedule_dy
 from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 
 __version__ = "0.1.0"
-__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "get_layout", "LAYOUTS", "set_deterministic",
-           "COMM_TYPES", "COMM_DTYPE_ALIASES", "RingPeerError", "RingInputError", "WireFiniteError",
+__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "get_layout", "LAYOUTS", "DocumentZigzag",
+           "set_deterministic",
+           "COMM_TYPES", "COMM_DTYPE_ALIASES", "RingPeerError", "RingInputError", "WireFiniteError", "HeadSplitError",
            "schedule_dynamic_cp", "schedule_megatron_balanced", "Schedule", "SubSample", "Machine", "Problem"]

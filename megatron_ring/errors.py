@@ -2,12 +2,13 @@
 
 Bad input (fix the call): :class:`ValueError` subclasses -- :class:`RingInputError` (another rank's input
 was refused; that rank raised the detailed error), :class:`WireFiniteError` (K/V with inf/NaN for a
-checking wire codec). A failed or silent peer (fix the job): :class:`RingPeerError`, a :class:`RuntimeError`.
+checking wire codec), :class:`HeadSplitError` (the all-to-all comm types cannot split the query heads
+over their group: fewer heads than ranks). A failed or silent peer (fix the job): :class:`RingPeerError`, a :class:`RuntimeError`.
 Plain ``ValueError`` / ``TypeError`` name the argument to change for local checks.
 """
 from __future__ import annotations
 
-__all__ = ["RingInputError", "WireFiniteError", "RingPeerError"]
+__all__ = ["RingInputError", "WireFiniteError", "RingPeerError", "HeadSplitError"]
 
 
 class RingInputError(ValueError):
@@ -16,6 +17,11 @@ class RingInputError(ValueError):
 
 class WireFiniteError(ValueError):
     """K or V handed to a checking wire codec holds inf or NaN (see ``docs/numerics.md``)."""
+
+
+class HeadSplitError(ValueError):
+    """``a2a`` / ``a2a+p2p`` cannot split the query heads over the all-to-all group: fewer heads than ranks
+    (docs/strategies.md, "Heads"); use another comm type or a smaller inner group."""
 
 
 class RingPeerError(RuntimeError):

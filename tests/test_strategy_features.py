@@ -33,6 +33,9 @@ CASES = [
     ("sink off-by-one bf16", 4, 2, 0.0, 0.0, 1, "bshd", False, torch.bfloat16, (8, 8)),
     ("dropout + sink, chunks sbhd, mla", 4, 2, "learn", 0.2, 2, "sbhd", False, torch.float32, (12, 8)),
     ("dropout docs+window mqa", 4, 1, None, 0.25, 1, "thd", True, torch.float32, (8, 8)),
+    # a2a: 6 heads over 4 ranks (2, 2, 1, 1; K/V head 2 on two ranks); a2a+p2p 2x2: 3 heads a rank, K/V
+    # heads repeated locally (tests/test_ulysses_heads.py): sink slices and dropout head numbers follow
+    ("dropout + sink, uneven heads", 6, 3, "learn", 0.2, 1, "bshd", False, torch.float32, (8, 8)),
 ]
 LAYOUTS = (("zigzag", True), ("striped", False))
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}

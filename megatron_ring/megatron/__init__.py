@@ -24,6 +24,7 @@ from megatron_ring.megatron.data.loss import CPLoss, allreduce_gradients, reduce
 from megatron_ring.megatron.groups.provider import (RingState, destroy_context_parallel, get_ring_state, initialize_context_parallel, is_context_parallel_initialized)
 from megatron_ring.megatron.data.rope import LayoutRotaryEmbedding, use_layout_rope
 from megatron_ring.megatron.data.mtp_loss import cp_invariant_mtp_loss
+from megatron_ring.megatron.data.token_order import TokenOrderError, install_thd_partitioner, thd_get_partitioned_indices
 from megatron_ring.megatron.spec import ring_layer_spec, ring_spec
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "reduce_loss_over_cp", "allreduce_gradients", "CPLoss", "megatron_cpu", "enable_cpu_support",
     "disable_cpu_support", "cpu_support_enabled", "use_ring_attention_in_gpt_config", "uses_ring_attention",
     "ring_layer_spec", "ring_spec", "cp_invariant_mtp_loss", "get_hybrid_cp_batch",
+    "TokenOrderError", "thd_get_partitioned_indices", "install_thd_partitioner",
 ]

@@ -14,6 +14,10 @@ keyword arguments and feature detection (never version-number checks, never posi
   ``GPTModel`` as it is.
 * Where Megatron-LM rebuilds the multi-token-prediction block from its own layer specs
   (``MTP_BLOCK_BUILDERS``) and which modules compute the MTP token count (``MTP_ROLL_TENSOR_USERS``).
+* Which modules look TransformerEngine's ``thd_get_partitioned_indices`` up as their global ``tex``
+  (``THD_PARTITIONER_USERS``: Mamba's CP undo/redo, Megatron's own THD batch split) and how a pure-torch
+  stand-in is put there where TE is missing (:func:`install_tex_stand_in`; the stand-in is registered by
+  :mod:`megatron_ring.megatron.data.token_order`, so the CPU opt-in needs no import of it).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import Any, Callable
 __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gpt_layer_local_spec",
            "megatron_get_batch_on_this_cp_rank", "has_megatron_training", "run_pretrain", "gpt_builder_calls_spec",
            "is_gpt_model_config", "default_gpt_layer_spec", "MTP_BLOCK_BUILDERS", "loaded_mtp_block_builders",
-           "MTP_ROLL_TENSOR_USERS"]
+           "MTP_ROLL_TENSOR_USERS", "THD_PARTITIONER_USERS", "register_tex_stand_in", "install_tex_stand_in"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -178,3 +182,53 @@ def loaded_mtp_block_builders() -> list[tuple[Any, str]]:
     except ImportError:
         pass
     return [(sys.modules[m], name) for m, name in MTP_BLOCK_BUILDERS if m in sys.modules]
+
+
+#: Modules whose global ``tex`` (``transformer_engine_torch``, None without TE) Megatron asks for
+#: ``thd_get_partitioned_indices``; each gates that branch with ``is_te_min_version("1.10.0")``.
+THD_PARTITIONER_USERS = ("megatron.core.ssm.mamba_context_parallel", "megatron.core.utils")
+_TEX_STAND_IN: list[Any] = []
+
+
+def register_tex_stand_in(stand_in: Any) -> None:
+    """Register the object :func:`install_tex_stand_in` puts in place of a missing ``tex``."""
+    _TEX_STAND_IN[:] = [stand_in]
+
+
+def install_tex_stand_in(patch: Callable[[Any, str, Any], None] = setattr) -> dict[str, str]:
+    """In each of ``THD_PARTITIONER_USERS`` whose ``tex`` is None, put the registered stand-in, and make the
+    module's ``is_te_min_version`` answer True to that branch's question (``"1.10.0"``) while the stand-in is
+    there (any other question goes to Megatron's own). Where TE is installed nothing changes. Idempotent;
+    ``patch(module, name, value)`` sets each name. Returns ``{module: "transformer_engine" | "torch" |
+    "absent"}`` ("absent" too when nothing is registered)."""
+    out = {}
+    stand_in = _TEX_STAND_IN[0] if _TEX_STAND_IN else None
+    for name in THD_PARTITIONER_USERS:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            out[name] = "absent"
+            continue
+        tex = getattr(mod, "tex", None)
+        if stand_in is not None and tex is stand_in:
+            out[name] = "torch"
+        elif tex is not None:
+            out[name] = "transformer_engine"
+        elif stand_in is None or not hasattr(mod, "tex"):
+            out[name] = "absent"
+        else:
+            patch(mod, "is_te_min_version", _stand_in_version_check(mod, stand_in,
+                                                                    getattr(mod, "is_te_min_version", None)))
+            patch(mod, "tex", stand_in)
+            out[name] = "torch"
+    return out
+
+
+def _stand_in_version_check(mod: Any, stand_in: Any, original: Any) -> Callable:
+    def is_te_min_version(version, check_equality=True):
+        if mod.tex is stand_in and str(version) == "1.10.0":  # the THD branch: is the function there
+            return True
+        if original is None:
+            raise ImportError("transformer_engine is not installed")
+        return original(version, check_equality)
+    return is_te_min_version

@@ -29,7 +29,7 @@ import torch
 
 from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView, TaskKind
 
-__all__ = ["AttentionMask", "BlockMask", "schedule", "visible_pairs", "needed_steps", "doc_ids"]
+__all__ = ["AttentionMask", "BlockMask", "schedule", "visible_pairs", "needed_steps", "doc_ids", "DocumentZigzag"]
 
 
 @dataclass(frozen=True)
@@ -335,3 +335,50 @@ def visible_pairs(layout: Layout, rule: AttentionMask, world: int, rank: int, s:
         for a in range(0, s, 1024):  # bounded memory
             total += int(rule.allowed(qpos[a:a + 1024], qdoc[a:a + 1024], kpos, rule.doc_ids(kpos)).sum())
     return total
+
+
+class DocumentZigzag(Layout):
+    """Zigzag within each document of a packed stream: every document (``cu_seqlens_padded``, lengths
+    multiples of 2P) is cut into 2P equal chunks and rank r holds chunk r then chunk 2P-1-r of the first
+    document, then of the second, ... This is the THD token order of Megatron-Core and TransformerEngine
+    (``thd_get_partitioned_indices``), which Megatron's Mamba / GDN context parallelism assumes.
+
+    One object per set of boundaries (its ``name`` carries them: schedules are cached by name). Tasks
+    come from the positions (:func:`schedule`); pass the documents as ``cu_seqlens`` too, or
+    attention crosses them (a plain causal mask is the global one over these positions)."""
+
+    def __init__(self, cu_seqlens_padded) -> None:
+        cu = [int(x) for x in (cu_seqlens_padded.tolist() if hasattr(cu_seqlens_padded, "tolist")
+                               else cu_seqlens_padded)]
+        if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"DocumentZigzag needs cu_seqlens_padded starting at 0 and non-decreasing, got {cu}")
+        self.cu = tuple(cu)
+        self.name = f"zigzag/documents{self.cu}"
+
+    def _check(self, seq_len: int, world: int) -> None:
+        if seq_len != self.cu[-1]:
+            raise ValueError(f"layout {self.name} covers {self.cu[-1]} tokens, got a sequence of {seq_len}; "
+                             "build it from this batch's cu_seqlens_padded")
+        bad = [b - a for a, b in zip(self.cu, self.cu[1:]) if (b - a) % (2 * world)]
+        if bad:
+            raise ValueError(f"per-document zigzag over {world} ranks needs every (padded) document length to "
+                             f"be a multiple of 2 x {world} = {2 * world}, got {bad}; pad each document to a "
+                             f"multiple of {2 * world} (cu_seqlens_padded)")
+
+    def positions(self, seq_len: int, world: int, rank: int) -> torch.Tensor:
+        self._check(seq_len, world)
+        parts = []
+        for a, b in zip(self.cu, self.cu[1:]):
+            c = (b - a) // (2 * world)
+            parts += [torch.arange(a + rank * c, a + (rank + 1) * c),
+                      torch.arange(a + (2 * world - 1 - rank) * c, a + (2 * world - rank) * c)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def local_multiple(self) -> int:
+        return 1
+
+    def check_global_len(self, seq_len: int, world: int) -> None:
+        self._check(seq_len, world)
+
+    def causal_tasks(self, world: int, rank: int, src: int, s: int) -> tuple[BlockTask, ...]:
+        return schedule(self, AttentionMask(True, (0, world * s)), world, rank, src, s)

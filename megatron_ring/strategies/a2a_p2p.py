@@ -3,7 +3,8 @@
 ``hierarchical_groups=(inner, outer)`` follows Megatron's ``hierarchical_context_parallel_sizes``
 convention: with ``group`` ranks ``g_0..g_{P-1}`` and inner size ``n``, rank ``o*n + i`` has inner group
 ``g_{o*n} .. g_{o*n+n-1}`` (consecutive) and outer group ``g_i, g_{n+i}, g_{2n+i}, ...`` (same inner
-index). After the inner all-to-all a rank holds ``h/n`` heads of its ``n`` inner shards (a super-block);
+index). After the inner all-to-all a rank holds its head slice (``head_split(h, h_kv, n)``: ``h/n`` heads when
+``n`` divides them) of its ``n`` inner shards (a super-block);
 the engine's ring then passes those super-blocks around the outer group with the layout's own tasks
 (:class:`~megatron_ring.schedules.views.GroupedView`). The wire codec applies on the outer ring (the inter-node hop,
 where bytes cost most), so each block is quantised once; the inner all-to-all carries the compute dtype.
@@ -85,9 +86,11 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
     ring = plan.ring
     inner, outer = hierarchical_groups
     n = len(group_ranks(inner))
-    check_heads(qh.shape[1], n, f"comm_type='a2a+p2p' (inner group of {n})")
+    what = f"comm_type='a2a+p2p' (inner group of {n})"
+    check_heads(qh.shape[1], n, what)
     timeout = timeout_seconds(ring)
     outer_ring = _outer_rings.setdefault(outer, (qh.device, timeout), lambda: Ring(outer, qh.device, timeout))
     kh, vh = precheck_kv(plan, plan.codec, kh, vh)  # K/V the outer ring's codec refuses: zeros, recorded
     return run_grouped(qh, kh, vh, plan, inner=_A2A(inner, n, timeout), outer=outer_ring,
-                       a2a_codec=IdentityCodec(), ring_codec=plan.codec, head_chunks=head_chunks, sink=sink)
+                       a2a_codec=IdentityCodec(), ring_codec=plan.codec, head_chunks=head_chunks, sink=sink,
+                       what=what)

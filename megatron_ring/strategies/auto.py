@@ -48,6 +48,7 @@ from megatron_ring.wire.codecs import KVSpec
 from megatron_ring.transport.ring import Ring
 from megatron_ring.core.engine import RingPlan, _memory_order
 from megatron_ring.core.rotation import divisor_at_most
+from megatron_ring.schedules.layouts import LAYOUTS
 from megatron_ring.strategies.cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
 
 __all__ = ["choose", "set_machine", "machine_for", "probe_machine", "measure", "to_measure", "last_choice"]
@@ -163,7 +164,7 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: in
     spec = KVSpec((b, hk, s, d), (b, hk, s, d), kh.dtype, torch.device("meta"))
     wire = plan.codec.wire_bytes(spec) / (2 * b * hk * s * d)
     return Problem(batch=b, seq=s * world, heads=h, kv_heads=hk, head_dim=d, causal=plan.causal,
-                   layout=plan.layout.name, elem_bytes=qh.element_size(), wire_bytes=wire,
+                   layout=plan.layout if plan.layout.name not in LAYOUTS else plan.layout.name, elem_bytes=qh.element_size(), wire_bytes=wire,
                    gather_head_groups=head_chunks if head_chunks > 1 else 2,
                    kv_pieces=1 if world == 1 else divisor_at_most(hk, plan.pieces))
 

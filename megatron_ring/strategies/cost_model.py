@@ -25,9 +25,13 @@ by F; backward uses the backward rate. So causal skipping and the layout's balan
 * ``all_gather``: gather of P-1 K/V blocks (ring algorithm, P-1 messages), pipelined with the compute in
   ``gather_head_groups`` groups of K/V heads (the first group's gather is exposed); backward gathers again and
   reduce-scatters fp32 dK/dV (P-1 messages of one block).
-* ``a2a``: all-to-all of Q, K/V (x e when K/V heads are replicated) and O forward, dO, dQ, dK/dV
-  backward: (P-1)/P of each tensor leaves the rank, P-1 messages each, not overlapped with compute;
-  compute is the whole sequence for h/P heads (perfectly balanced).
+* ``a2a``: all-to-all of Q, K/V and O forward, dO, dQ, dK/dV backward, P-1 messages each, not
+  overlapped with compute; heads split by :func:`~megatron_ring.core.heads.head_split` (rank j: query
+  heads ``q[j]``, K/V heads ``kv[j]``), so an all-to-all of per-rank head counts ``n_j`` costs the
+  busiest rank's bytes, ``max_i max(sum_{j != i} n_j, (P-1) n_i)`` heads of one shard ((P-1)/P of the
+  tensor when the split is even); dK/dV travel in fp32 when a K/V head goes to several ranks. Compute
+  is the whole sequence for the largest head slice (``ceil(h/P)`` heads); a rank whose heads are not
+  one even GQA grouping runs the engine once per run (``HeadSplit.runs``: the outer ring's messages).
 * ``a2a+p2p``: inner all-to-all (size n) as ``a2a``, plus the ring of ``a2a`` super-blocks over the
   outer group (size P/n) as ``p2p``.
 
@@ -51,9 +55,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_ring.core.heads import kv_replication
+from megatron_ring.core.heads import head_split
 from megatron_ring.wire.codecs import wire_dtype
-from megatron_ring.schedules.layouts import get_layout
+from megatron_ring.schedules.layouts import Layout, get_layout
 
 __all__ = ["Machine", "Problem", "predict", "predict_all", "pick", "activation_bytes", "workspace_bytes",
            "candidate_types", "BWD_FLOP_FACTOR"]
@@ -88,7 +92,7 @@ class Problem:
     kv_heads: int
     head_dim: int
     causal: bool = True
-    layout: str = "zigzag"
+    layout: str | Layout = "zigzag"  # a name, or a Layout object (e.g. DocumentZigzag)
     elem_bytes: int = 2  # compute dtype
     wire_bytes: float | None = None  # K/V bytes per element on the wire (None: elem_bytes)
     gather_head_groups: int = 2  # all_gather: K/V gathered in this many groups of heads, one ahead of use
@@ -134,11 +138,11 @@ def _xfer(nbytes: float, bw: float, lat: float, messages: int = 1) -> float:
 
 
 def candidate_types(heads: int, world: int, inner: int | None) -> list[str]:
-    """Comm types that can run: a2a needs h % P == 0; a2a+p2p needs an inner size dividing h."""
+    """Comm types that can run: a2a needs h >= P (a query head per rank); a2a+p2p an inner size <= h."""
     out = ["p2p", "all_gather"]
-    if heads % world == 0:
+    if heads >= world:
         out.append("a2a")
-    if inner and 1 < inner < world and world % inner == 0 and heads % inner == 0:
+    if inner and 1 < inner < world and world % inner == 0 and heads >= inner:
         out.append("a2a+p2p")
     return out
 
@@ -190,30 +194,59 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
         sent = 2 * (world - 1) * kv_wire + (world - 1) * dkv32
     elif comm_type in ("a2a", "a2a+p2p"):
         n = world if comm_type == "a2a" else inner
-        if not n or world % n or h % n:
+        if not n or world % n or h < n:
             raise ValueError(f"{comm_type} cannot run with P={world}, inner={inner}, h={h}")
         outer = world // n
-        e = kv_replication(h, hk, n)
-        frac = (n - 1) / n
+        hs = _HeadShares(h, hk, n)
         bw = m.bw(n)
-        a2a = lambda nbytes: _xfer(frac * nbytes, bw, m.latency, n - 1)  # noqa: E731
-        kv_a2a_bytes = e * (kv_wire if comm_type == "a2a" else kv_comp)
-        dkv_a2a_bytes = e * (dkv32 if e > 1 else kv_comp)
-        fwd_comm = a2a(q_bytes) + a2a(kv_a2a_bytes) + a2a(q_bytes)
-        bwd_comm = a2a(q_bytes) + a2a(q_bytes) + a2a(dkv_a2a_bytes)
+        unit = b * c * d  # elements of one head of one shard
+        kv_unit = 2 * unit * (pb.w if comm_type == "a2a" else pb.elem_bytes)  # K and V
+        dkv_unit = 2 * unit * (4 if hs.fp32_grads else pb.elem_bytes)
+        q_sent, q_worst = hs.a2a(hs.q, unit * pb.elem_bytes)
+        kv_sent, kv_worst = hs.a2a(hs.kv, kv_unit)
+        dkv_sent, dkv_worst = hs.a2a(hs.kv, dkv_unit)
+        a2a = lambda nbytes: _xfer(nbytes, bw, m.latency, n - 1)  # noqa: E731
+        fwd_comm = a2a(q_worst) + a2a(kv_worst) + a2a(q_worst)
+        bwd_comm = a2a(q_worst) + a2a(q_worst) + a2a(dkv_worst)
         grouped = _GroupedAreas(lay, pb.causal, world, n, c)
-        # after the a2a every rank holds h/n heads of n shards: its ring step t covers the super-blocks
-        ring_f, ring_b = _ring(pb, m, outer, fpa / n, e * kv_wire, e * dkv32,
+        # after the a2a a rank holds max(q) heads of n shards (the slowest rank), and its (locally
+        # repeated) K/V heads travel the outer ring: its step t covers the super-blocks
+        ring_kv = 2 * b * hs.kv_local * n * c * d
+        ring_f, ring_b = _ring(pb, m, outer, 4 * b * hs.q_max * d, ring_kv * pb.w, ring_kv * 4,
                                lambda o, t: grouped(o, (o - t) % outer), m.bw(outer, stride=n))
+        extra = hs.runs - 1  # a rank whose heads are not one even GQA grouping runs the ring once per run
+        ring_f += extra * (outer - 1) * m.latency
+        ring_b += extra * (2 * outer - 1) * m.latency
         fwd, bwd = fwd_comm + ring_f, bwd_comm + ring_b
-        sent = frac * (4 * q_bytes + kv_a2a_bytes + dkv_a2a_bytes)
+        sent = max(4 * qs + ks + ds for qs, ks, ds in zip(q_sent, kv_sent, dkv_sent))
         if outer > 1:
-            sent += 2 * (outer - 1) * e * kv_wire + outer * e * dkv32
+            sent += 2 * (outer - 1) * ring_kv * pb.w + outer * ring_kv * 4
     else:
         raise ValueError(f"unknown comm type {comm_type!r}")
     return {"comm_type": comm_type, "fwd_s": fwd, "bwd_s": bwd, "time_s": fwd + bwd, "bytes_per_rank": sent,
             "activation_bytes": activation_bytes(pb, world),
             "workspace_bytes": workspace_bytes(comm_type, pb, world, inner)}
+
+
+class _HeadShares:
+    """Per-rank head counts of :func:`~megatron_ring.core.heads.head_split` for the cost model."""
+
+    def __init__(self, h: int, hk: int, n: int) -> None:
+        split = head_split(h, hk, n)
+        self.q = [sl.stop - sl.start for sl in split.q]
+        self.kv = [sl.stop - sl.start for sl in split.kv]
+        self.q_max = max(self.q)
+        self.kv_local = max(self.kv)  # K/V heads a rank computes with (and a2a+p2p's outer ring carries)
+        self.fp32_grads = split.shared
+        self.runs = max(len(split.runs(j)) for j in range(n))  # engine calls per rank (uneven GQA groupings)
+
+    @staticmethod
+    def a2a(counts: list[int], unit: float) -> tuple[list[float], float]:
+        """(bytes each rank sends, the busiest rank's bytes sent or received) of an all-to-all that
+        gathers rank j's ``counts[j]`` heads (``unit`` bytes each) of every shard onto rank j."""
+        n, tot = len(counts), sum(counts)
+        sent = [(tot - x) * unit for x in counts]
+        return sent, max(max(tot - x, (n - 1) * x) for x in counts) * unit
 
 
 class _GroupedAreas:
@@ -255,12 +288,13 @@ def workspace_bytes(comm_type: str, pb: Problem, world: int, inner: int | None =
         return (2 * world * kv_w + world * kv_c + 2 * world * dkv32 + kernel) / groups + acc32
     if comm_type in ("a2a", "a2a+p2p"):
         n = world if comm_type == "a2a" else inner
-        e = kv_replication(h, hk, n)
-        copies = 2 * c * h * d * pb.elem_bytes * b + e * kv_c  # head-sharded Q, O and K/V kept for bwd
-        kernel = (h + 2 * e * hk) * c * d * pb.elem_bytes * b  # h/n heads (e h_kv/n K/V heads) of n shards
+        hs = _HeadShares(h, hk, n)
+        e_q, e_kv = hs.q_max * n / h, hs.kv_local * n / hk  # the largest head slice / K/V heads vs an even share
+        copies = (2 * c * h * d * pb.elem_bytes * b) * e_q + e_kv * kv_c  # head-sharded Q, O and K/V kept for bwd
+        kernel = (h * e_q + 2 * e_kv * hk) * c * d * pb.elem_bytes * b  # the rank's heads of n shards
         if comm_type == "a2a":  # no ring: one block of n shards, double-buffer terms of a ring of one
-            return copies + e * (kv_w + 2 * dkv32) + acc32 + kernel
-        return copies + e * (kv_w / pieces + (pieces + 1) / pieces * dkv32) + acc32 + kernel / pieces
+            return copies + e_kv * (kv_w + 2 * dkv32) + acc32 * e_q + kernel
+        return copies + e_kv * (kv_w / pieces + (pieces + 1) / pieces * dkv32) + acc32 * e_q + kernel / pieces
     raise ValueError(comm_type)
 
 

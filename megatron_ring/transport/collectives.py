@@ -44,9 +44,13 @@ class Pending:
             self.then()
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Any, timeout_s: float | None, what: str) -> Pending:
-    """Chunk j of ``inp`` (split on dim 0) goes to group rank j; chunk i of ``out`` comes from rank i."""
-    work = dist.all_to_all_single(out, inp, group=group, async_op=True)
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Any, timeout_s: float | None, what: str,
+               in_splits: list[int] | None = None, out_splits: list[int] | None = None) -> Pending:
+    """Chunk j of ``inp`` (split on dim 0) goes to group rank j; chunk i of ``out`` comes from rank i.
+    Equal chunks by default; ``in_splits`` / ``out_splits``: the chunks' lengths on dim 0 (uneven
+    all-to-all, which NCCL and gloo both run)."""
+    work = dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                  group=group, async_op=True)
     return Pending(work, what, group, timeout_s)
 
 

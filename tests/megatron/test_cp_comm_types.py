@@ -2,7 +2,7 @@
 
 Same model, reference and tolerances as test_cp_equivalence (GQA 4 heads / 2 groups, RoPE, zigzag,
 fp32; loss |diff| <= 2e-5, gradients rtol 1e-4 / atol 1e-6), 2 steps each. CP = 2: p2p, all_gather,
-a2a, auto, and the per-layer list [a2a, all_gather]. CP = 4 (h_kv = 2 < 4: a2a replicates K/V heads):
+a2a, auto, and the per-layer list [a2a, all_gather]. CP = 4 (h_kv = 2 < 4: a2a sends each K/V head to two ranks):
 a2a, a2a+p2p over hierarchical sizes 2 x 2, auto with those groups, and the list [a2a+p2p, p2p].
 """
 from __future__ import annotations
@@ -63,3 +63,18 @@ def test_per_layer_types_follow_megatron_convention():
         layer_comm_type(Cfg, 1, None, ring)  # model config and ring config disagree
     with pytest.raises(ContextParallelConfigError, match="--cp-comm-type"):
         RingConfig(context_parallel_size=2, cp_comm_type="ulysses")
+
+
+def test_a2a_head_check_at_model_build():
+    """a2a / a2a+p2p split a rank's heads unevenly where they do not divide (docs/strategies.md, "Heads"):
+    the build-time check refuses only fewer heads than ranks, naming the flag."""
+    from megatron_ring.megatron import ContextParallelConfigError, RingConfig
+    from megatron_ring.megatron.attention import comm_types
+
+    ring = RingConfig(context_parallel_size=4, hierarchical_context_parallel_sizes=(2, 2))
+    for ct, heads in (("a2a", 6), ("a2a", 4), ("a2a", 5), ("a2a+p2p", 3), ("a2a+p2p", 2), ("p2p", 1)):
+        comm_types.check_heads(ct, heads, ring)
+    for ct, heads, n in (("a2a", 3, 4), ("a2a+p2p", 1, 2)):
+        with pytest.raises(ContextParallelConfigError, match="at least one head") as e:
+            comm_types.check_heads(ct, heads, ring)
+        assert e.value.flag == "--cp-comm-type" and f"over {n} ranks" in str(e.value)

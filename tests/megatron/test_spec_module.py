@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -58,8 +59,10 @@ def test_stock_spec_refuses_layouts_stock_megatron_does_not_split(monkeypatch, l
         ring_spec(compat.gpt_layer_local_spec())
 
 
-def test_stock_split_refuses_packed_batches_at_cp_above_one(monkeypatch):
-    """THD at CP > 1 from stock Megatron is split per document by TransformerEngine: refused by name."""
+def test_stock_split_packed_batches_need_megatrons_per_document_padding(monkeypatch):
+    """THD at CP > 1 from stock Megatron is split per document (TransformerEngine's order): the ring runs in
+    that order (tests/megatron/test_token_order.py), and a document length that is not a multiple of 2 CP
+    (no such split exists) is refused by name."""
     from types import SimpleNamespace
 
     from megatron.core.transformer.enums import AttnMaskType
@@ -73,6 +76,9 @@ def test_stock_split_refuses_packed_batches_at_cp_above_one(monkeypatch):
     m = RingDotProductAttention(_cfg(), 1, AttnMaskType.causal, "self", batch_split="megatron",
                                 pg_collection=SimpleNamespace(cp=Two(), tp=SimpleNamespace(size=lambda: 1)))
     monkeypatch.setattr(attn.groups, "group_ranks", lambda g: (0, 1))
-    params = SimpleNamespace(cp_group=None, local_cp_size=None)
-    with pytest.raises(ContextParallelConfigError, match="pretrain_ring_gpt.py"):
+    from megatron_ring.megatron.data.token_order import TokenOrderError
+
+    params = SimpleNamespace(cp_group=None, local_cp_size=None, cu_seqlens_q=torch.tensor([0, 5, 10]),
+                             cu_seqlens_q_padded=torch.tensor([0, 6, 10]))
+    with pytest.raises(TokenOrderError, match="multiple of 2 x CP = 4"):
         m(None, None, None, None, packed_seq_params=params)

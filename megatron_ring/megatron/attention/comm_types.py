@@ -47,14 +47,15 @@ def layer_comm_type(model_config: Any, layer_number: int, passed: str | None, ri
 
 
 def check_heads(comm_type: str, heads_per_partition: int, ring: RingConfig) -> None:
-    """a2a splits a rank's heads over the CP group (a2a+p2p over the inner group): fail at model build."""
+    """a2a splits a rank's query heads over the CP group (a2a+p2p over the inner group), evenly where they
+    divide and unevenly where not (docs/strategies.md, "Heads"); fewer heads than ranks fails at model build."""
     cp = ring.context_parallel_size
     n = {"a2a": cp, "a2a+p2p": (ring.hierarchical_context_parallel_sizes or (cp,))[0]}.get(comm_type)
-    if n and heads_per_partition % n:
+    if n and heads_per_partition < n:
         raise ContextParallelConfigError(
             "--cp-comm-type", f"{comm_type} splits the {heads_per_partition} attention heads of a rank "
-                              f"(num_attention_heads / tensor parallel size) over {n} ranks, which does not "
-                              "divide them; use p2p, all_gather or auto (or other hierarchical sizes)")
+                              f"(num_attention_heads / tensor parallel size) over {n} ranks, but every rank needs "
+                              "at least one head; use p2p, all_gather or auto (or a smaller inner size)")
 
 
 def strategy_kwargs(comm_type: str, state: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from megatron_ring.megatron.attention.dropout import dropout_seed
 from megatron_ring.megatron.env import kv_pieces_from_env, ring_config_from_env
 from megatron_ring.megatron.attention.sinks import make_softmax_offset, ring_softmax_offset
 from megatron_ring.megatron.groups.provider import get_ring_state, is_context_parallel_initialized
+from megatron_ring.megatron.data import token_order
 from megatron_ring.megatron.data.packed_rope import apply_packed_rope
 
 __all__ = ["RingDotProductAttention"]
@@ -47,7 +48,9 @@ class RingDotProductAttention(MegatronModule):
     :func:`~megatron_ring.megatron.groups.provider.initialize_context_parallel`, else ``parallel_state``'s. The
     options (layout, wire dtype, comm type, timeout) come from the registered ring, else from the
     ``MEGATRON_RING_*`` environment variables (:mod:`megatron_ring.megatron.env`). ``batch_split="megatron"`` (set by
-    :mod:`megatron_ring.megatron.spec`): the batch was split by stock Megatron, so packed THD batches at CP > 1 are refused.
+    :mod:`megatron_ring.megatron.spec`): the batch was split by stock Megatron, so packed THD batches at CP > 1 run
+    in Megatron's per-document zigzag (:class:`~megatron_ring.DocumentZigzag` of ``cu_seqlens_q_padded``; see
+    :mod:`megatron_ring.megatron.data.token_order`).
     Supported masks: ``causal`` and ``no_mask``; documents from ``packed_seq_params`` (THD, global
     ``cu_seqlens``) or, with ``causal``, from an ``attention_mask`` that is causal within documents
     (``--reset-attention-mask``; see :mod:`megatron_ring.megatron.data.documents`); ``config.window_size`` (sliding window).
@@ -95,7 +98,7 @@ class RingDotProductAttention(MegatronModule):
             megatron_ring.set_deterministic(True)
         if batch_split not in ("ring", "megatron"):
             raise ValueError(f"batch_split must be 'ring' or 'megatron', got {batch_split!r}")
-        # "megatron": the batch is split by stock Megatron (zigzag sequences; packed THD refused at CP > 1)
+        # "megatron": the batch is split by stock Megatron (zigzag sequences; packed THD per document)
         self.batch_split = batch_split
         # No collective and no group lookup here (a pipeline stage may hold no layers): the CP group is
         # taken at each call (see _ring). Only options that need no group are checked now.
@@ -143,11 +146,11 @@ class RingDotProductAttention(MegatronModule):
                                   "registered CP group, but this call runs on another group (pg_collection.cp or "
                                   "packed_seq_params.cp_group); use p2p, all_gather, a2a or auto there")
         heads = divide(self.config.num_attention_heads, self.config.tensor_model_parallel_size)
-        if ct == "a2a" and size > 1 and heads % size:
+        if ct == "a2a" and size > 1 and heads < size:
             raise ContextParallelConfigError(
                 "--cp-comm-type", f"layer {self.layer_number}: a2a splits the {heads} attention heads of a rank "
-                                  f"over the {size} ranks of this call's CP group, which does not divide them; "
-                                  "use p2p, all_gather or auto")
+                                  f"over the {size} ranks of this call's CP group, but every rank needs at least "
+                                  "one head; use p2p, all_gather or auto")
         if registered is not None:
             comm_types.check_heads(ct, heads, registered.config)
         return comm_types.strategy_kwargs(ct, registered)
@@ -206,17 +209,16 @@ class RingDotProductAttention(MegatronModule):
             raise NotImplementedError("attention_bias is not supported by RingDotProductAttention")
         causal = self._mask_causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
         group, cfg, registered = self._ring(packed_seq_params)
+        layout = cfg.layout
         if packed_seq_params is not None and self.batch_split == "megatron" and group is not None \
-                and group.size() > 1:
-            raise ContextParallelConfigError(
-                "--cp-layout", "packed (THD) batches at CP > 1 with the stock --spec: Megatron splits each "
-                "document with TransformerEngine's per-document zigzag and slices RoPE that way, which is not "
-                "the ring's split of the packed stream; use examples/pretrain_ring_gpt.py or the patch "
-                "(patches/), which split and rotate the packed stream the ring's way")
+                and group.size() > 1:  # Megatron split each (padded) document zigzag: run in that order
+            padded = packed_seq_params.cu_seqlens_q_padded
+            layout = token_order.attention_layout(
+                "thd", group.size(), cfg.layout, padded if padded is not None else packed_seq_params.cu_seqlens_q)
         strategy = self._comm_type(group, registered, cfg)
         pieces = kv_pieces_from_env()
         run = lambda q, k, v, fmt, cu=None: megatron_ring.ring_attention(  # noqa: E731
-            q, k, v, group=group, causal=causal, layout=cfg.layout, softmax_scale=self.softmax_scale,
+            q, k, v, group=group, causal=causal, layout=layout, softmax_scale=self.softmax_scale,
             qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
             window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed, kv_pieces=pieces,
             **strategy)
@@ -228,7 +230,7 @@ class RingDotProductAttention(MegatronModule):
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
             if self.packed_rope is not None:  # set by use_layout_rope: RoPE at the layout's positions
                 query, key = apply_packed_rope(self.packed_rope[0], self.config, query, key, packed_seq_params,
-                                               cfg.layout, group)
+                                               layout, group)
             out = run(query, key, value, "thd", packed_cu_seqlens(packed_seq_params))
             return out.view(out.size(0), self.hidden_size_per_partition)
         docs = None

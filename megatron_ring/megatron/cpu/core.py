@@ -9,7 +9,10 @@ megatron-core 0.16 calls CUDA in a few places that its CPU-initialised path stil
 * ``transformer.utils.get_default_causal_mask`` (the local softmax's mask when none is passed) is built
   on CUDA (also bound by name in ``fusions.fused_softmax``);
 * ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory`` + ``.cuda()``
-  (and is also bound by name in the rotary / YaRN modules).
+  (and is also bound by name in the rotary / YaRN modules);
+* packed (THD) batches at CP > 1: Megatron's own batch split and Mamba's undo of attention's order call
+  TransformerEngine's ``thd_get_partitioned_indices``; where TE is missing, its pure-torch equivalent
+  (:mod:`megatron_ring.megatron.data.token_order`) is put where they look it up.
 
 :func:`enable_cpu_support` replaces exactly these with CPU equivalents and :func:`disable_cpu_support`
 puts the originals back; :func:`megatron_cpu` is the context-manager form. Nothing is patched at import
@@ -28,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron_ring import get_layout
+from megatron_ring.megatron import compat
 
 __all__ = ["enable_cpu_support", "disable_cpu_support", "megatron_cpu", "cpu_support_enabled"]
 
@@ -146,6 +150,8 @@ def enable_cpu_support() -> None:
             _patch(yarn, "get_pos_emb_on_this_cp_rank", _cpu_get_pos_emb_on_this_cp_rank)
         except ImportError:  # pragma: no cover - optional module
             pass
+        # packed THD at CP > 1 (Megatron's batch split, Mamba's undo): TE's partitioner in pure torch where TE is missing
+        compat.install_tex_stand_in(_patch)
         _patch(mrandom, "CudaRNGStatesTracker", _make_cpu_tracker_class())
         _saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
         mrandom.initialize_rng_tracker(force_reset=True)

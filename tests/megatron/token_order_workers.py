@@ -1,0 +1,59 @@
+"""Workers for tests/megatron/test_token_order.py (gloo processes; tests/dist_utils.py)."""
+from __future__ import annotations
+
+import torch
+
+
+def stock_packed_attention_worker(rank: int, world: int, comm_type: str) -> dict:
+    """RingDotProductAttention as the stock ``--spec`` builds it (``batch_split="megatron"``) fed a packed
+    THD batch split the way Megatron splits it (per-document zigzag, TransformerEngine's order; here the
+    pure-torch partitioner), at CP = world: max error over real tokens vs the float64 per-document
+    reference, outputs and input gradients."""
+    torch.set_num_threads(1)
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from doc_reference import doc_attention_reference
+    from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel,
+                                        initialize_context_parallel, megatron_cpu)
+    from megatron_ring.megatron.data.token_order import thd_get_partitioned_indices
+    from reference import outputs_and_grads
+
+    errs = {}
+    with megatron_cpu():
+        try:
+            initialize_context_parallel(RingConfig(context_parallel_size=world, layout="zigzag",
+                                                   cp_comm_type=comm_type), tensor_model_parallel_size=1)
+            for window in (None, (5, 0)):
+                cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                        context_parallel_size=world, use_cpu_initialization=True,
+                                        attention_dropout=0.0, window_size=window)
+                attn = RingDotProductAttention(cfg, 1, AttnMaskType.causal, "self", batch_split="megatron")
+                lens = [1, 7, 3, 2 * world + 3, 0, 2]
+                padded = [-(-n // (2 * world)) * 2 * world for n in lens]
+                cu = torch.tensor([0] + lens).cumsum(0).int()
+                cup = torch.tensor([0] + padded).cumsum(0).int()
+                T = int(cup[-1])
+                params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                         cu_seqlens_q_padded=cup, cu_seqlens_kv_padded=cup,
+                                         max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
+                g = torch.Generator().manual_seed(5)
+                q, dout = (torch.randn(T, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+                k, v = (torch.randn(T, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+                real = torch.cat([torch.arange(int(a), int(a) + n) for a, n in zip(cup[:-1], lens)])
+                ref_cu = [0]  # documents and filler as the reference sees them
+                for a, n, b in zip(cup[:-1].tolist(), lens, cup[1:].tolist()):
+                    ref_cu += [a + n, b] if b > a + n else [a + n]
+                ref_cu = sorted(set(ref_cu))
+                ref = outputs_and_grads(lambda *t: doc_attention_reference(*t, ref_cu, True, window), q, k, v, dout)
+                idx = thd_get_partitioned_indices(cup, T, world, rank).long()  # Megatron's split
+                local = [t.index_select(0, idx).float() for t in (q, k, v, dout)]
+                got = outputs_and_grads(lambda a, b, c: attn(a.unsqueeze(1), b.unsqueeze(1), c.unsqueeze(1), None,
+                                                             packed_seq_params=params).view(a.shape), *local)
+                keep = torch.isin(idx, real)
+                errs[str(window)] = max((a.double()[keep] - r.index_select(0, idx)[keep]).abs().max().item()
+                                        for a, r in zip(got, ref))
+            return errs
+        finally:
+            destroy_context_parallel()
