@@ -176,7 +176,7 @@ GLUE_ALLOWED = {
     "data": {"base", "groups"},
     "attention": {"base", "groups", "data"},
     "spec": {"base", "groups", "data", "attention"},
-    "cpu": {"base"},
+    "cpu": {"base", "data"},  # the harness installs data/token_order's pure-torch THD partitioner
 }
 GLUE_BASE = {"compat", "config", "arguments", "env"}
 

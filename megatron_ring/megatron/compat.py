@@ -16,8 +16,8 @@ keyword arguments and feature detection (never version-number checks, never posi
   (``MTP_BLOCK_BUILDERS``) and which modules compute the MTP token count (``MTP_ROLL_TENSOR_USERS``).
 * Which modules look TransformerEngine's ``thd_get_partitioned_indices`` up as their global ``tex``
   (``THD_PARTITIONER_USERS``: Mamba's CP undo/redo, Megatron's own THD batch split) and how a pure-torch
-  stand-in is put there where TE is missing (:func:`install_tex_stand_in`; the stand-in is registered by
-  :mod:`megatron_ring.megatron.data.token_order`, so the CPU opt-in needs no import of it).
+  stand-in is put there where TE is missing (:func:`install_tex_stand_in`; the stand-in comes from
+  :mod:`megatron_ring.megatron.data.token_order`, whose ``install_thd_partitioner`` the CPU opt-in calls).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Any, Callable
 __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gpt_layer_local_spec",
            "megatron_get_batch_on_this_cp_rank", "has_megatron_training", "run_pretrain", "gpt_builder_calls_spec",
            "is_gpt_model_config", "default_gpt_layer_spec", "MTP_BLOCK_BUILDERS", "loaded_mtp_block_builders",
-           "MTP_ROLL_TENSOR_USERS", "THD_PARTITIONER_USERS", "register_tex_stand_in", "install_tex_stand_in"]
+           "MTP_ROLL_TENSOR_USERS", "THD_PARTITIONER_USERS", "install_tex_stand_in"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -187,22 +187,15 @@ def loaded_mtp_block_builders() -> list[tuple[Any, str]]:
 #: Modules whose global ``tex`` (``transformer_engine_torch``, None without TE) Megatron asks for
 #: ``thd_get_partitioned_indices``; each gates that branch with ``is_te_min_version("1.10.0")``.
 THD_PARTITIONER_USERS = ("megatron.core.ssm.mamba_context_parallel", "megatron.core.utils")
-_TEX_STAND_IN: list[Any] = []
 
 
-def register_tex_stand_in(stand_in: Any) -> None:
-    """Register the object :func:`install_tex_stand_in` puts in place of a missing ``tex``."""
-    _TEX_STAND_IN[:] = [stand_in]
-
-
-def install_tex_stand_in(patch: Callable[[Any, str, Any], None] = setattr) -> dict[str, str]:
-    """In each of ``THD_PARTITIONER_USERS`` whose ``tex`` is None, put the registered stand-in, and make the
+def install_tex_stand_in(stand_in: Any, patch: Callable[[Any, str, Any], None] = setattr) -> dict[str, str]:
+    """In each of ``THD_PARTITIONER_USERS`` whose ``tex`` is None, put ``stand_in``, and make the
     module's ``is_te_min_version`` answer True to that branch's question (``"1.10.0"``) while the stand-in is
     there (any other question goes to Megatron's own). Where TE is installed nothing changes. Idempotent;
     ``patch(module, name, value)`` sets each name. Returns ``{module: "transformer_engine" | "torch" |
-    "absent"}`` ("absent" too when nothing is registered)."""
+    "absent"}``."""
     out = {}
-    stand_in = _TEX_STAND_IN[0] if _TEX_STAND_IN else None
     for name in THD_PARTITIONER_USERS:
         try:
             mod = importlib.import_module(name)

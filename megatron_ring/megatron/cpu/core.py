@@ -151,7 +151,9 @@ def enable_cpu_support() -> None:
         except ImportError:  # pragma: no cover - optional module
             pass
         # packed THD at CP > 1 (Megatron's batch split, Mamba's undo): TE's partitioner in pure torch where TE is missing
-        compat.install_tex_stand_in(_patch)
+        from megatron_ring.megatron.data.token_order import install_thd_partitioner
+
+        install_thd_partitioner(_patch)
         _patch(mrandom, "CudaRNGStatesTracker", _make_cpu_tracker_class())
         _saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
         mrandom.initialize_rng_tracker(force_reset=True)

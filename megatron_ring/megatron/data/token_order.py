@@ -152,9 +152,6 @@ class _TorchTex:
 _SHIM = _TorchTex()
 
 
-compat.register_tex_stand_in(_SHIM)  # the CPU opt-in installs it through compat (cpu/ does not import data/)
-
-
 def install_thd_partitioner(patch: Any = setattr) -> dict[str, str]:
     """Give Megatron :func:`thd_get_partitioned_indices` where TransformerEngine is missing (its THD
     branches assert or fail otherwise), without editing its files: in each module of
@@ -165,4 +162,4 @@ def install_thd_partitioner(patch: Any = setattr) -> dict[str, str]:
     changes. Idempotent. ``patch(module, name, value)`` sets each name (default ``setattr``; the CPU
     opt-in passes its own, which ``disable_cpu_support`` undoes). Returns ``{module: "transformer_engine" |
     "torch" | "absent"}``."""
-    return compat.install_tex_stand_in(patch)
+    return compat.install_tex_stand_in(_SHIM, patch)
