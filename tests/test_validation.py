@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from helpers.numerics import max_err, score_bound, tol
+
 import megatron_ring.core.validation as validation
 from dist_utils import run_distributed
 from megatron_ring import ring_attention
@@ -104,7 +106,9 @@ def test_non_dense_views_in_contiguous_out(head_chunks):
     assert out.is_contiguous() and out.shape == q.shape
     ref = torch.nn.functional.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
                                                            is_causal=True).permute(2, 0, 1, 3)
-    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    # two fp32 computations of the same attention: within twice the derived bound of each other
+    kw = dict(dtype=torch.float32, n=10, sigma=score_bound(q, k), runs=2)
+    assert max_err(out, ref) <= tol(ref.abs().max().item(), **kw)
     (g_ring,) = torch.autograd.grad(out.sum(), fused)
     (g_ref,) = torch.autograd.grad(ref.sum(), fused)
-    torch.testing.assert_close(g_ring, g_ref, atol=1e-5, rtol=1e-5)
+    assert max_err(g_ring, g_ref) <= tol(g_ref.abs().max().item(), **kw)
