@@ -426,5 +426,6 @@ def _gloo_worker(rank: int, world: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_wire_buffers_through_gloo() -> None:
     assert run_distributed(_gloo_worker, 2, timeout=120) == [True, True]

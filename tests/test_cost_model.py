@@ -3,6 +3,7 @@ import json
 import logging
 import os
 
+import pytest
 import torch
 
 from dist_utils import run_distributed
@@ -87,6 +88,7 @@ def _auto_worker(rank, world):
     return list(auto._choices.values()), records, (machine.flops, machine.bw_intra, machine.latency)
 
 
+@pytest.mark.slow
 def test_auto_agrees_across_ranks_and_logs_once():
     per_rank = run_distributed(_auto_worker, 2, timeout=120)
     choices = {tuple(c) for c, _, _ in per_rank}
@@ -140,6 +142,7 @@ def _measured_worker(rank, world):
     return list(auto._choices.values()), auto.last_choice["measured"], records
 
 
+@pytest.mark.slow
 def test_auto_measures_near_ties_and_agrees():
     per_rank = run_distributed(_measured_worker, 2, timeout=120)
     choices = [c for c, _, _ in per_rank]

@@ -21,6 +21,8 @@ from helpers.numerics import Checks, max_err, score_bound, tol
 from megatron_ring import ring_attention, shard_sequence
 from reference import outputs_and_grads
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes
+
 HEADS = [(4, 4), (4, 2), (4, 1)]
 
 

@@ -221,6 +221,7 @@ def test_planner_dynamic_cp_subcommand(tmp_path, capsys):
     assert all(r["imbalance"] >= 1 - F64_REL and r["memory_bytes"] > 0 and r["bytes_per_rank"] >= 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_benchmark_dynamic_cp_runs_at_two_ranks():
     from megatron_ring.tools.bench.dynamic_cp import format_dynamic, run_dynamic_cp
 

@@ -69,6 +69,7 @@ def _exact_worker(rank, world):
     return errs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4])
 def test_every_piece_count_is_exact(world):
     """Pieces 1-4 (3 rounds down to a divisor of the K/V heads), GQA with batch 2, MLA head dims
@@ -95,6 +96,7 @@ def _masks_worker(rank, world):
     return errs
 
 
+@pytest.mark.slow
 def test_pieces_with_documents_windows_and_a_shortened_ring():
     checks = Checks("kv_pieces masks")
     for per_rank in run_distributed(_masks_worker, 4, timeout=600):
@@ -118,6 +120,7 @@ def _dropout_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_dropout_does_not_depend_on_pieces():
     """Position-keyed dropout is the same decision whatever the pieces (and head chunks): the results
     match the reference and each other."""
@@ -143,6 +146,7 @@ def _views_worker(rank, world):
     return dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr(), dk.shape == k.shape
 
 
+@pytest.mark.slow
 def test_returned_dk_dv_are_views_of_the_accumulator():
     """After P hops the pieces sit in slots 0..n-1 in order: dK and dV are views, never copies."""
     for shared, shaped in run_distributed(_views_worker, 3, timeout=120):

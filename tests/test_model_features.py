@@ -125,6 +125,7 @@ def _worker(rank, world):
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_mla_sinks_dropout_match_reference(world):
     checks = Checks(f"model_features P={world}")
@@ -186,6 +187,7 @@ def _mismatch_worker(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_dropout_seed_differing_across_ranks_is_caught():
     for msg in run_distributed(_mismatch_worker, 2, timeout=120):
         assert "dropout/softmax_offset" in msg, msg

@@ -17,6 +17,8 @@ from helpers.numerics import Checks, max_err, score_bound, tol
 from megatron_ring import ring_attention, shard_sequence
 from reference import attention_reference, outputs_and_grads, sdpa
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes
+
 HEADS = [(4, 4, 64, "bshd"), (4, 2, 80, "sbhd"), (6, 1, 80, "bshd")]  # (h, h_kv, d, format)
 
 

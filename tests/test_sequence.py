@@ -22,6 +22,7 @@ def _roundtrip_worker(rank, world, layout):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_shard_gather_roundtrip(layout):
     assert all(run_distributed(_roundtrip_worker, 3, layout, timeout=120))

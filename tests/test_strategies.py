@@ -19,6 +19,8 @@ from megatron_ring.strategies import make_hierarchical_groups
 from reference import attention_reference, outputs_and_grads
 from test_ring_attention import _case_errors
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes
+
 
 
 def _heads(world):

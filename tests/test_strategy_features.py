@@ -103,6 +103,7 @@ def _features_worker(rank, world):
     return rows
 
 
+@pytest.mark.slow
 def test_sinks_and_dropout_on_every_comm_type():
     checks, seen = Checks("strategy features"), set()
     for rows in run_distributed(_features_worker, 4, timeout=300):
@@ -141,6 +142,7 @@ def _bad_input_worker(rank, world):
     return results
 
 
+@pytest.mark.slow
 def test_bad_input_on_one_rank_raises_on_every_rank_for_every_comm_type():
     per_rank = run_distributed(_bad_input_worker, 4, timeout=300)
     for ct in TYPES:

@@ -49,6 +49,7 @@ def _seam_worker(rank, world, pieces):
     return log, kernel_calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pieces", [1, 2])
 def test_stream_seam_and_prefetch_order(pieces):
     world = 3

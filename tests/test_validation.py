@@ -58,6 +58,7 @@ def _mismatch_worker(rank, world, what):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what,needle", [("seq", "q.shape[1]"), ("dtype", "q.dtype"), ("causal", "causal"),
                                          ("bad_len_one_rank", "q.shape[1]"), ("head_chunks", "head_chunks")])
 def test_mismatch_across_ranks_raises_everywhere(what, needle):
@@ -82,6 +83,7 @@ def _cached_check_worker(rank, world):
     return len(calls)
 
 
+@pytest.mark.slow
 def test_consistency_check_runs_once_per_signature():
     assert run_distributed(_cached_check_worker, 2, timeout=120) == [2, 2]
 
@@ -92,6 +94,7 @@ def _wire_spelling_worker(rank, world):
     return ring_attention(q, q, q, causal=True, comm_dtype=spelling).shape == q.shape
 
 
+@pytest.mark.slow
 def test_wire_dtype_spellings_agree_across_ranks():
     assert all(run_distributed(_wire_spelling_worker, 2, timeout=120))
 

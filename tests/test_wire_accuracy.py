@@ -12,6 +12,8 @@ import torch
 
 from dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes
+
 NAMES = ("out", "dq", "dk", "dv")
 
 
