@@ -158,3 +158,27 @@ def test_documented_dotted_names_resolve():
     bad = sorted((doc, n) for doc, n in names | specs if not _resolves(n))
     assert len(names) > 20 and specs
     assert not bad, f"dotted names in the docs that are neither a module nor an attribute: {bad}"
+
+
+def test_documented_environment_variables_are_read_somewhere():
+    source = "\n".join(p.read_text() for d in ("megatron_ring", "scripts", "tests", "examples")
+                       for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".sh") and p.is_file())
+    named = {(_rel(p), v) for p in DOCS for v in re.findall(r"MEGATRON_RING_[A-Z0-9_]*[A-Z0-9]", _text(p))}
+    assert named
+    bad = sorted((doc, v) for doc, v in named if v not in source)
+    assert not bad, f"environment variables in the docs that no code reads: {bad}"
+
+
+def test_documented_cp_flags_are_the_glue_arguments():
+    pytest.importorskip("megatron.core", reason="the glue needs megatron-core")
+    import argparse
+
+    from megatron_ring.megatron import add_context_parallel_args
+
+    parser = argparse.ArgumentParser()
+    add_context_parallel_args(parser)
+    options = {o for a in parser._actions for o in a.option_strings}
+    named = {(_rel(p), f) for p in DOCS for f in re.findall(r"--cp-[a-z][a-z-]*[a-z]", _text(p))}
+    assert named
+    bad = sorted((doc, f) for doc, f in named if f not in options)
+    assert not bad, f"--cp-* flags in the docs that add_context_parallel_args does not define: {bad}"
