@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 from megatron_ring import ring_attention
 from megatron_ring.errors import WireFiniteError
 from megatron_ring.errors import RingInputError
@@ -117,7 +117,7 @@ SPLITS = [(1, 1), (1, 2), (1, 4), (2, 2), (4, 1)]  # (head_chunks, kv_pieces)
 def _ring_with_a_refusing_rank(layout, mask, head_chunks, pieces_per_rank, wait_s=20.0):
     """Every rank calls ring_attention on its ThreadRing; rank BAD's q is refused by check_inputs (a
     non-contiguous head dim). Returns per-rank results and whether messages were left undelivered."""
-    from ring_fakes import ThreadRing
+    from tests.helpers.ring_fakes import ThreadRing
 
     rings = ThreadRing.make(WORLD)
     for r in rings:

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 
 from megatron_ring.wire.codecs import CastCodec, FP8Codec, IdentityCodec, KVCodec, KVSpec, make_codec
 from megatron_ring.errors import WireFiniteError

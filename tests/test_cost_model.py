@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_distributed
-from helpers.numerics import F64_REL
+from tests.helpers.launch import run_distributed
+from tests.helpers.numerics import F64_REL
 from megatron_ring.tools import planner as plan
 from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, predict, predict_all, smallest_cp,
                                                  workspace_bytes)

@@ -15,11 +15,11 @@ import random
 import pytest
 import torch
 
-from dist_utils import run_distributed
-from doc_reference import doc_attention_reference
-from helpers.numerics import Checks, max_err, score_bound, tol
+from tests.helpers.launch import run_distributed
+from tests.helpers.reference import doc_attention_reference
+from tests.helpers.numerics import Checks, max_err, score_bound, tol
 from megatron_ring import ring_attention, shard_sequence
-from reference import outputs_and_grads
+from tests.helpers.reference import outputs_and_grads
 
 pytestmark = pytest.mark.slow  # every test here starts worker processes
 

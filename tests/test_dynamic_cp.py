@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.numerics import F64_REL
+from tests.helpers.numerics import F64_REL
 from megatron_ring.schedules.layouts import get_layout
 from megatron_ring.strategies import dynamic_cp as dc
 from megatron_ring.strategies.cost_model import Machine, Problem

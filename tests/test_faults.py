@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
-from ring_fakes import DoneWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
+from tests.helpers.launch import run_distributed
+from tests.helpers.ring_fakes import DoneWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
 from megatron_ring import RingPeerError, ring_attention
 from megatron_ring.transport.failure_notes import who_is_lost
 from megatron_ring.tools.launch import WorkerError

@@ -3,7 +3,7 @@ aligns bottom-right only ever see square causal or full blocks; supports() makes
 import pytest
 import torch
 
-from helpers.numerics import grad_terms, lse_tol, max_err, score_bound, tol
+from tests.helpers.numerics import grad_terms, lse_tol, max_err, score_bound, tol
 from megatron_ring.kernels import block as K
 
 

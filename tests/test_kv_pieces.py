@@ -11,9 +11,9 @@ import itertools
 import pytest
 import torch
 
-from dist_utils import run_distributed
-from feature_reference import feature_reference
-from helpers.numerics import Checks, max_err, score_bound, tol
+from tests.helpers.launch import run_distributed
+from tests.helpers.reference import feature_reference
+from tests.helpers.numerics import Checks, max_err, score_bound, tol
 from megatron_ring import ring_attention, shard_sequence
 from megatron_ring.core.rotation import (AUTO_PIECES_CPU, CPU_MIN_PIECE_WORK, CUDA_MIN_TILES, divisor_at_most, piece_count, start_for)
 

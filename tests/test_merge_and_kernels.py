@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers.numerics import lse_tol, max_err, score_bound, tol
+from tests.helpers.numerics import lse_tol, max_err, score_bound, tol
 from megatron_ring.kernels.block import FlashCPUKernel, MathKernel, select_kernel
 from megatron_ring.core.merge import merge_into
 

@@ -9,9 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.numerics import grad_terms, max_err, rel_tol, score_bound
-from reference import attention_reference
-from ring_fakes import run_threads
+from tests.helpers.numerics import grad_terms, max_err, rel_tol, score_bound
+from tests.helpers.reference import attention_reference
+from tests.helpers.ring_fakes import run_threads
 from megatron_ring import ring_attention
 from megatron_ring.errors import WireFiniteError
 from megatron_ring.schedules.layouts import get_layout

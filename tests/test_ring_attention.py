@@ -12,10 +12,10 @@ import itertools
 import pytest
 import torch
 
-from dist_utils import run_distributed
-from helpers.numerics import Checks, max_err, score_bound, tol
+from tests.helpers.launch import run_distributed
+from tests.helpers.numerics import Checks, max_err, score_bound, tol
 from megatron_ring import ring_attention, shard_sequence
-from reference import attention_reference, outputs_and_grads, sdpa
+from tests.helpers.reference import attention_reference, outputs_and_grads, sdpa
 
 pytestmark = pytest.mark.slow  # every test here starts worker processes
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 from megatron_ring import gather_sequence, shard_sequence
 from megatron_ring.schedules.layouts import LAYOUTS
 

@@ -12,12 +12,12 @@ import itertools
 import pytest
 import torch
 
-from dist_utils import run_distributed
-from helpers.numerics import Checks, max_err, score_bound, tol
+from tests.helpers.launch import run_distributed
+from tests.helpers.numerics import Checks, max_err, score_bound, tol
 from megatron_ring import ring_attention, shard_sequence
 from megatron_ring.strategies import make_hierarchical_groups
-from reference import attention_reference, outputs_and_grads
-from test_ring_attention import _case_errors
+from tests.helpers.reference import attention_reference, outputs_and_grads
+from tests.test_ring_attention import _case_errors
 
 pytestmark = pytest.mark.slow  # every test here starts worker processes
 

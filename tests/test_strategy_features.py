@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
-from feature_reference import feature_reference
-from helpers.numerics import Checks, max_err, score_bound, tol
+from tests.helpers.launch import run_distributed
+from tests.helpers.reference import feature_reference
+from tests.helpers.numerics import Checks, max_err, score_bound, tol
 from megatron_ring import ring_attention, shard_sequence
 from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.strategies import make_hierarchical_groups

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import megatron_ring.core.engine as engine
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 from megatron_ring import ring_attention
 from megatron_ring.transport.ring import LoopbackRing, Ring
 from megatron_ring.transport.streams import SideStream

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from helpers.numerics import max_err, score_bound, tol
+from tests.helpers.numerics import max_err, score_bound, tol
 
 import megatron_ring.core.validation as validation
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 from megatron_ring import ring_attention
 
 
