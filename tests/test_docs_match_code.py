@@ -182,3 +182,33 @@ def test_documented_cp_flags_are_the_glue_arguments():
     assert named
     bad = sorted((doc, f) for doc, f in named if f not in options)
     assert not bad, f"--cp-* flags in the docs that add_context_parallel_args does not define: {bad}"
+
+
+def test_documented_test_names_exist():
+    """``tests/x.py::name`` and backticked ``test_...`` names the docs cite are defined in the test tree."""
+    defined = {}
+    for p in (ROOT / "tests").rglob("*.py"):
+        for m in re.finditer(r"^\s*def (\w+)\(", p.read_text(), re.M):
+            defined.setdefault(m.group(1), set()).add(str(p.relative_to(ROOT)))
+    bad = []
+    for p in DOCS:
+        text = _text(p)
+        for m in re.finditer(r"(tests/[\w/]+\.py)::(\w+)", text):
+            if m.group(1) not in defined.get(m.group(2), ()):
+                bad.append((_rel(p), m.group(0)))
+        bad += [(_rel(p), n) for n in re.findall(r"`(test_\w+)`", text) if n not in defined]
+    assert not bad, f"tests the docs cite that do not exist: {bad}"
+
+
+def test_python_m_in_code_examples_and_scripts_exist():
+    """Docstrings, comments and usage lines in megatron_ring/, examples/ and scripts/ name real modules."""
+    bad = set()
+    for d in ("megatron_ring", "examples", "scripts"):
+        for p in (ROOT / d).rglob("*"):
+            if p.suffix not in (".py", ".sh") or not p.is_file():
+                continue
+            for m in MODULE_RE.finditer(p.read_text()):
+                mod = m.group(1).rstrip(".")
+                if mod.startswith(("megatron_ring", "torch", "pytest", "pip")) and importlib.util.find_spec(mod) is None:
+                    bad.add((_rel(p), mod))
+    assert not bad, f"`python -m` of modules that do not exist: {sorted(bad)}"
