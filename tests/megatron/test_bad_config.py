@@ -6,6 +6,8 @@ import pytest
 
 import megatron_workers as W
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes
+
 CASES = {  # case -> (world size, flag the message must name)
     "cp_not_dividing_world": (2, "--context-parallel-size"),
     "tp_cp_not_dividing_world": (2, "--context-parallel-size"),

@@ -24,6 +24,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_every_comm_type_matches_megatron_cp1(run, cp):
     ref = reference(STEPS, 1)

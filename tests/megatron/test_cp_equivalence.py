@@ -16,6 +16,8 @@ import torch
 import megatron_workers as W
 from conftest import reference
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes
+
 LAYOUTS = ["zigzag", "striped", "contiguous"]
 LOSS_ATOL = 2e-5
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)

@@ -16,6 +16,7 @@ if not hasattr(ps, "get_hybrid_data_context_parallel_groups"):
     pytest.skip("this megatron-core has no hybrid context parallel groups", allow_module_level=True)
 
 
+@pytest.mark.slow
 def test_document_split_over_its_hybrid_group_on_every_tp_rank(run):
     for rank, r in enumerate(run(G.hybrid_batch_worker, 4)):
         for size in (1, 2):

@@ -17,6 +17,8 @@ import feature_workers as FW
 from conftest import RUN_TIMEOUT
 from dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes
+
 STEPS = 2
 _REF: dict = {}
 

@@ -12,6 +12,7 @@ import mtp_workers as W
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_mtp_token_count_is_cp_invariant_after_the_opt_in(run, world):
     results = run(W.mtp_count_worker, world, 32)

@@ -6,6 +6,8 @@ import pytest
 import megatron_workers as W
 from conftest import reference
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes
+
 STEPS = 12
 
 
