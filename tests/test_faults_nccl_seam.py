@@ -1,4 +1,4 @@
-"""NCCL's fault behaviour, checked on CPU through the transport seam (tests/ring_fakes.py).
+"""NCCL's fault behaviour, checked on CPU through the transport seam (tests/helpers/ring_fakes.py).
 
 On NCCL ``batch_isend_irecv`` returns ONE coalesced Work for the send and the receive, and
 ``work.wait()`` does not block the host. So: a failure must name both neighbours; the ring must never

@@ -1,5 +1,5 @@
 """Property-based checks (hypothesis; bounded, derandomised = seeded, no deadline) of the whole engine,
-each rank's ring in its own thread (tests/ring_fakes.ThreadRing), against the float64 reference:
+each rank's ring in its own thread (tests/helpers/ring_fakes.ThreadRing), against the float64 reference:
 P, lengths, heads (GQA), head dims, layouts, causal, dtypes and wire dtypes; plus adversarial inputs
 (|scores| up to 1e4, all-equal scores, NaN in one rank's K with a checking wire)."""
 import math
