@@ -3,7 +3,7 @@
 Sinks/dropout: one set of 4 gloo processes runs, for all_gather, a2a (h=4: one head per rank) and
 a2a+p2p (2x2) (p2p: tests/test_model_features.py; auto runs one of these), a few cases (learnable sink
 with GQA; dropout with a sink, MLA head dims and head_chunks=2 in sbhd; dropout with documents + window)
-on causal zigzag and non-causal striped, against the float64 reference of ``tests/feature_reference.py`` (outputs, dq/dk/dv and the sink gradient
+on causal zigzag and non-causal striped, against the float64 reference of ``tests/helpers/reference.py`` (outputs, dq/dk/dv and the sink gradient
 summed over the group; the derived bound of tests/helpers/numerics.py), and with dropout also against the
 same call at CP=1 (a loopback ring in the same process): the keep/drop decisions are keyed on global heads
 and positions, so CP=4 with any comm type equals CP=1 up to fp32 summation order (twice the bound).

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import megatron_workers as W
+from tests.megatron import megatron_workers as W
 
 EOD = 0
 
@@ -132,10 +132,10 @@ def packed_attention_worker(rank: int, world: int, layout: str) -> dict:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from doc_reference import doc_attention_reference
+    from tests.helpers.reference import doc_attention_reference
     from megatron_ring import shard_sequence
     from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel, initialize_context_parallel, megatron_cpu)
-    from reference import outputs_and_grads
+    from tests.helpers.reference import outputs_and_grads
 
     errs = {}
     with megatron_cpu():

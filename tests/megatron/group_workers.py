@@ -20,10 +20,10 @@ def per_call_group_worker(rank: int, world: int, sizes: list[int]) -> dict[str, 
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from doc_reference import doc_attention_reference
+    from tests.helpers.reference import doc_attention_reference
     from megatron_ring import shard_sequence
     from megatron_ring.megatron import ContextParallelConfigError, RingDotProductAttention, megatron_cpu
-    from reference import outputs_and_grads
+    from tests.helpers.reference import outputs_and_grads
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, same order
     whole = dist.new_group(list(range(world)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import megatron_workers as W
+from tests.megatron import megatron_workers as W
 
 pytestmark = pytest.mark.slow  # every test here starts worker processes
 

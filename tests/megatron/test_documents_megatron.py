@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import doc_workers as D
-import megatron_workers as W
-from conftest import RUN_TIMEOUT
-from dist_utils import run_distributed
+from tests.megatron import doc_workers as D
+from tests.megatron import megatron_workers as W
+from tests.megatron.conftest import RUN_TIMEOUT
+from tests.helpers.launch import run_distributed
 
 _REF: dict = {}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import group_workers as G
+from tests.megatron import group_workers as G
 
 ps = pytest.importorskip("megatron.core.parallel_state")
 if not hasattr(ps, "get_hybrid_data_context_parallel_groups"):

@@ -8,7 +8,7 @@ The end-to-end check (loss curve CP=2 = CP=1 with MTP) is tests/megatron/test_st
 """
 from __future__ import annotations
 
-import mtp_workers as W
+from tests.megatron import mtp_workers as W
 import pytest
 
 

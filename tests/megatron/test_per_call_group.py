@@ -8,7 +8,7 @@ documents with end padding, causal, GQA (4 query heads, 2 K/V groups), comm type
 """
 from __future__ import annotations
 
-import group_workers as G
+from tests.megatron import group_workers as G
 import pytest
 
 pytestmark = pytest.mark.slow  # every test here starts worker processes
