@@ -83,8 +83,8 @@ def test_packed_seq_params_gpt_model_matches_megatron_cp1(run):
 @pytest.mark.parametrize("world,layout", [(2, "striped")])
 def test_packed_seq_params_and_window(run, world, layout):
     errs = run(D.packed_attention_worker, world, layout)
-    for e in errs:
-        assert max(e.values()) < 2e-5, e
+    for e in errs:  # error / derived bound (tests/helpers/numerics.py), per window
+        assert len(e) == 2 and max(e.values()) <= 1.0, e
 
 
 def test_batch_helper_shards_packed_batches():
