@@ -225,3 +225,15 @@ def test_dotted_names_in_code_comments_and_docstrings_resolve():
                 names |= {(_rel(p), m.group(1).rstrip(".")) for m in DOTTED_RE.finditer(p.read_text())}
     bad = sorted((f, n) for f, n in names if not _resolves(n))
     assert not bad, f"dotted names in code/comments that are neither a module nor an attribute: {bad}"
+
+
+def test_documented_imports_work():
+    """``from X import a, b`` lines in the docs (code and prose) name real modules and names."""
+    pytest.importorskip("megatron.core", reason="the glue's names need megatron-core")
+    bad = []
+    for p in DOCS:
+        for m in re.finditer(r"from ((?:megatron_ring|tests)(?:\.\w+)*) import (\([^)]*\)|[\w, ]+)", _text(p)):
+            for name in (n.strip() for n in m.group(2).strip("()").replace("\n", " ").split(",")):
+                if name and not _resolves(f"{m.group(1)}.{name}"):
+                    bad.append((_rel(p), f"from {m.group(1)} import {name}"))
+    assert not bad, f"imports in the docs that fail: {bad}"
