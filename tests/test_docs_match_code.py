@@ -237,3 +237,27 @@ def test_documented_imports_work():
                 if name and not _resolves(f"{m.group(1)}.{name}"):
                     bad.append((_rel(p), f"from {m.group(1)} import {name}"))
     assert not bad, f"imports in the docs that fail: {bad}"
+
+
+def test_configuration_table_defaults_are_the_parser_defaults():
+    """docs/configuration.md's flag table: every flag with its default ``(x)`` as add_context_parallel_args has it."""
+    pytest.importorskip("megatron.core", reason="the glue needs megatron-core")
+    import argparse
+
+    from megatron_ring.megatron import add_context_parallel_args
+
+    parser = argparse.ArgumentParser()
+    add_context_parallel_args(parser)
+    defaults = {o: a.default for a in parser._actions for o in a.option_strings}
+    rows = re.findall(r"^\| `(--[\w-]+)` \| (.*?) \|", _text(ROOT / "docs" / "configuration.md"), re.M)
+    assert len(rows) >= 6, rows
+    bad = []
+    for flag, values in rows:
+        shown = re.findall(r"\(([^()]*)\)\s*$", values)
+        assert shown, f"{flag}: no '(default)' at the end of {values!r}"
+        doc = shown[0].strip("`")
+        real = defaults[flag]
+        real = real[0] if isinstance(real, list) and len(real) == 1 else real
+        if not (doc == "unset" and real is None) and doc != str(real):
+            bad.append((flag, doc, real))
+    assert not bad, f"defaults in docs/configuration.md that the parser does not have: {bad}"
