@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The test suite on both ends of the supported megatron-core range (extra args go to pytest):
-#   1. .venv    (Python 3.11, megatron-core 0.16.1): pytest "$@" (default: the whole suite, tests/);
+#   0. the fast tier first: .venv, pytest -m "not slow" "$@" (single-process tests; under 2 minutes), then
+#      the fast numerics under every CPU instruction set (scripts/numerics_matrix.sh --fast; skip with
+#      MEGATRON_RING_SKIP_NUMERICS_MATRIX=1);
+#   1. .venv    (Python 3.11, megatron-core 0.16.1): the rest, pytest -m slow "$@" (default: tests/);
 #   2. .venv312 (Python 3.12, megatron-core 0.19.2, ships megatron.training; its torch is a CUDA build that runs
 #      on CPU): tests/megatron, which includes the real-loop tests (Megatron's own pretrain()), and
 #      tests/fake_cuda, the fake-CUDA tier (the GPU path traced under FakeTensorMode, fast); only the options
@@ -23,7 +26,15 @@ run_pytest() {  # venv, args...
 bash scripts/setup_env.sh test || exit $?
 .venv/bin/python -c 'import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0
 print(f"[test] {n} CUDA GPU(s): tests/gpu " + ("runs" if n else "is skipped (no usable GPU)"))' || true
-run_pytest .venv "$@"; rc311=$?
+t0=$(date +%s)
+run_pytest .venv -m "not slow" "$@"; rcfast=$?
+echo "[test] fast tier (-m 'not slow'): rc=$rcfast in $(( $(date +%s) - t0 )) s"
+rcnum=0
+if [ "${MEGATRON_RING_SKIP_NUMERICS_MATRIX:-0}" != 1 ]; then
+  PYTHON=.venv/bin/python bash scripts/numerics_matrix.sh --fast; rcnum=$?
+fi
+run_pytest .venv -m slow "$@"; rc311=$?
+[ "$rcfast" -eq 0 ] || rc311=$rcfast
 rc312=0
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   MEGATRON_RING_FLAVOR=py312 bash scripts/setup_env.sh test || exit $?
@@ -38,5 +49,5 @@ if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-
   PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" tests/megatron/test_bridge.py
   rcbridge=$?
 fi
-echo "[test] Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312; Megatron-Bridge: rc=$rcbridge"
-[ "$rc311" -eq 0 ] && [ "$rc312" -eq 0 ] && [ "$rcbridge" -eq 0 ]
+echo "[test] fast tier: rc=$rcfast; numerics under every instruction set: rc=$rcnum; Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312; Megatron-Bridge: rc=$rcbridge"
+[ "$rc311" -eq 0 ] && [ "$rcnum" -eq 0 ] && [ "$rc312" -eq 0 ] && [ "$rcbridge" -eq 0 ]

@@ -13,3 +13,52 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("MEGATRON_RING_PRELOAD", "megatron.core.models.gpt,"
                                                    "megatron.core.models.gpt.gpt_layer_specs,megatron_ring.megatron")
+
+
+# --- the fast tier: a test that starts processes must be marked slow --------------------------------------
+# `pytest -m "not slow"` is the fast tier (scripts/test.sh runs it first). Every start of a worker process
+# (multiprocessing, as the launcher's fork server does) or of a Python / torchrun subprocess is counted per
+# test (its fixtures' setup included); a test that started any and is not marked `slow` errors at teardown.
+import multiprocessing.process  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+_STARTS = [0]
+
+
+def _counting_process_start(orig):
+    def start(self, *args, **kwargs):
+        _STARTS[0] += 1
+        return orig(self, *args, **kwargs)
+    return start
+
+
+def _counting_popen_init(orig):
+    def __init__(self, args, *rest, **kwargs):
+        words = [args] if isinstance(args, (str, bytes)) else list(args)
+        text = " ".join(str(w) for w in words)
+        if "python" in text or "torchrun" in text or sys.executable in text:
+            _STARTS[0] += 1
+        return orig(self, args, *rest, **kwargs)
+    return __init__
+
+
+multiprocessing.process.BaseProcess.start = _counting_process_start(multiprocessing.process.BaseProcess.start)
+subprocess.Popen.__init__ = _counting_popen_init(subprocess.Popen.__init__)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    _STARTS[0] = 0
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the fixtures' teardown first, then the check (an error of this test's teardown phase)
+    started, _STARTS[0] = _STARTS[0], 0
+    if started and item.get_closest_marker("slow") is None:
+        pytest.fail(f"{item.nodeid} started {started} process(es) but is not marked slow: add "
+                    "@pytest.mark.slow (multi-process tests are not in the fast tier, -m 'not slow')", pytrace=False)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 from megatron_ring import ring_attention
 from megatron_ring.errors import WireFiniteError
 from megatron_ring.errors import RingInputError
@@ -61,6 +61,7 @@ def outcomes():
     return table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, comm_dtype", [("nan", "fp8"), ("huge", "fp16")])
 def test_refused_kv_on_one_rank_raises_on_every_rank(outcomes, fault, comm_dtype):
     for rank, (kind, msg, elapsed) in enumerate(outcomes[(fault, comm_dtype)]):
@@ -72,6 +73,7 @@ def test_refused_kv_on_one_rank_raises_on_every_rank(outcomes, fault, comm_dtype
             assert f"global rank(s) {BAD} cannot be sent" in msg, msg
 
 
+@pytest.mark.slow
 def test_nan_on_a_bf16_wire_propagates_instead(outcomes):
     """bf16 (and as-is) wires carry inf/NaN as SDPA would: nobody raises, the NaN shows in the output."""
     res = outcomes[("nan", "bf16")]
@@ -79,6 +81,7 @@ def test_nan_on_a_bf16_wire_propagates_instead(outcomes):
     assert res[BAD][1] and res[BAD + 1][1]  # zigzag causal: ranks 2 and 3 attend to rank 2's first chunk
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kernel", "stride"])
 def test_rank_local_input_error_raises_on_every_rank(outcomes, fault):
     for rank, (kind, msg, elapsed) in enumerate(outcomes[(fault, None)]):
@@ -89,6 +92,7 @@ def test_rank_local_input_error_raises_on_every_rank(outcomes, fault):
             assert kind == "RingInputError" and f"global rank(s) {BAD} rejected their input" in msg, (rank, kind, msg)
 
 
+@pytest.mark.slow
 def test_ring_still_works_after_the_errors(outcomes):
     assert [r[:2] for r in outcomes[("none", "fp8")]] == [("ok", False)] * 4
 
@@ -113,7 +117,7 @@ SPLITS = [(1, 1), (1, 2), (1, 4), (2, 2), (4, 1)]  # (head_chunks, kv_pieces)
 def _ring_with_a_refusing_rank(layout, mask, head_chunks, pieces_per_rank, wait_s=20.0):
     """Every rank calls ring_attention on its ThreadRing; rank BAD's q is refused by check_inputs (a
     non-contiguous head dim). Returns per-rank results and whether messages were left undelivered."""
-    from ring_fakes import ThreadRing
+    from tests.helpers.ring_fakes import ThreadRing
 
     rings = ThreadRing.make(WORLD)
     for r in rings:

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 
 from megatron_ring.wire.codecs import CastCodec, FP8Codec, IdentityCodec, KVCodec, KVSpec, make_codec
 from megatron_ring.errors import WireFiniteError
@@ -426,5 +426,6 @@ def _gloo_worker(rank: int, world: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_wire_buffers_through_gloo() -> None:
     assert run_distributed(_gloo_worker, 2, timeout=120) == [True, True]

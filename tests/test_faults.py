@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
-from ring_fakes import DoneWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
+from tests.helpers.launch import run_distributed
+from tests.helpers.ring_fakes import DoneWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
 from megatron_ring import RingPeerError, ring_attention
 from megatron_ring.transport.failure_notes import who_is_lost
 from megatron_ring.tools.launch import WorkerError
@@ -89,6 +89,7 @@ def _check(results, victim, bound_s):
     return times
 
 
+@pytest.mark.slow
 def test_dead_peer_is_reported_quickly():
     # A dead peer's closed connection is noticed at once. Worst case for a survivor that is no neighbour
     # of the victim: it waits until a neighbour of the victim has walked the notes and exited (closing its
@@ -100,6 +101,7 @@ def test_dead_peer_is_reported_quickly():
     _check(res, 1, bound_s=20.0)
 
 
+@pytest.mark.slow
 def test_dead_peer_seen_at_launch_is_reported_with_a_note():
     """Deterministic launch-time failure: rank 2's receive launch raises (its sender, rank 1, is dead)."""
     res = run_distributed(_fault_worker, 4, "die_launch", 1, 20.0, timeout=_guard_s(20.0),
@@ -110,6 +112,7 @@ def test_dead_peer_seen_at_launch_is_reported_with_a_note():
     assert "[fake] Connection closed by peer" in res[2][1]
 
 
+@pytest.mark.slow
 def test_stalled_peer_times_out_with_its_name():
     timeout_s = 3.0
     res = run_distributed(_fault_worker, 4, "stall", 2, timeout_s, timeout=_guard_s(timeout_s),

@@ -1,4 +1,4 @@
-"""NCCL's fault behaviour, checked on CPU through the transport seam (tests/ring_fakes.py).
+"""NCCL's fault behaviour, checked on CPU through the transport seam (tests/helpers/ring_fakes.py).
 
 On NCCL ``batch_isend_irecv`` returns ONE coalesced Work for the send and the receive, and
 ``work.wait()`` does not block the host. So: a failure must name both neighbours; the ring must never
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ring_fakes import NcclLikeWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
+from tests.helpers.ring_fakes import NcclLikeWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
 from megatron_ring import RingPeerError
 from megatron_ring.transport.ring import looks_like_timeout
 from megatron_ring.transport.deadline import watchdog

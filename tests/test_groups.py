@@ -10,7 +10,7 @@ from megatron_ring.strategies import a2a_p2p, auto
 from megatron_ring.transport.groups import PerGroup, group_ranks, is_live
 from megatron_ring.transport.ring import Ring
 
-from ring_fakes import one_rank_group  # noqa: F401 - fixture
+from tests.helpers.ring_fakes import one_rank_group  # noqa: F401 - fixture
 
 
 def test_process_groups_take_weak_references(one_rank_group):

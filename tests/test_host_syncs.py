@@ -21,7 +21,7 @@ import dataclasses
 import pytest
 import torch
 
-from fake_device import FakeCuda, HostReadCounter
+from tests.helpers.fake_device import FakeCuda, HostReadCounter
 from megatron_ring import device, ring_attention
 from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.wire.codecs import FP8Codec
@@ -126,7 +126,7 @@ def test_a_host_that_runs_ahead_waits_once_per_ring_at_the_status_read():
 def test_a_device_side_refusal_still_raises_on_every_rank():
     """The FP8 check on the device: the refusing rank's status travels the ring; the other ranks (and the
     refusing one, with the element named) raise at the status read, the start of the backward."""
-    from ring_fakes import run_threads
+    from tests.helpers.ring_fakes import run_threads
     from megatron_ring.errors import WireFiniteError
 
     def body(rank, ring):
@@ -151,7 +151,7 @@ def test_a_device_side_refusal_still_raises_on_every_rank():
 def test_a_call_without_backward_reads_once_at_the_forward_end():
     """torch.no_grad with a value-checking wire: nothing would read the codes later, so the forward's end
     does (one read per forward ring); every rank raises there. Without a checking wire: no read."""
-    from ring_fakes import run_threads
+    from tests.helpers.ring_fakes import run_threads
     from megatron_ring.errors import WireFiniteError
 
     def body(rank, ring, wire, bad):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 from megatron_ring import gather_sequence, shard_sequence
 from megatron_ring.schedules.layouts import LAYOUTS
 
@@ -22,6 +22,7 @@ def _roundtrip_worker(rank, world, layout):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_shard_gather_roundtrip(layout):
     assert all(run_distributed(_roundtrip_worker, 3, layout, timeout=120))

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import megatron_ring.core.engine as engine
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 from megatron_ring import ring_attention
 from megatron_ring.transport.ring import LoopbackRing, Ring
 from megatron_ring.transport.streams import SideStream
@@ -49,6 +49,7 @@ def _seam_worker(rank, world, pieces):
     return log, kernel_calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pieces", [1, 2])
 def test_stream_seam_and_prefetch_order(pieces):
     world = 3

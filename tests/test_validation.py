@@ -2,8 +2,10 @@
 import pytest
 import torch
 
+from tests.helpers.numerics import max_err, score_bound, tol
+
 import megatron_ring.core.validation as validation
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 from megatron_ring import ring_attention
 
 
@@ -56,6 +58,7 @@ def _mismatch_worker(rank, world, what):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what,needle", [("seq", "q.shape[1]"), ("dtype", "q.dtype"), ("causal", "causal"),
                                          ("bad_len_one_rank", "q.shape[1]"), ("head_chunks", "head_chunks")])
 def test_mismatch_across_ranks_raises_everywhere(what, needle):
@@ -80,6 +83,7 @@ def _cached_check_worker(rank, world):
     return len(calls)
 
 
+@pytest.mark.slow
 def test_consistency_check_runs_once_per_signature():
     assert run_distributed(_cached_check_worker, 2, timeout=120) == [2, 2]
 
@@ -90,6 +94,7 @@ def _wire_spelling_worker(rank, world):
     return ring_attention(q, q, q, causal=True, comm_dtype=spelling).shape == q.shape
 
 
+@pytest.mark.slow
 def test_wire_dtype_spellings_agree_across_ranks():
     assert all(run_distributed(_wire_spelling_worker, 2, timeout=120))
 
@@ -104,7 +109,9 @@ def test_non_dense_views_in_contiguous_out(head_chunks):
     assert out.is_contiguous() and out.shape == q.shape
     ref = torch.nn.functional.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
                                                            is_causal=True).permute(2, 0, 1, 3)
-    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    # two fp32 computations of the same attention: within twice the derived bound of each other
+    kw = dict(dtype=torch.float32, n=10, sigma=score_bound(q, k), runs=2)
+    assert max_err(out, ref) <= tol(ref.abs().max().item(), **kw)
     (g_ring,) = torch.autograd.grad(out.sum(), fused)
     (g_ref,) = torch.autograd.grad(ref.sum(), fused)
-    torch.testing.assert_close(g_ring, g_ref, atol=1e-5, rtol=1e-5)
+    assert max_err(g_ring, g_ref) <= tol(g_ref.abs().max().item(), **kw)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
+
+pytestmark = pytest.mark.slow  # every test here starts worker processes
 
 NAMES = ("out", "dq", "dk", "dv")
 

@@ -1,7 +1,7 @@
 """Planner CLI: predicted time, bytes and memory per rank of every comm type and layout, and the CP size
 a sequence needs.
 
-    python -m megatron_ring.planner --seq-length 1048576 --hidden-size 8192 --num-attention-heads 64 \\
+    python -m megatron_ring.plan --seq-length 1048576 --hidden-size 8192 --num-attention-heads 64 \\
         --num-query-groups 8 --context-parallel-size 32 --gpus-per-node 8 \\
         --intra-node-bandwidth 450e9 --inter-node-bandwidth 50e9 --flops 700e12 \\
         [--micro-batch-size 1] [--gpu-memory 80e9 --num-layers 80] [--json plan.json]

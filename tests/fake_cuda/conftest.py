@@ -1,11 +1,8 @@
 """The fake-CUDA tier: needs a CUDA build of torch (it runs on CPU; nothing initialises CUDA)."""
 import os
-import sys
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ helpers (fake_device)
 
 
 def pytest_collection_modifyitems(config, items):

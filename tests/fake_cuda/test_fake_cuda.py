@@ -32,7 +32,7 @@ import dataclasses
 import pytest
 import torch
 
-from fake_device import FakeCuda, StreamChecker
+from tests.helpers.fake_device import FakeCuda, StreamChecker
 from megatron_ring import device, ring_attention
 from megatron_ring.core.engine import RingAttentionFunction
 from megatron_ring.kernels import block as K

@@ -1,11 +1,8 @@
 """tests/gpu: marked `cuda`, skipped with a reason where CUDA is absent (CI on CPU stays green)."""
 import os
-import sys
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ helpers (reference, ring_fakes)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,8 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from reference import attention_reference  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+from tests.helpers.reference import attention_reference  # noqa: E402
 
 from megatron_ring import gather_sequence, ring_attention, shard_sequence  # noqa: E402
 

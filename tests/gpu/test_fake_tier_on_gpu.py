@@ -3,14 +3,11 @@ tensors, real streams and events (the device seam's ``CudaOps``), the real autog
 forward and backward over the loopback transport and checks what the fake tier checks (shapes, dtypes,
 devices, strides of the output and every gradient), plus finite values. Values against float64 are
 checked by test_gpu_kernels_and_engine.py. Skipped without a GPU (tests/gpu/conftest.py)."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fake_cuda"))
-from test_fake_cuda import CASES, S_LOCAL  # noqa: E402
+from tests.fake_cuda.test_fake_cuda import CASES, S_LOCAL  # noqa: E402
 
 from megatron_ring import ring_attention  # noqa: E402
 from megatron_ring.transport.ring import LoopbackRing  # noqa: E402
@@ -18,7 +15,7 @@ from megatron_ring.transport.ring import LoopbackRing  # noqa: E402
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_fake_tier_case_on_a_gpu(case):
-    from test_fake_cuda import _inputs
+    from tests.fake_cuda.test_fake_cuda import _inputs
 
     q, k, v, kw, leaves = _inputs(case)
     try:

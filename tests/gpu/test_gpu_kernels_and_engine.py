@@ -51,7 +51,7 @@ def test_cuda_kernel_vs_float64(name, dtype, head_dim, sq, sk, causal, heads):
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
 def test_engine_on_one_gpu_matches_one_gpu_reference(world, layout):
-    from ring_fakes import run_threads
+    from tests.helpers.ring_fakes import run_threads
     from megatron_ring.schedules.layouts import get_layout
     S, dev = 128 * world, "cuda"
     q = torch.randn(1, S, 8, 64, device=dev, dtype=torch.bfloat16)

@@ -1,13 +1,10 @@
 """GPU: one Megatron GPTModel step with the ring spec vs the local spec (CP=1, one GPU, NCCL world of
 one): same loss and gradients. Skipped without CUDA (tests/gpu/conftest.py); not run here (no GPU)."""
-import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "megatron"))
 
 
 @pytest.fixture
@@ -27,7 +24,7 @@ def one_gpu_megatron():
 
 
 def test_gpt_step_ring_spec_equals_local_spec_on_gpu(one_gpu_megatron):
-    from megatron_workers import MODEL, _build, make_batch
+    from tests.megatron.megatron_workers import MODEL, _build, make_batch
 
     batch = {k: v.cuda() for k, v in make_batch(MODEL, 0, 2).items()}
     results = []

@@ -115,7 +115,7 @@ def bridge_worker(rank: int, world: int, cp: int, ring: bool, decentralized: boo
 
 
 def _bridge_worker(rank: int, world: int, cp: int, ring: bool, decentralized: bool, variant: str) -> dict[str, Any]:
-    from bridge_import import check_no_transformer_engine, import_bridge
+    from tests.megatron.bridge_import import check_no_transformer_engine, import_bridge
 
     import_bridge("megatron.bridge.models.gpt_provider", "megatron.bridge.training.gpt_step",
                   "megatron.bridge.training.initialize")
@@ -180,7 +180,7 @@ def stand_in_worker(rank: int, world: int) -> dict[str, Any]:
     every use of it raises."""
     import sys
 
-    from bridge_import import TransformerEngineStandInUsed, have_transformer_engine, import_bridge
+    from tests.megatron.bridge_import import TransformerEngineStandInUsed, have_transformer_engine, import_bridge
 
     if have_transformer_engine():
         return dict(te_import="real TransformerEngine installed", uses=["n/a"] * 4)

@@ -1,24 +1,15 @@
-"""Shared fixtures for the Megatron integration tests (multi-process runs use tests/dist_utils.py)."""
+"""Shared fixtures for the Megatron integration tests (multi-process runs: tests/helpers/launch.py)."""
 from __future__ import annotations
-
-import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for p in (HERE, os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 
-from dist_utils import run_distributed  # noqa: E402
+from tests.helpers.launch import TIMEOUT_S, run_distributed  # noqa: E402
+from tests.megatron import megatron_workers as W  # noqa: E402
 
-import megatron_workers as W  # noqa: E402
-
-#: every multi-process run in this directory is bounded by this many seconds
-RUN_TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
+#: every multi-process run in this directory is bounded by this many seconds (MEGATRON_RING_TEST_TIMEOUT)
+RUN_TIMEOUT = TIMEOUT_S
 
 _REF_CACHE: dict = {}
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import megatron_workers as W
+from tests.megatron import megatron_workers as W
 
 BASE = dict(W.MODEL, seq=32, num_layers=2)
 CASES = ("mla", "sink_off_by_one", "sink_learnable", "mla_sink_dropout", "dropout")

@@ -1,11 +1,10 @@
 """Command lines shared by the tests that launch Megatron's pretrain() with torchrun on CPU."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from megatron_ring.megatron.compat import has_megatron_training
+from tests.helpers.launch import free_port  # noqa: F401  (the launcher's helpers live in tests/helpers/launch.py)
 
 #: the marks of a test that runs Megatron-LM's pretrain() (slow; needs megatron.training)
 PRETRAIN_MARKS = [pytest.mark.slow,
@@ -32,8 +31,3 @@ def gpt_args(iters: int, *, attention_dropout: float = 0.0, extra: str = "") -> 
                           "--min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 --weight-decay 0.01 "
                           f"--clip-grad 1.0 --attention-dropout {attention_dropout:g} {extra}").split()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-import megatron_workers as W
+from tests.megatron import megatron_workers as W
 
 
 def comm_type_worker(rank: int, world: int, m: dict, cp: int, cases: list[tuple], steps: int) -> dict[str, Any]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import megatron_workers as W
+from tests.megatron import megatron_workers as W
+
+pytestmark = pytest.mark.slow  # every test here starts worker processes
 
 CASES = {  # case -> (world size, flag the message must name)
     "cp_not_dividing_world": (2, "--context-parallel-size"),

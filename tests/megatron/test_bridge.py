@@ -39,7 +39,7 @@ if not _bridge_installed():
     pytest.skip("megatron-bridge is not installed (pinned install: requirements/bridge-py312.txt, see "
                 "docs/megatron-runs.md 'Megatron-Bridge')", allow_module_level=True)
 
-import bridge_workers as W  # noqa: E402
+from tests.megatron import bridge_workers as W  # noqa: E402
 
 TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 TOL = 1e-6
@@ -77,7 +77,7 @@ def test_bridge_cp2_ring_equals_cp1(run, variant, decentralized):
 
 
 def test_bridge_cp2_without_ring_spec_does_not_run(run):
-    from dist_utils import WorkerError
+    from tests.helpers.launch import WorkerError
 
     with pytest.raises(WorkerError):
         run(W.bridge_worker, 2, 2, False, False, "dense")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-import strategy_workers as SW
-from conftest import reference
-from test_cp_equivalence import GRAD_TOL, LOSS_ATOL, STEPS
+from tests.megatron import strategy_workers as SW
+from tests.megatron.conftest import reference
+from tests.megatron.test_cp_equivalence import GRAD_TOL, LOSS_ATOL, STEPS
 
-import megatron_workers as W
+from tests.megatron import megatron_workers as W
 import torch
 
 CASES = {
@@ -24,6 +24,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_every_comm_type_matches_megatron_cp1(run, cp):
     ref = reference(STEPS, 1)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import megatron_workers as W
-from conftest import reference
+from tests.megatron import megatron_workers as W
+from tests.megatron.conftest import reference
+
+pytestmark = pytest.mark.slow  # every test here starts worker processes
 
 LAYOUTS = ["zigzag", "striped", "contiguous"]
 LOSS_ATOL = 2e-5

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import doc_workers as D
-import megatron_workers as W
-from conftest import RUN_TIMEOUT
-from dist_utils import run_distributed
+from tests.megatron import doc_workers as D
+from tests.megatron import megatron_workers as W
+from tests.megatron.conftest import RUN_TIMEOUT
+from tests.helpers.launch import run_distributed
 
 _REF: dict = {}
 
@@ -25,6 +25,7 @@ def _reference(steps):
     return _REF[steps]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,cp", [(2, 2)], ids=["tp2cp2"])  # CP 4 alone: the curve test below
 def test_reset_attention_mask_matches_megatron_cp1(run, tp, cp):
     ref = _reference(1)
@@ -47,6 +48,7 @@ def test_reset_attention_mask_negative_control():
                                            [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
 
 
+@pytest.mark.slow
 def test_reset_attention_mask_cp4_curve_matches_cp1(run):
     steps = 10
     ref = _reference(steps)
@@ -59,6 +61,7 @@ def test_reset_attention_mask_cp4_curve_matches_cp1(run):
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
 
 
+@pytest.mark.slow
 def test_packed_seq_params_gpt_model_matches_megatron_cp1(run):
     """A whole GPTModel fed packed batches (``documents.packed_batch``: one THD stream, ``PackedSeqParams``
     with global cu_seqlens, as Megatron builds them; RoPE per document at the layout's positions) at
@@ -76,11 +79,12 @@ def test_packed_seq_params_gpt_model_matches_megatron_cp1(run):
         assert all(abs(r[n]["losses"][0] - ref["losses"][0]) <= 2e-5 for n in r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,layout", [(2, "striped")])
 def test_packed_seq_params_and_window(run, world, layout):
     errs = run(D.packed_attention_worker, world, layout)
-    for e in errs:
-        assert max(e.values()) < 2e-5, e
+    for e in errs:  # error / derived bound (tests/helpers/numerics.py), per window
+        assert len(e) == 2 and max(e.values()) <= 1.0, e
 
 
 def test_batch_helper_shards_packed_batches():

@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import group_workers as G
+from tests.megatron import group_workers as G
 
 ps = pytest.importorskip("megatron.core.parallel_state")
 if not hasattr(ps, "get_hybrid_data_context_parallel_groups"):
     pytest.skip("this megatron-core has no hybrid context parallel groups", allow_module_level=True)
 
 
+@pytest.mark.slow
 def test_document_split_over_its_hybrid_group_on_every_tp_rank(run):
     for rank, r in enumerate(run(G.hybrid_batch_worker, 4)):
         for size in (1, 2):

@@ -23,17 +23,16 @@ relative; gradients 1e-6 absolute (fp32 weights resolve (w1 - w0) / lr to ~1e-7;
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
-from pretrain_cli import PRETRAIN_MARKS, CPU_FLAGS, free_port
+
+from tests.helpers.launch import ROOT, torchrun
+from tests.megatron.pretrain_cli import PRETRAIN_MARKS, CPU_FLAGS
 
 
 pytestmark = PRETRAIN_MARKS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_ring_gpt.py")
 LR = 0.1
 ITERS = 2
@@ -55,7 +54,6 @@ RUNS = {  # name: (processes, flags)
     "hybrid-ours": (4, "--context-parallel-size 2 --hybrid-context-parallel --max-seqlen-per-dp-cp-rank 16 "
                        "--ring-cp-scheduler"),
 }
-TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 LOSS_RTOL = 1e-6
 GRAD_ATOL = 1e-6
 
@@ -66,12 +64,8 @@ def _launch(tmp_path, name: str) -> dict:
 
     nproc, flags = RUNS[name]
     log, dump = tmp_path / f"{name}.loss", tmp_path / f"{name}.w"
-    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), MEGATRON_RING_WEIGHTS_DUMP=str(dump),
-               OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *MODEL, *CPU, *flags.split()]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    p = torchrun(SCRIPT, nproc, *MODEL, *CPU, *flags.split(), name=name,
+                 env={"MEGATRON_RING_LOSS_LOG": str(log), "MEGATRON_RING_WEIGHTS_DUMP": str(dump)})
     assert f"iteration        {ITERS}/" in p.stdout, "Megatron's own per-iteration log is missing"
     loss, tokens, sizes = defaultdict(float), defaultdict(float), set()
     for rank in range(nproc):

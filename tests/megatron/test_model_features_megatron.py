@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import feature_workers as FW
-from conftest import RUN_TIMEOUT
-from dist_utils import run_distributed
+from tests.megatron import feature_workers as FW
+from tests.megatron.conftest import RUN_TIMEOUT
+from tests.helpers.launch import run_distributed
+
+pytestmark = pytest.mark.slow  # every test here starts worker processes
 
 STEPS = 2
 _REF: dict = {}

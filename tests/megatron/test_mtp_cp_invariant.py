@@ -8,10 +8,11 @@ The end-to-end check (loss curve CP=2 = CP=1 with MTP) is tests/megatron/test_st
 """
 from __future__ import annotations
 
-import mtp_workers as W
+from tests.megatron import mtp_workers as W
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_mtp_token_count_is_cp_invariant_after_the_opt_in(run, world):
     results = run(W.mtp_count_worker, world, 32)

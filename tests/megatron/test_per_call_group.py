@@ -4,13 +4,15 @@ Megatron's hybrid / dynamic CP): exact vs the float64 per-document reference, ou
 World 4; the model is configured for CP=4 on the whole world (its ``pg_collection.cp``); each call brings
 a group of 1, 2 or 4 ranks (size 1: ``local_cp_size=1`` without a group, as Megatron sends it). THD
 documents with end padding, causal, GQA (4 query heads, 2 K/V groups), comm types p2p / all_gather / a2a
-/ auto. Tolerance: fp32 inputs vs the float64 reference, 2e-5 absolute (the fp32 ring itself is ~1e-6).
+/ auto. Tolerance: the derived bound of tests/helpers/numerics.py (docs/numerics.md, "Test tolerances").
 """
 from __future__ import annotations
 
-import group_workers as G
+from tests.megatron import group_workers as G
+import pytest
 
-TOL_FP32 = 2e-5
+pytestmark = pytest.mark.slow  # every test here starts worker processes
+
 
 
 def test_per_call_groups_of_1_2_4_are_exact_for_every_comm_type(run):
@@ -18,8 +20,8 @@ def test_per_call_groups_of_1_2_4_are_exact_for_every_comm_type(run):
     for rank, errs in enumerate(results):
         for ct in G.COMM_TYPES:
             for size in (1, 2, 4):
-                err = errs[f"{ct}/size{size}"]
-                assert err <= TOL_FP32, (rank, ct, size, err)
+                ratio = errs[f"{ct}/size{size}"]  # error / derived bound (tests/helpers/numerics.py)
+                assert ratio <= 1.0, (rank, ct, size, ratio)
         assert errs["a2a+p2p"].startswith("--cp-comm-type") and "a2a+p2p needs the hierarchical" in errs["a2a+p2p"], \
             (rank, errs["a2a+p2p"])
 

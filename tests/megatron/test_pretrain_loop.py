@@ -10,38 +10,31 @@ over the runs (each run is a torchrun launch of 1-4 CPU processes: the cases are
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
-from pretrain_cli import PRETRAIN_MARKS, CPU_FLAGS, free_port, gpt_args
+
+from tests.helpers.launch import ROOT, masked_mean_losses, torchrun
+from tests.megatron.pretrain_cli import PRETRAIN_MARKS, CPU_FLAGS, gpt_args
 
 
 pytestmark = PRETRAIN_MARKS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_ring_gpt.py")
 ITERS = 4
 MICRO_BATCHES = 2  # global batch 4 / (micro batch 2 x DP 1)
 MODEL = gpt_args(ITERS)
 CPU = CPU_FLAGS
-TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
 
 
 def pretrain(tmp_path, name: str, nproc: int, *extra: str) -> list[float]:
     """Per-iteration masked mean loss (float64 sums over DP x CP) of one torchrun launch."""
     log = tmp_path / f"{name}.loss"
-    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *MODEL, *CPU, *extra]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    p = torchrun(SCRIPT, nproc, *MODEL, *CPU, *extra, env={"MEGATRON_RING_LOSS_LOG": str(log)}, name=name)
     assert "iteration        1/" in p.stdout, "Megatron's own per-iteration log is missing"
-    rows = [tuple(map(float, line.split()[:2])) for line in log.read_text().splitlines()]
-    assert len(rows) == ITERS * MICRO_BATCHES, rows
-    return [sum(r[0] for r in rows[i:i + MICRO_BATCHES]) / sum(r[1] for r in rows[i:i + MICRO_BATCHES])
-            for i in range(0, len(rows), MICRO_BATCHES)]
+    losses = masked_mean_losses(log, MICRO_BATCHES)
+    assert len(losses) == ITERS, losses
+    return losses
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from pretrain_cli import CPU_FLAGS, free_port, gpt_args
+
+from tests.helpers.launch import ROOT, masked_mean_losses, torchrun
+from tests.megatron.pretrain_cli import CPU_FLAGS, gpt_args
 
 from megatron_ring.megatron.compat import has_megatron_training
 
@@ -40,30 +40,21 @@ core_loop_only = pytest.mark.skipif(has_megatron_training(),
                                            "Megatron-LM's pretrain() here; the Megatron-Core loop runs in the "
                                            "venv without it (megatron-core 0.16.1)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_ring_gpt_any_cp.py")
 CORE_WORKER = os.path.join(ROOT, "tests", "megatron", "resume_workers.py")
 ITERS, SAVE_AT = 6, 3
 MICRO_BATCHES = 2  # global batch 4 / (micro batch 2 x DP 1)
 MODEL = gpt_args(ITERS, attention_dropout=0.1, extra="--ckpt-format torch_dist")
 CPU = CPU_FLAGS
-TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
 
 
 def pretrain(tmp_path, name: str, cp: int, *extra: str) -> list[float]:
     """Per-iteration masked mean loss of one torchrun launch at CP = ``cp`` (the iterations it ran)."""
     log = tmp_path / f"{name}.loss"
-    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *MODEL, *CPU,
-           "--context-parallel-size", str(cp), *extra]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    rows = [tuple(map(float, line.split()[:2])) for line in log.read_text().splitlines()]
-    assert len(rows) % MICRO_BATCHES == 0, rows
-    return [sum(r[0] for r in rows[i:i + MICRO_BATCHES]) / sum(r[1] for r in rows[i:i + MICRO_BATCHES])
-            for i in range(0, len(rows), MICRO_BATCHES)]
+    torchrun(SCRIPT, cp, *MODEL, *CPU, "--context-parallel-size", str(cp), *extra,
+             env={"MEGATRON_RING_LOSS_LOG": str(log)}, name=name)
+    return masked_mean_losses(log, MICRO_BATCHES)
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +97,8 @@ def test_resume_without_the_rng_state_differs(tmp_path, saved_cp4):
 # ----------------------------------------------------------------------------------------------
 def core_run(tmp_path, name: str, cp: int, ckpt, start: int, save_at: int | None, load_rng: bool = True) -> list[float]:
     out = tmp_path / f"{name}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), CORE_WORKER, str(cp), str(ckpt), str(start),
-           str(ITERS), str(-1 if save_at is None else save_at), "1" if load_rng else "0", str(out)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    torchrun(CORE_WORKER, cp, cp, ckpt, start, ITERS, -1 if save_at is None else save_at, 1 if load_rng else 0, out,
+             name=name)
     losses = json.loads(out.read_text())
     assert len(losses) == ITERS - start, losses
     return losses

@@ -14,11 +14,11 @@ Runs where ``megatron.training`` with ``GPTModelBuilder`` is importable (the Pyt
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
-from pretrain_cli import CPU_FLAGS, free_port, gpt_args
+
+from tests.helpers.launch import masked_mean_losses, torchrun
+from tests.megatron.pretrain_cli import CPU_FLAGS, gpt_args
 
 from megatron_ring.megatron.compat import has_megatron_training
 
@@ -37,27 +37,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _has_builder(), reason="n
                                                    "GPTModelBuilder (megatron-core >= 0.19 wheel)")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(HERE, "stock_pretrain_gpt.py")
 ITERS, MICRO = 3, 2
 MODEL = gpt_args(ITERS) + CPU_FLAGS
 SPEC = ["--spec", "megatron_ring.megatron.spec", "ring_layer_spec"]
-TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
 
 
 def launch(tmp_path, name: str, nproc: int, *extra: str, **env_extra: str) -> tuple[list[float], str]:
     log = tmp_path / f"{name}.loss"
-    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env_extra)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *MODEL, "--context-parallel-size", str(nproc),
-           *extra]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    rows = [tuple(map(float, line.split()[:2])) for line in log.read_text().splitlines()]
-    assert len(rows) == ITERS * MICRO, rows
-    losses = [sum(r[0] for r in rows[i:i + MICRO]) / sum(r[1] for r in rows[i:i + MICRO])
-              for i in range(0, len(rows), MICRO)]
+    p = torchrun(SCRIPT, nproc, *MODEL, "--context-parallel-size", str(nproc), *extra,
+                 env={"MEGATRON_RING_LOSS_LOG": str(log), **env_extra}, name=name)
+    losses = masked_mean_losses(log, MICRO)
+    assert len(losses) == ITERS, losses
     return losses, p.stdout
 
 

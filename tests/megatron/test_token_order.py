@@ -257,10 +257,10 @@ def test_stock_split_packed_batches_run_in_megatrons_order(run, world, comm_type
     """The stock ``--spec`` core attention fed a packed batch split the way Megatron splits it (per document)
     equals the float64 per-document reference on every real token (outputs and gradients), with and
     without a sliding window: Megatron's THD order is the ring's, not a refusal."""
-    import token_order_workers as TW
+    from tests.megatron import token_order_workers as TW
 
-    for errs in run(TW.stock_packed_attention_worker, world, comm_type):
-        assert max(errs.values()) < 2e-5, errs
+    for errs in run(TW.stock_packed_attention_worker, world, comm_type):  # error / derived bound, per window
+        assert len(errs) == 2 and max(errs.values()) <= 1.0, errs
 
 
 def test_cpu_opt_in_installs_and_restores_the_partitioner():

@@ -108,6 +108,7 @@ def test_gpt_config_glue_puts_ring_into_the_spec_and_refuses_attention_backend_l
     assert local.submodules.self_attention.submodules.core_attention is not RingDotProductAttention
 
 
+@pytest.mark.slow  # starts a process
 def test_each_replaced_cuda_function_is_its_own_object():
     """dynamo keeps one trace rule per torch object: one stand-in under several torch.cuda names made the first
     torch.compile inside the opt-in assert "Duplicate torch object" (Megatron's compiled MoE router). dynamo builds

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-import megatron_workers as W
-from conftest import reference
+from tests.megatron import megatron_workers as W
+from tests.megatron.conftest import reference
+
+pytestmark = pytest.mark.slow  # every test here starts worker processes
 
 STEPS = 12
 

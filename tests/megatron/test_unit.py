@@ -161,6 +161,9 @@ def _compare_with_megatron_split(megatron_split):
         ours = get_batch_on_this_cp_rank(_batch(), layout="zigzag", cp_size=2, cp_rank=r)
         theirs = megatron_split({k: v for k, v in _batch().items() if isinstance(v, torch.Tensor)},
                                 cp_group=FakeGroup(2, r))
+        tensors = {k for k, v in _batch().items() if isinstance(v, torch.Tensor)}
+        assert set(theirs) == tensors, (sorted(theirs), sorted(tensors))  # nothing compared would pass vacuously
+        assert theirs["tokens"].shape[1] == _batch()["tokens"].shape[1] // 2  # Megatron really split the sequence
         for k, v in theirs.items():
             assert torch.equal(ours[k], v), k
 

@@ -85,7 +85,8 @@ class RingDotProductAttention(MegatronModule):
         p_drop = config.attention_dropout if attention_dropout is None else attention_dropout
         if not 0.0 <= float(p_drop) < 1.0:
             raise ContextParallelConfigError("--attention-dropout", f"must be in [0, 1), got {p_drop}")
-        self.attention_dropout_p = float(p_drop)  # applied in training mode only (see extras.dropout_seed)
+        # applied in training mode only (its seed: megatron_ring.megatron.attention.dropout.dropout_seed)
+        self.attention_dropout_p = float(p_drop)
         if attention_type != "self":
             raise NotImplementedError(f"RingDotProductAttention supports self-attention only, got "
                                       f"attention_type={attention_type!r}")

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The numerics tests under every CPU instruction set this machine supports (docs/numerics.md, "Test
+# tolerances"): torch's kernels are chosen per ATEN_CPU_CAPABILITY (default / avx2 / avx512) and MKL's per
+# MKL_ENABLE_INSTRUCTIONS, and each rounds differently; the derived tolerances must hold under all of them.
+#   bash scripts/numerics_matrix.sh            the numerics test files, every configuration
+#   bash scripts/numerics_matrix.sh --fast     the fast tier of them (-m "not slow") and the MLA / sinks / dropout
+#                                              matrix at P = 1..4 (CP=P vs CP=1 with dropout); a CI step of scripts/test.sh
+# Extra arguments go to pytest. Configurations: each capability from /proc/cpuinfo (default always; avx2 with
+# avx2+fma; avx512 with avx512f/bw/vl/dq), then the highest one with MKL limited to AVX2
+# (MKL_ENABLE_INSTRUCTIONS=AVX2). Each run checks that torch really took the capability, and prints the worst
+# error/bound ratio of every check (tests/helpers/numerics.py writes them to $MEGATRON_RING_NUMERICS_REPORT).
+# Python: $PYTHON, else .venv/bin/python.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-.venv/bin/python}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+FILES=(tests/test_kernel_contract.py tests/test_merge_and_kernels.py tests/test_validation.py tests/test_properties.py
+       tests/test_codec.py tests/test_ring_attention.py tests/test_strategies.py tests/test_documents.py
+       tests/test_kv_pieces.py tests/test_model_features.py tests/test_strategy_features.py tests/test_wire_accuracy.py
+       tests/test_cost_model.py tests/test_dynamic_cp.py tests/test_document_zigzag.py tests/test_ulysses_heads.py)
+MARK=(); EXTRA=()
+if [ "${1:-}" = "--fast" ]; then
+  MARK=(-m "not slow"); EXTRA=(tests/test_model_features.py::test_mla_sinks_dropout_match_reference); shift
+fi
+flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+has() { for f in "$@"; do [[ " $flags " == *" $f "* ]] || return 1; done; }
+caps=(default)
+has avx2 fma && caps+=(avx2)
+has avx512f avx512bw avx512vl avx512dq && caps+=(avx512)
+configs=(); for c in "${caps[@]}"; do configs+=("$c:"); done
+configs+=("${caps[-1]}:AVX2")
+report=$(mktemp); trap 'rm -f "$report"' EXIT
+declare -A result
+rc_all=0
+for cfg in "${configs[@]}"; do
+  cap=${cfg%%:*}; mkl=${cfg#*:}
+  label="ATEN_CPU_CAPABILITY=$cap${mkl:+ MKL_ENABLE_INSTRUCTIONS=$mkl}"
+  env_=(ATEN_CPU_CAPABILITY="$cap"); [ -n "$mkl" ] && env_+=(MKL_ENABLE_INSTRUCTIONS="$mkl")
+  got=$(env "${env_[@]}" "$PY" -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
+  if [ "${got,,}" != "${cap,,}" ]; then
+    echo "[numerics] $label: torch reports capability '$got', not '$cap'"; rc_all=1; result[$cfg]="capability not taken"; continue
+  fi
+  echo "[numerics] === $label"
+  : > "$report"
+  t0=$(date +%s)
+  env "${env_[@]}" MEGATRON_RING_NUMERICS_REPORT="$report" "$PY" -m pytest -q -p no:cacheprovider "${MARK[@]}" "$@" "${FILES[@]}"
+  rc=$?; [ "$rc" -eq 5 ] && rc=0
+  if [ "${#EXTRA[@]}" -gt 0 ]; then
+    env "${env_[@]}" MEGATRON_RING_NUMERICS_REPORT="$report" "$PY" -m pytest -q -p no:cacheprovider "$@" "${EXTRA[@]}"
+    rc2=$?; [ "$rc2" -eq 5 ] && rc2=0; [ "$rc" -eq 0 ] && rc=$rc2
+  fi
+  worst=$("$PY" - "$report" <<'PYEOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+worst = max(rows, key=lambda r: r["worst_ratio"]) if rows else None
+print(f"{len(rows)} checks, {sum(r['rows'] for r in rows)} comparisons, worst error/bound "
+      + (f"{worst['worst_ratio']:.3f} ({worst['check']}: {worst['worst']})" if worst else "-"))
+PYEOF
+)
+  result[$cfg]="rc=$rc, $(( $(date +%s) - t0 )) s, $worst"
+  [ "$rc" -eq 0 ] || rc_all=1
+done
+echo "[numerics] summary:"
+for cfg in "${configs[@]}"; do cap=${cfg%%:*}; mkl=${cfg#*:}
+  echo "  ATEN_CPU_CAPABILITY=$cap${mkl:+ MKL_ENABLE_INSTRUCTIONS=$mkl}: ${result[$cfg]}"; done
+exit $rc_all

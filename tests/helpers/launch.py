@@ -1,0 +1,55 @@
+"""Launching the suite's multi-process runs: gloo workers from the fork server, and torchrun jobs.
+
+Every wait is bounded (``TIMEOUT_S``, env ``MEGATRON_RING_TEST_TIMEOUT``), ports are free ones, and a test that
+starts processes is marked ``slow`` (tests/conftest.py checks it).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_ring.tools.launch import WorkerError, run_on_ranks
+
+ROOT = str(Path(__file__).resolve().parents[2])
+#: the bound on one multi-process run or torchrun job (seconds)
+TIMEOUT_S = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
+
+
+def run_distributed(fn, world_size, *args, timeout=300.0, **kwargs):
+    """``fn(rank, world_size, *args)`` on ``world_size`` gloo processes (127.0.0.1, a free port, hard
+    timeout); the list of per-rank results. ``WorkerError`` if a rank raised or the timeout passed."""
+    return run_on_ranks(fn, world_size, *args, timeout=timeout, **kwargs)
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, nproc: int, *args: str, env: dict | None = None, timeout: float | None = None,
+             name: str = "torchrun") -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --nproc-per-node N`` on 127.0.0.1 and a free port, this repository
+    on PYTHONPATH, one thread per process; asserts exit code 0 (the output's tail in the message)."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), str(script), *map(str, args)]
+    p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout or TIMEOUT_S)
+    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return p
+
+
+def masked_mean_losses(log, micro_batches: int) -> list[float]:
+    """Per-iteration masked mean loss from a ``MEGATRON_RING_LOSS_LOG`` file (one ``loss_sum tokens`` line
+    per micro-batch, summed in float64 over DP x CP): sum of sums / sum of tokens per ``micro_batches`` lines."""
+    rows = [tuple(map(float, line.split()[:2])) for line in Path(log).read_text().splitlines()]
+    assert rows and len(rows) % micro_batches == 0, rows
+    return [sum(r[0] for r in rows[i:i + micro_batches]) / sum(r[1] for r in rows[i:i + micro_batches])
+            for i in range(0, len(rows), micro_batches)]
+
+
+__all__ = ["ROOT", "TIMEOUT_S", "WorkerError", "free_port", "masked_mean_losses", "run_distributed", "torchrun"]

@@ -1,0 +1,89 @@
+"""The one independent float64 reference of the suite: full attention over the global sequence on one process.
+
+``feature_reference`` is the implementation (explicit visibility mask from index grids: causal, documents,
+sliding window; an optional sink logit per head, an extra softmax column whose value row is 0; an optional
+positional dropout keep mask from ``megatron_ring.kernels.dropout.keep_mask`` evaluated ONCE on the full
+global grid). ``attention_reference`` (plain causal / full) and ``doc_attention_reference`` (one packed
+``[T, h, d]`` stream of documents) are views of it. Fully hidden rows (padding at or past ``cu[-1]``, or a
+window that hides every key) give 0 and zero gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ring.kernels.dropout import keep_mask
+
+
+def visible(S: int, causal: bool, cu=None, window=None) -> torch.Tensor:
+    """``[S, S]`` bool: query i sees key j (global positions; ``cu`` document boundaries, ``window`` (left, right))."""
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    ok = torch.ones(S, S, dtype=torch.bool)
+    if causal:
+        ok &= j <= i
+    if cu is not None:
+        cu_t = torch.as_tensor(cu)
+        doc = torch.searchsorted(cu_t, torch.arange(S), right=True) - 1
+        doc = torch.where(torch.arange(S) < cu_t[-1], doc, torch.full_like(doc, -1))
+        ok &= (doc[:, None] == doc[None, :]) & (doc >= 0)[:, None]
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            ok &= j >= i - left
+        if right >= 0:
+            ok &= j <= i + right
+    return ok
+
+
+def feature_reference(q, k, v, *, causal, cu=None, window=None, sink=None, dropout_p=0.0, seed=None,
+                      scale=None):
+    """``q [b, S, h, dqk]``, ``k [b, S, h_kv, dqk]``, ``v [b, S, h_kv, dv]`` -> ``[b, S, h, dv]`` (float64).
+
+    ``sink``: None or a tensor ``[h]`` (differentiable). GQA by repeating K/V heads."""
+    b, S, h, d = q.shape
+    g = h // k.shape[2]
+    scale = scale if scale is not None else d ** -0.5
+    qh = q.double().transpose(1, 2)
+    kh = k.double().transpose(1, 2).repeat_interleave(g, 1)
+    vh = v.double().transpose(1, 2).repeat_interleave(g, 1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    s = s.masked_fill(~visible(S, causal, cu, window), float("-inf"))
+    if sink is not None:
+        col = sink.double().view(1, h, 1, 1).expand(b, h, S, 1)
+        s = torch.cat([s, col], -1)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True)
+    p = e / torch.where(den == 0, torch.ones_like(den), den)
+    if sink is not None:
+        p = p[..., :-1]
+    if dropout_p:
+        pos = torch.arange(S)
+        keep = keep_mask(seed, torch.arange(b * h), pos, pos, dropout_p).view(b, h, S, S)
+        p = p * keep / (1.0 - dropout_p)
+    return (p @ vh).transpose(1, 2)
+
+
+def attention_reference(q, k, v, causal: bool, scale: float | None = None) -> torch.Tensor:
+    """Float64 attention; q ``[b, S, h, d]``, k/v ``[b, S, h_kv, d]``."""
+    return feature_reference(q, k, v, causal=causal, scale=scale)
+
+
+def doc_attention_reference(q, k, v, cu, causal, window=None, scale=None):
+    """``q [T, h, d]``, ``k, v [T, h_kv, d]``: one packed stream, ``cu`` its document boundaries (a list)."""
+    return feature_reference(q[None], k[None], v[None], causal=causal, cu=list(cu), window=window, scale=scale)[0]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """torch's one-process SDPA in the inputs' dtype (``[b, S, h, d]`` in and out)."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=causal, enable_gqa=True).transpose(1, 2)
+
+
+def outputs_and_grads(fn, q, k, v, dout):
+    """``(out, dq, dk, dv)`` of ``fn(q, k, v)`` for the upstream gradient ``dout`` (fresh leaves)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
