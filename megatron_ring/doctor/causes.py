@@ -34,7 +34,8 @@ def _grads_only(c: Comparison) -> bool:
     rows = {r.quantity: r for r in c.rows if r.iteration == 1}
     forward_ok = all(not r.differs for q, r in rows.items()
                      if q.startswith(("tokens", "labels", "document", "RoPE", "per-token loss")) or "token count" in q)
-    return forward_ok and bool(c.facts.get("grad_bad")) and not c.facts.get("init_differs")
+    return forward_ok and bool(c.facts.get("grad_bad")) and not c.facts.get("init_differs") \
+        and not c.facts.get("grad_rank_spread_bad")
 
 
 def _row_differs(c: Comparison, prefix: str) -> bool:

@@ -28,15 +28,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--static", action="store_true", help="preflight only: check the command, run nothing")
     p.add_argument("--no-shrink", action="store_true", help="run the model as given (plus the CPU flags)")
     p.add_argument("--workdir", help="folder for the runs' records (default: a temporary folder)")
-    p.add_argument("--cache", metavar="DIR", help="keep finished runs here and reuse one whose script, arguments, "
-                   "CP size and MEGATRON_RING_* environment match (variables that act only at CP > 1 are not "
-                   "part of a CP=1 run's key)")
+    p.add_argument("--cache", metavar="DIR", help="keep the CP=1 reference run here and reuse it when the script, "
+                   "its arguments and the MEGATRON_RING_* environment match (less the variables that act only at "
+                   "CP > 1); other environment variables are not part of the key")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core's import-time notes (no TransformerEngine / Apex)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     opts = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     cmd = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
     if not cmd:

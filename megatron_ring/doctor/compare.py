@@ -47,6 +47,7 @@ class Row:
     kind: str
     where: str = ""
     verdict: str = "ok"
+    stage: int = 0  # causal order within an iteration, for "first difference" (see STAGES)
 
     @property
     def differs(self) -> bool:
@@ -70,6 +71,23 @@ class Comparison:
     @property
     def reporting_differs(self) -> bool:
         return any(r.differs and r.kind == REPORTING for r in self.rows)
+
+
+#: causal order of the quantities within one iteration: inputs, forward, weights, counts, loss, gradients
+#: (equal over ranks first), grad norm, what is logged, parameters, evaluation
+STAGES = (("tokens", 0), ("labels", 0), ("document", 0), ("RoPE", 0), ("per-token loss", 1), ("initial", 2),
+          ("gradients equal", 5), ("gradients", 6), ("grad norm", 7), ("parameters", 9), ("eval", 10))
+
+
+def _stage(row: Row) -> int:
+    if "token count" in row.quantity:
+        return 3
+    if "from the loss function" in row.quantity:
+        return 4
+    for prefix, stage in STAGES:
+        if row.quantity.startswith(prefix):
+            return stage
+    return 8  # reported / logged values
 
 
 def _fmt(x: Any) -> str:
@@ -148,6 +166,7 @@ def compare(ref_ranks: list[dict], got_ranks: list[dict], cp: int) -> Comparison
     c.facts.update(hidden_dropout=meta.get("hidden_dropout", 0.0), attention_dropout=meta.get("attention_dropout", 0.0))
 
     def add(row: Row) -> None:
+        row.stage = _stage(row)
         c.rows.append(row)
 
     # ---- iteration 1 inputs, RoPE, documents, per-token loss -----------------------------------------

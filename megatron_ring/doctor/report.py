@@ -24,7 +24,7 @@ def table(c: Comparison) -> str:
 
 
 def first_difference(c: Comparison) -> str:
-    order = sorted((r for r in c.rows if r.differs), key=lambda r: (r.iteration or 0, r.kind != "training"))
+    order = sorted((r for r in c.rows if r.differs), key=lambda r: (r.iteration or 0, r.stage))
     if not order:
         return "none"
     r = order[0]
@@ -47,7 +47,7 @@ def text(c: Comparison, causes: list[Cause]) -> str:
         lines.append("gradients beyond the bound (worst first, |d|/|g|): " +
                      ", ".join(f"{n} {e:.2g}" for n, e in bad[:5]) + (f", ... ({len(bad)} in all)" if len(bad) > 5 else ""))
     for cause in causes:
-        lines.append(f"likely cause: {cause.name}. {cause.explain}" + (f" [{cause.refs}]" if cause.refs else ""))
+        lines.append(f"likely cause: {cause.name} -- {cause.explain}" + (f" [{cause.refs}]" if cause.refs else ""))
     return "\n".join(lines)
 
 

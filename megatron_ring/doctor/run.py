@@ -74,9 +74,11 @@ def load(folder: str) -> list[dict[str, Any]]:
 
 def launch(script: str, args: list[str], cp: int, workdir: str, *, pp: int = 1, timeout_s: float = 900.0,
            cache: str | None = None, progress: Callable[[str], None] = print) -> Run:
-    """Run SCRIPT at this CP size; ``cache``: a folder where finished runs are kept and reused by key."""
+    """Run SCRIPT at this CP size; ``cache``: a folder where finished CP=1 (reference) runs are kept and
+    reused by key (CP > 1 runs always run)."""
     env = dict(os.environ)
     key = cache_key(script, args, cp, env)
+    cache = cache if cp == 1 else None
     if cache:
         kept = os.path.join(cache, f"cp{cp}-{key}")
         if os.path.isfile(os.path.join(kept, "done.json")):
@@ -102,6 +104,10 @@ def launch(script: str, args: list[str], cp: int, workdir: str, *, pp: int = 1, 
     with open(os.path.join(folder, "log.txt"), "w") as f:
         f.write(" ".join(cmd) + "\n\n" + tail)
     run = Run(cp, folder, rc, secs, tail, load(folder) if rc == 0 else [])
+    if rc == 0 and len(run.ranks) != cp * pp:
+        run.returncode, run.ranks = 3, []
+        run.log_tail += f"\n[doctor] {cp * pp} processes ran but {len(os.listdir(folder)) - 1} wrote a record " \
+                        "(did the script call Megatron-LM's pretrain()?)"
     progress(f"[doctor] CP={cp}: {'done' if run.ok else f'FAILED (exit {rc})'} in {secs:.0f} s")
     if cache and run.ok:
         kept = os.path.join(cache, f"cp{cp}-{key}")

@@ -138,11 +138,14 @@ def shrink(argv: list[str], *, iters: int, max_cp: int) -> tuple[list[str], list
         layers = int(a.get("--num-layers", "2") or 2)
         freq = a.get("--moe-layer-freq")
         new_layers = max(2, pp)
-        if freq and freq.startswith("["):
-            kinds = sorted(set(re.findall(r"\d", freq)))
+        if freq and "[" in freq:
+            # the 0/1 entries of a list such as "([0]*3+[1]*45)" (multipliers are other numbers or follow "*")
+            kinds = sorted(set(re.findall(r"(?<![\d*])[01](?!\d)", freq)) & {"0", "1"})
             new_freq = "[" + ",".join(kinds * max(1, (new_layers + len(kinds) - 1) // len(kinds))) + "]"
             new_layers = new_freq.count(",") + 1
             change("--moe-layer-freq", new_freq, why="dense and MoE layers kept")
+        elif freq and freq.isdigit() and int(freq) > 1:
+            new_layers = max(new_layers, min(int(freq), 4))
         if layers != new_layers:
             change("--num-layers", new_layers, why=f"{new_layers} layers" + (f" over PP={pp}" if pp > 1 else ""))
         for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):

@@ -20,21 +20,38 @@ class Finding:
     text: str
 
 
-#: known Megatron CP issues: (reference, what, applies(args) -> bool, affected releases, what to do)
+#: known Megatron CP issues: (reference, what, applies(args) -> bool, (first affected megatron-core release,
+#: first fixed release or None), what to do). "First affected" is the oldest release it was seen in here,
+#: not necessarily where it began.
 KNOWN_ISSUES = [
     ("NVIDIA/Megatron-LM#3959", "MTP loss weighted per CP rank (each rank divides by its own rolled-token "
-     "count)", lambda a: a.has("--mtp-num-layers"), "seen in core_v0.19.x and main (no fixed release known)",
+     "count)", lambda a: a.has("--mtp-num-layers"), ((0, 19, 0), None),
      "MEGATRON_RING_MTP_CP_INVARIANT=1 or --calculate-per-token-loss"),
     ("NVIDIA/Megatron-LM#5047", "MoE aux-loss scaling with CP", lambda a: a.has("--num-experts") and any(
-        float(x) > 0 for x in (a.values("--moe-aux-loss-coeff") or ["0"])), "not known to be fixed",
+        float(x) > 0 for x in (a.values("--moe-aux-loss-coeff") or ["0"])), ((0, 0, 0), None),
      "run the doctor: it compares router gradients and the logged aux loss"),
-    ("NVIDIA-NeMo/Megatron-Bridge#2952", "document boundaries dropped on middle pipeline stages",
+    ("NVIDIA-NeMo/Megatron-Bridge#2952", "document boundaries dropped on middle pipeline stages (Megatron-Bridge)",
      lambda a: int(a.get("--pipeline-model-parallel-size", "1") or 1) > 2 and (
-         a.has("--reset-attention-mask") or a.has("--sft")), "Megatron-Bridge", "check packed_seq_params reach "
-     "every stage"),
+         a.has("--reset-attention-mask") or a.has("--sft")), ((0, 0, 0), None),
+     "check that packed_seq_params / the attention mask reach every stage"),
     ("NVIDIA/Megatron-LM#7452", "silent parallelism bugs found by fuzzing, with CPU/gloo reproductions",
-     lambda a: True, "any", "run the doctor at the CP sizes you train with"),
+     lambda a: True, ((0, 0, 0), None), "run the doctor at the CP sizes you train with"),
 ]
+
+
+def _affects(releases: tuple, version: tuple | None) -> bool | None:
+    """Whether the installed megatron-core is in the affected range (None: not known here)."""
+    first, fixed = releases
+    if version is None:
+        return None
+    return tuple(version) >= first and (fixed is None or tuple(version) < fixed)
+
+
+def _releases(releases: tuple) -> str:
+    first, fixed = releases
+    since = "" if first == (0, 0, 0) else f"seen from {'.'.join(map(str, first))}"
+    return ", ".join(x for x in (since, f"fixed in {'.'.join(map(str, fixed))}" if fixed else "no fixed release "
+                                 "known") if x)
 
 
 def _ints(a: Args, flag: str, default: int) -> int:
@@ -84,13 +101,15 @@ def check(argv: list[str], cps: list[int]) -> tuple[list[Finding], dict[str, Any
     try:
         from megatron_ring.megatron.compat import mcore_version
 
-        version = ".".join(map(str, mcore_version()))
+        version = mcore_version()
     except Exception as e:  # megatron-core not importable here
         out.append(Finding("info", "version", f"megatron-core not importable ({type(e).__name__}): "
                            "known issues listed without a version check"))
-    issues = [{"ref": ref, "what": what, "releases": rel, "fix": fix, "applies": bool(applies(a))}
+    issues = [{"ref": ref, "what": what, "releases": _releases(rel), "fix": fix,
+               "config": bool(applies(a)), "version": _affects(rel, version),
+               "applies": bool(applies(a)) and _affects(rel, version) is not False}
               for ref, what, applies, rel, fix in KNOWN_ISSUES]
-    return out, {"megatron_core": version, "known_issues": issues}
+    return out, {"megatron_core": ".".join(map(str, version)) if version else None, "known_issues": issues}
 
 
 def format_static(findings: list[Finding], info: dict[str, Any]) -> str:
@@ -99,7 +118,7 @@ def format_static(findings: list[Finding], info: dict[str, Any]) -> str:
         lines.append(f"  [{f.level}] {f.topic}: {f.text}")
     if not findings:
         lines.append("  no problem found")
-    lines.append("known Megatron CP issues that apply to this command:")
+    lines.append("known Megatron CP issues that apply to this command and megatron-core:")
     for i in info["known_issues"]:
         if i["applies"]:
             lines.append(f"  {i['ref']}: {i['what']} ({i['releases']}); {i['fix']}")
