@@ -107,6 +107,8 @@ TABLE: list[tuple[Callable[[Comparison, dict], bool], Cause]] = [
 def diagnose(c: Comparison, ctx: dict[str, Any]) -> list[Cause]:
     c.facts["grad_rank_spread_bad"] = c.facts.get("grad_rank_spread", 0.0) > c.bounds.get("rel_grad", 0.0)
     found = [cause for sig, cause in TABLE if c.rows and sig(c, ctx)]
+    if any(x.key in ("mtp", "moe_aux") for x in found):  # a named per-rank weighting: not the generic one too
+        found = [x for x in found if x.key != "per_rank_norm"]
     if c.training_differs and not found:
         found.append(Cause("unknown", "no known cause matches",
                            "look at the first row that differs and at the parameter named there"))
