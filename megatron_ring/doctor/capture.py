@@ -35,8 +35,8 @@ _state: dict[str, Any] = {"iteration": 0, "iters": {}, "tokens": [], "eval": [],
 
 
 def _it() -> dict[str, Any]:
-    return _state["iters"].setdefault(_state["iteration"], {"micro": [], "reported": {}, "logged": {},
-                                                            "grad_norm": None})
+    return _state["iters"].setdefault(_state["iteration"], {"micro": [], "train": [], "reported": {},
+                                                            "logged": {}, "grad_norm": None})
 
 
 def _floats(v: Any) -> list[float]:
@@ -160,6 +160,27 @@ def _wrap_step(step: Any, model: list) -> Any:
     return wrapped
 
 
+def _wrap_forward_step(forward_step: Any) -> Any:
+    """Record what each micro-batch's loss function returns for training: (loss, token count) or (loss,)."""
+    @functools.wraps(forward_step)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = forward_step(*args, **kwargs)
+        if not (isinstance(out, tuple) and len(out) == 2 and callable(out[1])):
+            return out
+        loss_func = out[1]
+
+        def recorded(*a: Any, **k: Any) -> Any:
+            res = loss_func(*a, **k)
+            if _state.get("training") and isinstance(res, tuple) and len(res) >= 2:
+                vals = [float(res[0].detach().double().sum())]
+                if len(res) == 3:
+                    vals.append(float(res[1]))
+                _it()["train"].append(vals)
+            return res
+        return out[0], recorded
+    return wrapped
+
+
 def _wrap_train_step(train_step: Any) -> Any:
     @functools.wraps(train_step)
     def wrapped(forward_step_func, data_iterator, model, optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -176,6 +197,7 @@ def _wrap_train_step(train_step: Any) -> Any:
         elif len(args) >= 3:
             args = (*args[:2], _wrap_fbf(args[2]), *args[3:])
         _state["training"] = True
+        forward_step_func = _wrap_forward_step(forward_step_func)
         try:
             out = train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
         finally:

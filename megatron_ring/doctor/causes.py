@@ -33,7 +33,7 @@ def _grads_only(c: Comparison) -> bool:
     """Gradients differ while the data, the forward pass and the token counts agree."""
     rows = {r.quantity: r for r in c.rows if r.iteration == 1}
     forward_ok = all(not r.differs for q, r in rows.items()
-                     if q.startswith(("tokens", "labels", "document", "RoPE", "per-token loss")) or "token count" in q)
+                     if q.startswith(("tokens", "labels", "document", "RoPE", "per-token loss", "training token count")))
     return forward_ok and bool(c.facts.get("grad_bad")) and not c.facts.get("init_differs") \
         and not c.facts.get("grad_rank_spread_bad")
 

@@ -80,9 +80,9 @@ STAGES = (("tokens", 0), ("labels", 0), ("document", 0), ("RoPE", 0), ("per-toke
 
 
 def _stage(row: Row) -> int:
-    if "token count" in row.quantity:
+    if row.quantity.startswith("training token count"):
         return 3
-    if "from the loss function" in row.quantity:
+    if row.quantity.startswith("training loss"):
         return 4
     for prefix, stage in STAGES:
         if row.quantity.startswith(prefix):
@@ -235,22 +235,19 @@ def compare(ref_ranks: list[dict], got_ranks: list[dict], cp: int) -> Comparison
         if gi is None:
             add(Row("iteration missing at CP=k", it, "present", "missing", math.inf, 0, TRAINING))
             continue
-        # the loss function's own sums and counts over all CP ranks (what training normalises by)
-        sums_ref = _sums(ref_by, it)
-        sums_got = _sums(got_by, it)
-        for key in sorted(set(sums_ref) | set(sums_got)):
-            (sr, nr), (sg, ng) = sums_ref.get(key, (math.nan, math.nan)), sums_got.get(key, (math.nan, math.nan))
-            if not (math.isnan(nr) and math.isnan(ng)):
-                add(Row(f"{key}: token count", it, _fmt(nr), _fmt(ng), abs(nr - ng), 0.0, TRAINING))
-            mr, mg = sr / nr if nr else sr, sg / ng if ng else sg
-            add(Row(f"{key} (from the loss function's sums)", it, _fmt(mr), _fmt(mg), abs(mr - mg),
-                    rel_fwd * it * max(abs(mr), 1.0), TRAINING))
+        # what the loss function returns for training, over all CP ranks and micro-batches
+        (lr_, nr), (lg, ng) = _train_loss(ref_by, it), _train_loss(got_by, it)
+        if nr is not None or ng is not None:
+            add(Row("training token count (loss function, all CP ranks)", it, _fmt(nr), _fmt(ng),
+                    abs((nr or 0) - (ng or 0)) if nr is not None and ng is not None else math.inf, 0.0, TRAINING))
+        if lr_ is not None:
+            mr = lr_ / nr if nr else lr_
+            mg = (lg / ng if ng else lg) if lg is not None else math.nan
+            add(Row("training loss (loss function output / tokens, all CP ranks)", it, _fmt(mr), _fmt(mg),
+                    abs(mr - mg), rel_fwd * it * max(abs(mr), 1.0), TRAINING))
         for key in sorted(set(ri["reported"]) | set(gi["reported"])):
             a, g = ri["reported"].get(key, math.nan), gi["reported"].get(key, math.nan)
             add(Row(f"{key} (reported)", it, _fmt(a), _fmt(g), abs(a - g), rel_fwd * it * max(abs(a), 1.0), REPORTING))
-            if key in sums_got and not math.isnan(g):
-                s, n = sums_got[key]
-                c.facts.setdefault("reported_vs_sums", []).append((it, key, g, s / n if n else s))
         for key in sorted(set(ri["logged"]) | set(gi["logged"])):
             a, g = ri["logged"].get(key, math.nan), gi["logged"].get(key, math.nan)
             add(Row(f"{key} (logged)", it, _fmt(a), _fmt(g), abs(a - g), rel_fwd * it * max(abs(a), 1.0), REPORTING))
@@ -336,15 +333,18 @@ def _rank_of(pos: int, S: int, cp: int) -> int:
     return k if k < cp else 2 * cp - 1 - k
 
 
-def _sums(by: dict[int, list[dict]], it: int) -> dict[str, tuple[float, float]]:
-    """key -> (sum of the loss sums, sum of the token counts) over CP ranks and micro-batches."""
-    out: dict[str, list[float]] = {}
+def _train_loss(by: dict[int, list[dict]], it: int) -> tuple[float | None, float | None]:
+    """(sum of the training losses, sum of the token counts or None) over CP ranks and micro-batches."""
+    total, count, seen = 0.0, 0.0, False
+    has_count = True
     for recs in by.values():
-        rec = _last_stage(recs)
-        for d in rec["iters"].get(it, {}).get("micro", []):
-            for key, v in d.items():
-                if len(v) == 2:
-                    acc = out.setdefault(key, [0.0, 0.0])
-                    acc[0] += v[0]
-                    acc[1] += v[1]
-    return {k: (v[0], v[1]) for k, v in out.items()}
+        for vals in _last_stage(recs)["iters"].get(it, {}).get("train", []):
+            seen = True
+            total += vals[0]
+            if len(vals) == 2:
+                count += vals[1]
+            else:
+                has_count = False
+    if not seen:
+        return None, None
+    return total, (count if has_count else None)

@@ -52,10 +52,14 @@ def command(script: str, args: list[str], cp: int, pp: int = 1) -> list[str]:
 
 
 def cache_key(script: str, args: list[str], cp: int, env: dict[str, str]) -> str:
-    """Script content, arguments, CP size and the MEGATRON_RING_* environment (less the CP>1-only ones at CP=1)."""
+    """Script and recorder content, arguments, CP size and the MEGATRON_RING_* environment (less the
+    CP>1-only ones at CP=1)."""
+    from megatron_ring.doctor import capture
+
     h = hashlib.sha256()
-    with open(script, "rb") as f:
-        h.update(f.read())
+    for path in (script, capture.__file__):  # the script and what the recorders write
+        with open(path, "rb") as f:
+            h.update(f.read())
     ring_env = {k: v for k, v in sorted(env.items()) if k.startswith("MEGATRON_RING_") and k != OUT_ENV
                 and not (cp == 1 and k in CP1_NEUTRAL_ENV)}
     h.update(json.dumps([os.path.abspath(script), args, cp, ring_env]).encode())

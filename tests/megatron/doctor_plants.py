@@ -13,6 +13,8 @@ CP=1 run is the clean one), as each appears in real code:
 * ``rope``: each rank takes the rotary table slice of the next CP rank (RoPE positions of the wrong rank);
 * ``unreduced``: ``decoder.final_layernorm.weight`` keeps its rank-local gradient (a gradient not reduced
   over CP);
+* ``report``: the reported loss dict gives each rank's token count divided by the CP size (the logged
+  ``lm loss`` becomes CP x the true one; training untouched: a reporting-only bug);
 * unset / ``none``: the clean control.
 """
 from __future__ import annotations
@@ -94,6 +96,8 @@ def loss_func(loss_mask, output_tensor):
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
+    if PLANT == "report" and ps.get_context_parallel_world_size() > 1:
+        report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1) / ps.get_context_parallel_world_size()])
     if PLANT == "loss_norm" and ps.get_context_parallel_world_size() > 1:
         total = num_tokens.clone().float()
         dist.all_reduce(total, group=ps.get_context_parallel_group())

@@ -51,7 +51,7 @@ def test_clean_control_passes(tmp_path, cache):
 
 @pytest.mark.parametrize("plant, cause, first", [
     ("document", "documents", "document starts"),
-    ("loss_norm", "per_rank_norm", "gradients after step 1"),
+    ("loss_norm", "per_rank_norm", "training loss"),
     ("rope", "rope", "RoPE"),
     ("unreduced", "unreduced", "gradients"),
 ])
@@ -64,3 +64,13 @@ def test_planted_bug_is_caught_and_named(tmp_path, cache, plant, cause, first):
     assert first in res["first_difference"], (res["first_difference"], out)
     if plant == "unreduced":
         assert "decoder.final_layernorm.weight" in res["first_difference"], out
+
+
+def test_reporting_only_bug_is_told_from_training(tmp_path, cache):
+    rc, data, out = doctor(tmp_path, cache, "report")
+    assert rc == 1, out
+    res = data["results"][0]
+    assert res["reporting_only"] and not res["training_differs"], out
+    assert [c["key"] for c in res["causes"]] == ["reporting"], (res["causes"], out)
+    assert res["first_difference"].startswith("lm loss (reported)"), out
+    assert "reporting only" in res["verdict"], out
