@@ -3,7 +3,11 @@
 * dense -> invariant (exit 0);
 * ``--mtp-num-layers 1`` -> the MTP loss's per-CP-rank weighting is flagged and named (NVIDIA/Megatron-LM#3959)
   (exit 1), and with ``MEGATRON_RING_MTP_CP_INVARIANT=1`` the same command is invariant (exit 0);
-* MoE with an aux loss -> what is true on this release (docs/doctor.md): see test_moe_aux_loss.
+* MoE (4 experts, top-2, load-balancing aux loss 0.01, alltoall dispatcher) -> invariant on 0.19.2, aux loss
+  included: megatron-core's router reduces the tokens per expert over the TP x CP group and scales the aux
+  loss by the local token count x that group's size, which cancels the per-rank loss scaling
+  (megatron/core/transformer/moe/router.py, ``_apply_aux_loss``); the test also checks the aux loss is
+  recorded, so the check is not vacuous.
 Tiny model (2 layers, hidden 64, sequence 64), 2 iterations, CP=2; CP=1 runs are shared through ``--cache``.
 """
 from __future__ import annotations
@@ -59,3 +63,11 @@ def test_mtp_loss_is_flagged_then_invariant_with_the_switch(tmp_path, cache):
     rc, data, out = doctor(tmp_path / "invariant", cache, *MTP, env_extra={"MEGATRON_RING_MTP_CP_INVARIANT": "1"})
     assert rc == 0, out
     assert data["invariant"], out
+
+
+def test_moe_with_aux_loss_is_invariant_on_this_release(tmp_path, cache):
+    rc, data, out = doctor(tmp_path, cache, *MOE)
+    assert rc == 0, out
+    res = data["results"][0]
+    aux = [r for r in res["rows"] if r["quantity"] == "load_balancing_loss (logged)"]
+    assert len(aux) == 2 and all(r["verdict"] == "ok" for r in aux), out
