@@ -26,7 +26,7 @@ class Finding:
 KNOWN_ISSUES = [
     ("NVIDIA/Megatron-LM#3959", "MTP loss weighted per CP rank (each rank divides by its own rolled-token "
      "count)", lambda a: a.has("--mtp-num-layers"), ((0, 19, 0), None),
-     "MEGATRON_RING_MTP_CP_INVARIANT=1 or --calculate-per-token-loss"),
+     "MEGATRON_RING_MTP_CP_INVARIANT=1 (with the ring spec)"),
     ("NVIDIA/Megatron-LM#5047", "MoE aux-loss scaling with CP", lambda a: a.has("--num-experts") and any(
         float(x) > 0 for x in (a.values("--moe-aux-loss-coeff") or ["0"])), ((0, 0, 0), None),
      "run the doctor: it compares router gradients and the logged aux loss"),
