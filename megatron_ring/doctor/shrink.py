@@ -180,9 +180,10 @@ def shrink(argv: list[str], *, iters: int, max_cp: int) -> tuple[list[str], list
     a.drop("--rampup-batch-size")
     change("--train-iters", iters)
     a.drop("--train-samples")
-    for flag in ("--lr-decay-iters", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-decay-samples",
-                 "--lr-wsd-decay-iters", "--lr-warmup-fraction"):
-        a.drop(flag)
+    for flag in ("--lr-decay-iters", "--lr-warmup-samples", "--lr-decay-samples", "--lr-wsd-decay-iters",
+                 "--lr-warmup-fraction"):
+        if a.drop(flag):
+            notes.append(f"{flag} dropped (schedule over the toy iterations)")
     change("--lr-warmup-iters", 1)
     change("--log-interval", 1)
     if a.has("--eval-iters") and (a.get("--eval-iters") or "0") != "0":
