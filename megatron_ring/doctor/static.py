@@ -1,0 +1,125 @@
+"""``--static``: a preflight of a Megatron-LM command line for context parallelism, without running it.
+
+Checks the CP sizes against the sequence length and heads, the comm type against the features used, the
+split a stock script makes, packing / padding / loss normalisation, pipeline stages with CP, and the
+known Megatron CP issues against the installed megatron-core (its version read through
+``megatron_ring.megatron.compat``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_ring.doctor.shrink import Args
+
+
+@dataclass
+class Finding:
+    level: str  # "error" (will not run / is wrong), "warn" (CP-variant or risky), "info"
+    topic: str
+    text: str
+
+
+#: known Megatron CP issues: (reference, what, applies(args) -> bool, (first affected megatron-core release,
+#: first fixed release or None), what to do). "First affected" is the oldest release it was seen in here,
+#: not necessarily where it began.
+KNOWN_ISSUES = [
+    ("NVIDIA/Megatron-LM#3959", "MTP loss weighted per CP rank (each rank divides by its own rolled-token "
+     "count)", lambda a: a.has("--mtp-num-layers"), ((0, 19, 0), None),
+     "MEGATRON_RING_MTP_CP_INVARIANT=1 (with the ring spec)"),
+    ("NVIDIA/Megatron-LM#5047", "MoE aux-loss scaling with CP", lambda a: a.has("--num-experts") and any(
+        float(x) > 0 for x in (a.values("--moe-aux-loss-coeff") or ["0"])), ((0, 0, 0), None),
+     "run the doctor: it compares router gradients and the logged aux loss"),
+    ("NVIDIA-NeMo/Megatron-Bridge#2952", "document boundaries dropped on middle pipeline stages (Megatron-Bridge)",
+     lambda a: int(a.get("--pipeline-model-parallel-size", "1") or 1) > 2 and (
+         a.has("--reset-attention-mask") or a.has("--sft")), ((0, 0, 0), None),
+     "check that packed_seq_params / the attention mask reach every stage"),
+    ("NVIDIA/Megatron-LM#7452", "silent parallelism bugs found by fuzzing, with CPU/gloo reproductions",
+     lambda a: True, ((0, 0, 0), None), "run the doctor at the CP sizes you train with"),
+]
+
+
+def _affects(releases: tuple, version: tuple | None) -> bool | None:
+    """Whether the installed megatron-core is in the affected range (None: not known here)."""
+    first, fixed = releases
+    if version is None:
+        return None
+    return tuple(version) >= first and (fixed is None or tuple(version) < fixed)
+
+
+def _releases(releases: tuple) -> str:
+    first, fixed = releases
+    since = "" if first == (0, 0, 0) else f"seen from {'.'.join(map(str, first))}"
+    return ", ".join(x for x in (since, f"fixed in {'.'.join(map(str, fixed))}" if fixed else "no fixed release "
+                                 "known") if x)
+
+
+def _ints(a: Args, flag: str, default: int) -> int:
+    try:
+        return int(a.get(flag, str(default)) or default)
+    except ValueError:
+        return default
+
+
+def check(argv: list[str], cps: list[int]) -> tuple[list[Finding], dict[str, Any]]:
+    a = Args(argv)
+    out: list[Finding] = []
+    seq = _ints(a, "--seq-length", 0)
+    heads = _ints(a, "--num-attention-heads", 0)
+    groups = _ints(a, "--num-query-groups", heads) if a.has("--group-query-attention") else heads
+    comm = a.values("--cp-comm-type") or ["p2p"]
+    pp = _ints(a, "--pipeline-model-parallel-size", 1)
+    for cp in cps:
+        if seq and seq % (2 * cp):
+            out.append(Finding("error", "sequence", f"--seq-length {seq} is not divisible by 2 x CP = {2 * cp} "
+                               "(Megatron's zigzag split): pad the sequence"))
+        if any(c.startswith("a2a") for c in comm) and heads and (heads % cp or groups % cp):
+            out.append(Finding("error", "heads", f"--cp-comm-type {' '.join(comm)} splits heads over CP={cp}: "
+                               f"{heads} heads / {groups} query groups are not divisible; use p2p"))
+        if seq and seq // (2 * cp) < 8:
+            out.append(Finding("warn", "sequence", f"CP={cp} leaves {seq // (2 * cp)} tokens per zigzag chunk"))
+    if a.has("--window-size") and any(c.startswith("a2a") for c in comm):
+        out.append(Finding("info", "comm type", "sliding windows with a2a: every rank holds the whole "
+                           "sequence for its heads; the window applies there unchanged"))
+    if a.has("--cp-layout") and a.get("--cp-layout") != "zigzag":
+        out.append(Finding("error", "layout", f"--cp-layout {a.get('--cp-layout')}: a stock script splits the "
+                           "batch zigzag (get_batch_on_this_cp_rank); the ring's layout must match "
+                           "(MEGATRON_RING_LAYOUT=zigzag)"))
+    if float(a.get("--hidden-dropout", "0.1") or 0.1) > 0:
+        out.append(Finding("warn", "dropout", "hidden dropout > 0 (Megatron's default 0.1): its mask is drawn per "
+                           "local token, so training differs with the CP size by design; the doctor checks "
+                           "with the flag as given"))
+    masked = a.has("--eod-mask-loss") or a.has("--reset-attention-mask") or a.has("--sft")
+    if masked and not a.has("--calculate-per-token-loss"):
+        out.append(Finding("warn", "loss", "masked loss tokens without --calculate-per-token-loss: Megatron "
+                           "divides each CP rank's loss by its own token count (times the CP size), which "
+                           "equals CP=1 only when all CP ranks hold the same number of loss tokens"))
+    if pp > 1:
+        out.append(Finding("info", "pipeline", f"PP={pp} with CP: every stage splits the same sequence; document "
+                           "boundaries (packed_seq_params / attention mask) must reach every stage"))
+    version = None
+    try:
+        from megatron_ring.megatron.compat import mcore_version
+
+        version = mcore_version()
+    except Exception as e:  # megatron-core not importable here
+        out.append(Finding("info", "version", f"megatron-core not importable ({type(e).__name__}): "
+                           "known issues listed without a version check"))
+    issues = [{"ref": ref, "what": what, "releases": _releases(rel), "fix": fix,
+               "config": bool(applies(a)), "version": _affects(rel, version),
+               "applies": bool(applies(a)) and _affects(rel, version) is not False}
+              for ref, what, applies, rel, fix in KNOWN_ISSUES]
+    return out, {"megatron_core": ".".join(map(str, version)) if version else None, "known_issues": issues}
+
+
+def format_static(findings: list[Finding], info: dict[str, Any]) -> str:
+    lines = [f"static preflight (megatron-core {info['megatron_core'] or 'not installed'})"]
+    for f in findings:
+        lines.append(f"  [{f.level}] {f.topic}: {f.text}")
+    if not findings:
+        lines.append("  no problem found")
+    lines.append("known Megatron CP issues that apply to this command and megatron-core:")
+    for i in info["known_issues"]:
+        if i["applies"]:
+            lines.append(f"  {i['ref']}: {i['what']} ({i['releases']}); {i['fix']}")
+    return "\n".join(lines)
