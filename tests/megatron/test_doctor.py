@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from pretrain_cli import CPU_FLAGS, PRETRAIN_MARKS, gpt_args
+from tests.megatron.pretrain_cli import CPU_FLAGS, PRETRAIN_MARKS, gpt_args
 
 pytestmark = PRETRAIN_MARKS
 
