@@ -37,8 +37,8 @@ from megatron_ring.errors import RingPeerError
 
 __all__ = ["Transport", "Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS", "looks_like_timeout"]
 
-# Distinct tags keep the K/V ring and the dK/dV ring apart on backends that match by tag (gloo).
-CHANNEL_TAGS = {"fwd_kv": 11, "bwd_kv": 12, "bwd_dkv": 13}
+# Distinct tags keep the K/V ring, the dK/dV ring and the status hops of a shortened ring apart on backends that match by tag (gloo).
+CHANNEL_TAGS = {"fwd_kv": 11, "bwd_kv": 12, "bwd_dkv": 13, "fwd_status": 14}
 
 Role = tuple[str, int]  # ("sending to" | "receiving from", peer global rank)
 
