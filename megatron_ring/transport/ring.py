@@ -132,6 +132,17 @@ class Transport(abc.ABC):
         """Text naming the rank that is really lost (see :mod:`.failure_notes`)."""
         return who_is_lost(self.members, self.my_global, blamed, timed_out)
 
+    def group_error(self, what: str, exc: BaseException | None = None) -> RingPeerError:
+        """The error for a failed collective over the ring's group (``what`` it was for, e.g. the cross-rank
+        check), which names no peer: the lost rank is looked for from both ring neighbours (failure
+        notes, :mod:`.failure_notes`)."""
+        timed_out = exc is None or looks_like_timeout(str(exc))
+        detail = f": {exc}" if exc is not None else f": timed out after {self.timeout}"
+        return RingPeerError(
+            f"ring attention: {what} over the ring's group failed (this is global rank {self.my_global}){detail}. "
+            "A rank of the group has probably died or stalled; check its log."
+            + self.lost_rank_note([self.prev_global, self.next_global], timed_out=timed_out))
+
     def peer_error(self, roles: Sequence[Role], channel: str, step: int, exc: BaseException | None = None,
                    timed_out: bool = False, at_launch: bool = False, detail: str = "") -> RingPeerError:
         """The error for a failed exchange with ``roles``; writes this rank's failure note first."""
