@@ -267,11 +267,14 @@ def _agreed_codec(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                              comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=call.head_chunks,
                              cu_seqlens=call.cu_seqlens, window=call.window, comm_type=call.comm_type,
                              extras=extras)
-        check_same_across_ranks(sig, ring.group, q.device, {"comm_type": call.comm_type,
-            "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
-            "layout": getattr(call.layout, "name", call.layout), "qkv_format": call.qkv_format,
-            "comm_dtype": wire_name, "cu_seqlens": call.cu_seqlens, "window": call.window,
-            "dropout/softmax_offset/kv_pieces": extras})
+        try:
+            check_same_across_ranks(sig, ring.group, q.device, {"comm_type": call.comm_type,
+                "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
+                "layout": getattr(call.layout, "name", call.layout), "qkv_format": call.qkv_format,
+                "comm_dtype": wire_name, "cu_seqlens": call.cu_seqlens, "window": call.window,
+                "dropout/softmax_offset/kv_pieces": extras}, timeout=ring.timeout)
+        except (RuntimeError, TimeoutError) as exc:  # a rank of the group died or stalled (not a mismatch)
+            raise ring.group_error("the cross-rank check of the call's arguments (an all_gather)", exc) from exc
     if codec_error is not None:
         raise codec_error
     return codec

@@ -146,6 +146,32 @@ def test_launch_failure_names_its_peer_and_writes_a_note(one_rank_group, monkeyp
     assert f"global rank {peer} left no failure note" in msg
 
 
+@pytest.mark.parametrize("failure", ["closed", "timeout"])
+def test_failed_cross_rank_check_is_a_named_error(one_rank_group, monkeypatch, failure):
+    """A rank that died (or stalls) before the call's cross-rank check (an all_gather over the group, the
+    call's first collective): the others raise RingPeerError, naming themselves and the lost rank, not the
+    backend's bare error; a stalled rank is waited for no longer than the ring's time-out."""
+    def all_gather(out, t, group=None, async_op=False):
+        if failure == "closed":
+            raise RuntimeError("[fake] Connection closed by peer")
+
+        class Never:
+            def wait(self, timeout=None):
+                assert timeout is not None, "the check must wait with the ring's time-out"
+                return False
+        return Never()
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    ring = ring_as(2, 4, coalesced=False, timeout_s=3.0)
+    q = torch.randn(1, 8, 2, 8)
+    with pytest.raises(RingPeerError) as info:
+        ring_attention(q, q, q, causal=True, ring=ring)
+    msg = str(info.value)
+    assert "cross-rank check" in msg and "this is global rank 2" in msg, msg
+    assert ("[fake] Connection closed by peer" if failure == "closed" else "did not complete within") in msg, msg
+    assert "left no failure note" in msg, msg  # the failure notes name the lost rank
+
+
 def test_failure_chain_follows_notes_naming_two_peers(one_rank_group):
     """A coalesced (NCCL) failure blames both neighbours; the chain keeps the one that left a note out."""
     key = "megatron_ring/failure/0-1-2-3/"

@@ -205,6 +205,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
         kv.advance()
     kv.release(steps)
     if plan.ring.world > 1:
+        kv.status.spread(steps)  # a window-shortened ring: the codes travel the remaining hops
         kv.status.settle(plan.checks)  # every rank raises if any rank's K/V (or input) was refused
     for j, (qs, _) in enumerate(pieces):
         if fresh[j]:  # no local query sees any key (all padding, or masked away): out 0, lse -inf

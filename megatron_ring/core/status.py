@@ -5,7 +5,11 @@ Each K/V wire buffer carries one trailing element (in the wire's own dtype) hold
 code: 0 = fine, 1 = K/V the wire codec refuses (:class:`~megatron_ring.wire.codecs.WireFiniteError`: inf/NaN,
 or beyond the fp16 range), 2 = any other input error this rank detected (after the cross-rank check, e.g.
 a kernel that does not run on this rank's device). The code is written once by the block's owner and
-forwarded unchanged with the block, so after the forward ring every rank has seen every rank's code.
+forwarded unchanged with the block, so after a full forward ring (P steps) every rank has seen every rank's
+code. A ring that a window shortens to ``steps < P`` steps carries each block only ``steps - 1`` hops; it
+then carries the codes (one small fp32 vector of P codes, merged by maximum at every rank) the remaining
+``P - steps`` hops (:meth:`RingStatus.spread`, channel ``fwd_status``), so every rank has seen every rank's
+code there too: one small exchange per dropped step, launched only by windowed calls whose ring is shortened.
 
 A failing rank does NOT raise at once: it still takes part in every exchange of the forward ring (its
 neighbours would otherwise wait for the group time-out), then raises its own error. A rank whose input
@@ -156,6 +160,19 @@ class RingStatus:
         codec's host-side error naming the first bad element."""
         for k, v in self._checked:
             self.codec.check_values(k, v)
+
+    def spread(self, steps: int) -> None:
+        """After a forward ring of ``steps`` steps: carry the codes the ``P - steps`` hops the K/V blocks
+        did not travel (a window dropped those steps), so that every rank has every rank's code.
+
+        Each hop sends this rank's whole code vector to the next rank and merges (maximum) the previous
+        rank's into it: after the K/V stream rank r knows ranks r, r-1, .., r-steps+1; every hop adds one.
+        Every rank, the refusing one included, runs the same hops (same messages, same order)."""
+        world = self.ring.world
+        for hop in range(steps, world):
+            got = torch.empty_like(self.codes)
+            self.ring.exchange(self.codes.clone(), got, "fwd_status", hop).wait()
+            torch.maximum(self.codes, got, out=self.codes)
 
     def settle(self, checks: PendingChecks) -> None:
         """After the forward ring: raise here, or leave the check for the backward ring (see module doc).

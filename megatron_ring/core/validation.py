@@ -7,6 +7,7 @@ new signature per group; afterwards the same signature costs a set lookup.
 """
 from __future__ import annotations
 
+import datetime
 import struct
 import zlib
 from typing import Any, Sequence
@@ -62,10 +63,12 @@ _checked = PerGroup()  # group -> signatures already agreed on (held weakly: see
 
 
 def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.device,
-                            describe: dict[str, Any]) -> None:
+                            describe: dict[str, Any], timeout: datetime.timedelta | None = None) -> None:
     """Raise ValueError on every rank of ``group`` unless all ranks pass the same ``signature``.
 
-    ``describe`` holds human-readable values of this rank's call, used only for the message.
+    ``describe`` holds human-readable values of this rank's call, used only for the message. ``timeout``:
+    the all-gather's deadline (None: the group's); a peer that is gone raises the backend's error
+    (RuntimeError), one that does not answer in time TimeoutError (the caller names the lost rank).
     """
     seen = _checked.setdefault(group, "signatures", set)
     sig = tuple(signature)
@@ -74,7 +77,9 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
     world = dist.get_world_size(group)
     mine = torch.tensor(sig, dtype=torch.int64, device=device)
     allsig = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(allsig, mine, group=group)
+    work = dist.all_gather(allsig, mine, group=group, async_op=True)
+    if (work.wait(timeout) if timeout is not None else work.wait()) is False:
+        raise TimeoutError(f"the all_gather did not complete within {timeout}")
     rows = torch.stack(allsig).cpu()
     differing = [name for i, name in enumerate(_SIGNATURE_FIELDS) if not bool((rows[:, i] == rows[0, i]).all())]
     if differing:

@@ -37,8 +37,8 @@ from megatron_ring.errors import RingPeerError
 
 __all__ = ["Transport", "Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS", "looks_like_timeout"]
 
-# Distinct tags keep the K/V ring and the dK/dV ring apart on backends that match by tag (gloo).
-CHANNEL_TAGS = {"fwd_kv": 11, "bwd_kv": 12, "bwd_dkv": 13}
+# Distinct tags keep the K/V ring, the dK/dV ring and the status hops of a shortened ring apart on backends that match by tag (gloo).
+CHANNEL_TAGS = {"fwd_kv": 11, "bwd_kv": 12, "bwd_dkv": 13, "fwd_status": 14}
 
 Role = tuple[str, int]  # ("sending to" | "receiving from", peer global rank)
 
@@ -131,6 +131,17 @@ class Transport(abc.ABC):
     def lost_rank_note(self, blamed: int | Sequence[int], timed_out: bool) -> str:
         """Text naming the rank that is really lost (see :mod:`.failure_notes`)."""
         return who_is_lost(self.members, self.my_global, blamed, timed_out)
+
+    def group_error(self, what: str, exc: BaseException | None = None) -> RingPeerError:
+        """The error for a failed collective over the ring's group (``what`` it was for, e.g. the cross-rank
+        check), which names no peer: the lost rank is looked for from both ring neighbours (failure
+        notes, :mod:`.failure_notes`)."""
+        timed_out = exc is None or looks_like_timeout(str(exc))
+        detail = f": {exc}" if exc is not None else f": timed out after {self.timeout}"
+        return RingPeerError(
+            f"ring attention: {what} over the ring's group failed (this is global rank {self.my_global}){detail}. "
+            "A rank of the group has probably died or stalled; check its log."
+            + self.lost_rank_note([self.prev_global, self.next_global], timed_out=timed_out))
 
     def peer_error(self, roles: Sequence[Role], channel: str, step: int, exc: BaseException | None = None,
                    timed_out: bool = False, at_launch: bool = False, detail: str = "") -> RingPeerError:

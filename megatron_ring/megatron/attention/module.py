@@ -22,7 +22,7 @@ from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig
 from megatron_ring.megatron.data.documents import DocumentsFromMask, packed_cu_seqlens
 from megatron_ring.megatron.attention.dropout import dropout_seed
 from megatron_ring.megatron.env import kv_pieces_from_env, ring_config_from_env
-from megatron_ring.megatron.attention.sinks import make_softmax_offset, ring_softmax_offset
+from megatron_ring.megatron.attention.sinks import make_softmax_offset, ring_softmax_offset, sharded_sinks
 from megatron_ring.megatron.groups.provider import get_ring_state, is_context_parallel_initialized
 from megatron_ring.megatron.data import token_order
 from megatron_ring.megatron.data.packed_rope import apply_packed_rope
@@ -155,6 +155,12 @@ class RingDotProductAttention(MegatronModule):
         if registered is not None:
             comm_types.check_heads(ct, heads, registered.config)
         return comm_types.strategy_kwargs(ct, registered)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Distributed checkpointing as Megatron's ``DotProductAttention``: the learnable ``softmax_offset``
+        sharded over TP (see :func:`~megatron_ring.megatron.attention.sinks.sharded_sinks`)."""
+        return sharded_sinks(self, prefix, sharded_offsets, metadata, self.pg_collection.tp)
 
     # ------------------------------------------------------------------------------------------
     @staticmethod
