@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reference import attention_reference
+from tests.helpers.reference import attention_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fsdp2_ring.py"

@@ -24,7 +24,7 @@ import threading
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.launch import run_distributed
 from megatron_ring import ring_attention
 from megatron_ring.api import _attention_mask
 from megatron_ring.errors import RingInputError, WireFiniteError
@@ -133,7 +133,7 @@ def check_outcomes(case: dict, results: list) -> None:
 
 def run_on_threads(case: dict) -> tuple[list, list, int]:
     """``case`` on a ThreadRing of P threads: per-rank outcomes, ranks still running, messages left."""
-    from ring_fakes import ThreadRing
+    from tests.helpers.ring_fakes import ThreadRing
 
     rings = ThreadRing.make(case["P"])
     for r in rings:
@@ -177,7 +177,7 @@ def test_the_fuzz_sees_a_missing_status_hop(monkeypatch):
     from megatron_ring.core.status import RingStatus
 
     monkeypatch.setattr(RingStatus, "spread", lambda self, steps: None)
-    monkeypatch.setattr("test_refusal_fuzz.WAIT_S", 2.0)
+    monkeypatch.setattr("tests.test_refusal_fuzz.WAIT_S", 2.0)
     rng = random.Random(SEED)
     case = draw_case(rng)
     while not (case["steps"] < case["P"] - 1 and case["fault"] == "stride"):

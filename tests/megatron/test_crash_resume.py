@@ -33,7 +33,7 @@ import sys
 import time
 
 import pytest
-from pretrain_cli import CPU_FLAGS, PRETRAIN_MARKS, free_port, gpt_args
+from tests.megatron.pretrain_cli import CPU_FLAGS, PRETRAIN_MARKS, free_port, gpt_args
 
 pytestmark = PRETRAIN_MARKS
 

@@ -54,6 +54,7 @@ def test_static_finds_what_cannot_run_or_differs():
     assert ("Megatron-LM#3959" in text) == (mcore_version() >= (0, 19, 0))
 
 
+@pytest.mark.slow  # four `python -m megatron_ring.doctor` processes
 def test_cli_refuses_bad_input_with_exit_2(tmp_path):
     def run(*argv):
         return subprocess.run([sys.executable, "-m", "megatron_ring.doctor", *argv], capture_output=True,

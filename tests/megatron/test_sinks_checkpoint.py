@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from pretrain_cli import free_port
+from tests.megatron.pretrain_cli import free_port
 
 pytestmark = [pytest.mark.slow]
 
