@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from megatron_ring.doctor import shrink, static
 from megatron_ring.doctor.shrink import Args
 
