@@ -37,6 +37,8 @@ from typing import Any
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ring.megatron import compat
+from megatron_ring.megatron.spec.layers import with_ring_attention
+from megatron_ring.megatron.spec.stock import check_stock_layout, ring_core
 
 __all__ = ["ring_hybrid_stack_spec", "reference_hybrid_stack_spec", "ring_hybrid_spec", "RingHybridStack", "RingHybridStackSpec",
            "RefusedHybridLayer", "megatron_hybrid_stack_spec", "hybrid_layers_with_ring"]
@@ -142,19 +144,10 @@ def megatron_hybrid_stack_spec() -> ModuleSpec:
 # --------------------------------------------------------------------------------------------------
 # the ring swap
 # --------------------------------------------------------------------------------------------------
-def _ring_core() -> Any:
-    """Core attention for stacks run by stock Megatron: batches split by Megatron (zigzag)."""
-    from megatron_ring.megatron.attention import RingDotProductAttention
-
-    return ModuleSpec(module=RingDotProductAttention, params={"batch_split": "megatron"})
-
-
 def ring_hybrid_spec(spec: Any, core_attention: Any = None) -> ModuleSpec:
     """A copy of a hybrid stack spec (``HybridStack`` / ``MambaStack`` ``ModuleSpec``) with ring core
     attention in its attention layers (and MTP block), refused layers (``D``) replaced by a refusal, and
     :class:`RingHybridStack` as its module. ``core_attention``: default the stock-split ring."""
-    from megatron_ring.megatron.spec.layers import with_ring_attention
-
     if isinstance(spec, RingHybridStackSpec):
         spec._resolve()
         if spec._ring:
@@ -168,7 +161,7 @@ def ring_hybrid_spec(spec: Any, core_attention: Any = None) -> ModuleSpec:
         if hasattr(sub, field):
             setattr(sub, field, ModuleSpec(module=RefusedHybridLayer, params={"symbol": symbol, "why": why}))
     swapped = with_ring_attention(ModuleSpec(module=spec.module, params=dict(spec.params), submodules=sub),
-                                  core_attention if core_attention is not None else _ring_core())
+                                  core_attention if core_attention is not None else ring_core())
     return RingHybridStackSpec(stack=spec.module, submodules=swapped.submodules, params=swapped.params)
 
 
@@ -200,8 +193,6 @@ class RingHybridStack:
         if config is None or submodules is None or _stack is None:
             raise TypeError("RingHybridStack is built by HybridModel / MambaModel from ring_hybrid_stack_spec")
         if _ring:
-            from megatron_ring.megatron.spec.stock import check_stock_layout
-
             check_stock_layout()
         types = kwargs.get("layer_type_list")
         for field, (symbol, why) in REFUSED.items():
