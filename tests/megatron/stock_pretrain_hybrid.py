@@ -69,7 +69,7 @@ def forward_step(data_iterator, model):
 def main() -> None:
     cpu = contextlib.nullcontext()
     if not torch.cuda.is_available():
-        from megatron_ring.megatron.cpu import megatron_training_cpu
+        from megatron_ring.megatron.cpu.training import megatron_training_cpu
 
         cpu = megatron_training_cpu()
     with cpu:
