@@ -229,3 +229,23 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="value heads"):
         K.chunk_gated_delta_rule(torch.randn(1, 4, 2, 3), torch.randn(1, 4, 2, 3), torch.randn(1, 4, 4, 3),
                                  g=torch.zeros(1, 4, 2), beta=torch.ones(1, 4, 2))
+
+
+def test_cpu_opt_in_binds_the_kernels_and_restores_megatron():
+    """Inside megatron_cpu() Megatron's Mamba / GDN kernel names are the pure-torch ones (only where the
+    packages are missing); on exit every original is back."""
+    mixer = pytest.importorskip("megatron.core.ssm.mamba_mixer", exc_type=ImportError)
+    from megatron_ring.megatron import megatron_cpu
+    from megatron_ring.megatron.cpu import ssm
+
+    planned = ssm.planned()
+    before = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in planned]
+    if not mixer.HAVE_MAMBA_SSM:
+        assert any(attr == "mamba_split_conv1d_scan_combined" for _, attr, _ in planned)
+    with megatron_cpu():
+        for obj, attr, new in planned:
+            assert getattr(obj, attr) is new or attr in ("__init__", "forward", "reset_parameters"), (obj, attr)
+        if not before or mixer.mamba_split_conv1d_scan_combined is not None:
+            assert mixer.HAVE_MAMBA_SSM
+    for obj, attr, old in before:
+        assert getattr(obj, attr) is old, (obj, attr)

@@ -66,6 +66,7 @@ def _on_cpu(fn: Callable) -> Callable:
     return wrapper
 
 
+@functools.lru_cache(maxsize=1)
 def _extended_rms_norm_class() -> type:
     """``mamba_mixer.ExtendedRMSNorm`` on the pure-torch gated RMSNorm (same parameters, same checkpoint
     sharding: the weight split along dim 0 over tensor parallelism)."""
