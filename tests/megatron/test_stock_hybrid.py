@@ -44,7 +44,8 @@ TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
 def launch(tmp_path, name: str, nproc: int, pattern: str, *extra: str, ok: bool = True):
     log = tmp_path / f"{name}.loss"
-    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keep where einops is
+    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *MODEL, "--hybrid-layer-pattern", pattern,
            "--context-parallel-size", str(nproc), *extra]
