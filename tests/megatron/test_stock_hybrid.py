@@ -42,12 +42,13 @@ REFERENCE = ["--spec", "megatron_ring.megatron.spec.hybrid", "reference_hybrid_s
 TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
 
-def launch(tmp_path, name: str, nproc: int, pattern: str, *extra: str, ok: bool = True):
+def launch(tmp_path, name: str, nproc: int, pattern: str, *extra: str, ok: bool = True, model: list | None = None):
     log = tmp_path / f"{name}.loss"
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keep where einops is
     env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *MODEL, "--hybrid-layer-pattern", pattern,
+           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *(MODEL if model is None else model),
+           "--hybrid-layer-pattern", pattern,
            "--context-parallel-size", str(nproc), *extra]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     if not ok:
@@ -73,5 +74,7 @@ def test_stock_pretrain_hybrid_cp2_equals_cp1(tmp_path):
 def test_stock_control_and_dsa_refused(tmp_path):
     out = launch(tmp_path, "control", 2, "M*M-", *REFERENCE, ok=False)
     assert "Context parallelism is only supported by TEDotProductAttention" in out, out[-3000:]
-    out = launch(tmp_path, "dsa", 1, "MD-", *RING, ok=False)
+    no_gqa = [a for a in MODEL if a not in ("--group-query-attention",)]  # D layers are MLA: no GQA flags
+    no_gqa = [a for i, a in enumerate(no_gqa) if a != "--num-query-groups" and no_gqa[i - 1] != "--num-query-groups"]
+    out = launch(tmp_path, "dsa", 1, "MD-", *RING, ok=False, model=no_gqa)
     assert "hybrid layer 'D'" in out, out[-3000:]
