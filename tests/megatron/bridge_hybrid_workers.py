@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import hybrid_workers as HW
+from tests.megatron import hybrid_workers as HW
 
 
 def bridge_hybrid_worker(rank: int, world: int, pattern: str, ring: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
-    from bridge_import import import_bridge
+    from tests.megatron.bridge_import import import_bridge
 
     import_bridge("megatron.bridge.models.hybrid.hybrid_provider")
     from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider

@@ -69,9 +69,10 @@ def forward_step(data_iterator, model):
 def main() -> None:
     cpu = contextlib.nullcontext()
     if not torch.cuda.is_available():
-        from megatron_ring.megatron.cpu.training import megatron_training_cpu
+        from megatron_ring.megatron.cpu.training import megatron_training_cpu, training_cpu_enabled
 
-        cpu = megatron_training_cpu()
+        if not training_cpu_enabled():  # already entered when run as `-m megatron_ring.megatron.cpu`
+            cpu = megatron_training_cpu()
     with cpu:
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
         model_cfg = hybrid_config_from_args(args)  # imports --spec, as pretrain_hybrid.py does

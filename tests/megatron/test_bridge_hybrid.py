@@ -29,8 +29,8 @@ if not _bridge_installed():
 pytest.importorskip("megatron.core.models.hybrid", reason="HybridModel ships with megatron-core >= 0.19")
 pytest.importorskip("einops", reason="Megatron's Mamba layers import einops (pinned; scripts/setup_env.sh)")
 
-import bridge_hybrid_workers as B  # noqa: E402
-from test_hybrid_model import _grad_diff, _grad_tol  # noqa: E402
+from tests.megatron import bridge_hybrid_workers as B  # noqa: E402
+from tests.megatron.test_hybrid_model import _grad_diff, _grad_tol  # noqa: E402
 
 
 def test_bridge_hybrid_provider_cp2_equals_cp1(run):

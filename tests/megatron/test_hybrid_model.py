@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("megatron.core.models.hybrid", reason="HybridModel ships with megatron-core >= 0.19")
 
-import hybrid_workers as HW  # noqa: E402
+from tests.megatron import hybrid_workers as HW  # noqa: E402
 
 try:
     import einops  # noqa: F401

@@ -16,7 +16,8 @@ import subprocess
 import sys
 
 import pytest
-from pretrain_cli import CPU_FLAGS, free_port
+from tests.helpers.launch import free_port
+from tests.megatron.pretrain_cli import CPU_FLAGS
 
 from megatron_ring.megatron.compat import has_megatron_training
 
