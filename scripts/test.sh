@@ -8,7 +8,8 @@
 #      on CPU): tests/megatron, which includes the real-loop tests (Megatron's own pretrain()), and
 #      tests/fake_cuda, the fake-CUDA tier (the GPU path traced under FakeTensorMode, fast); only the options
 #      of "$@" pass;
-#   3. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py.
+#   3. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py and
+#      tests/megatron/test_bridge_hybrid.py.
 # On a machine with NVIDIA GPUs (and a CUDA build of torch in .venv) step 1 also runs tests/gpu (part of
 # tests/; skipped with a reason elsewhere); scripts/gpu_check.sh is the GPU users' one command.
 # Both venvs are set up if needed (idempotent). MEGATRON_RING_SKIP_PY312=1 runs step 1 only;
@@ -40,13 +41,15 @@ if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   MEGATRON_RING_FLAVOR=py312 bash scripts/setup_env.sh test || exit $?
   opts=(); for a in "$@"; do [[ "$a" == -* ]] && opts+=("$a"); done
   echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron tests/fake_cuda"
-  run_pytest .venv312 "${opts[@]}" tests/megatron tests/fake_cuda --ignore=tests/megatron/test_bridge.py; rc312=$?
+  run_pytest .venv312 "${opts[@]}" tests/megatron tests/fake_cuda --ignore=tests/megatron/test_bridge.py \
+    --ignore=tests/megatron/test_bridge_hybrid.py; rc312=$?
 fi
 rcbridge=0
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then
   bash scripts/setup_bridge.sh || exit $?
-  echo "[test] Megatron-Bridge $(PYTHONPATH=.bridge312 .venv312/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))'), Python 3.12: tests/megatron/test_bridge.py"
-  PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" tests/megatron/test_bridge.py
+  echo "[test] Megatron-Bridge $(PYTHONPATH=.bridge312 .venv312/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))'), Python 3.12: tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py"
+  PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" tests/megatron/test_bridge.py \
+    tests/megatron/test_bridge_hybrid.py
   rcbridge=$?
 fi
 echo "[test] fast tier: rc=$rcfast; numerics under every instruction set: rc=$rcnum; Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312; Megatron-Bridge: rc=$rcbridge"

@@ -18,6 +18,10 @@ keyword arguments and feature detection (never version-number checks, never posi
   (``THD_PARTITIONER_USERS``: Mamba's CP undo/redo, Megatron's own THD batch split) and how a pure-torch
   stand-in is put there where TE is missing (:func:`install_tex_stand_in`; the stand-in comes from
   :mod:`megatron_ring.megatron.data.token_order`, whose ``install_thd_partitioner`` the CPU opt-in calls).
+* The hybrid stack: 0.19 / main ``models/hybrid`` (``HybridStack``, ``hybrid_stack_spec``), 0.16
+  ``ssm/mamba_block.MambaStack`` and ``models/mamba`` (``mamba_stack_spec``) (``hybrid_stack_class``,
+  ``megatron_hybrid_stack_spec``); whether TransformerEngine is installed (``has_transformer_engine``); the
+  local norm and MoE specs that stand in for TE's (``local_norm_class``, ``local_moe_spec``).
 """
 from __future__ import annotations
 
@@ -32,7 +36,9 @@ from typing import Any, Callable
 __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gpt_layer_local_spec",
            "megatron_get_batch_on_this_cp_rank", "has_megatron_training", "run_pretrain", "gpt_builder_calls_spec",
            "is_gpt_model_config", "default_gpt_layer_spec", "MTP_BLOCK_BUILDERS", "loaded_mtp_block_builders",
-           "MTP_ROLL_TENSOR_USERS", "THD_PARTITIONER_USERS", "install_tex_stand_in"]
+           "MTP_ROLL_TENSOR_USERS", "THD_PARTITIONER_USERS", "install_tex_stand_in",
+           "has_transformer_engine", "hybrid_stack_class", "megatron_hybrid_stack_spec",
+           "local_norm_class", "local_moe_spec"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -225,3 +231,53 @@ def _stand_in_version_check(mod: Any, stand_in: Any, original: Any) -> Callable:
             raise ImportError("transformer_engine is not installed")
         return original(version, check_equality)
     return is_te_min_version
+
+
+@functools.lru_cache(maxsize=1)
+def has_transformer_engine() -> bool:
+    """Whether TransformerEngine is installed (megatron-core's own ``HAVE_TE``)."""
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except ImportError:
+        return False
+    return bool(HAVE_TE)
+
+
+def hybrid_stack_class() -> Any:
+    """Megatron's hybrid stack class: ``HybridStack`` (``models/hybrid``, 0.19 / main) or ``MambaStack``
+    (0.16); ``None`` if neither exists."""
+    for module, name in (("megatron.core.models.hybrid.hybrid_block", "HybridStack"),
+                         ("megatron.core.ssm.mamba_block", "MambaStack")):
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def megatron_hybrid_stack_spec() -> Any:
+    """Megatron's own (TransformerEngine) hybrid stack spec: ``hybrid_stack_spec`` (0.19 / main) or
+    ``mamba_stack_spec`` (0.16)."""
+    try:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+        return hybrid_stack_spec
+    except ImportError:
+        from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+        return mamba_stack_spec
+
+
+def local_norm_class() -> Any:
+    """Megatron's local norm module, which follows ``config.normalization`` (LayerNorm / RMSNorm)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
+
+
+def local_moe_spec() -> Any:
+    """Megatron's local MoE module spec (sequential experts), as its local GPT spec builds it."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    return call_with_supported_kwargs(get_moe_module_spec, dict(use_te=False, num_experts=8, moe_grouped_gemm=False),
+                                      defaults={})

@@ -13,6 +13,9 @@ megatron-core 0.16 calls CUDA in a few places that its CPU-initialised path stil
 * packed (THD) batches at CP > 1: Megatron's own batch split and Mamba's undo of attention's order call
   TransformerEngine's ``thd_get_partitioned_indices``; where TE is missing, its pure-torch equivalent
   (:mod:`megatron_ring.megatron.data.token_order`) is put where they look it up.
+* Megatron's Mamba-2 and Gated-DeltaNet layers (HybridModel ``M`` / ``G``) need ``mamba_ssm``,
+  ``causal_conv1d`` / flash-linear-attention (CUDA / Triton kernels): where those are missing,
+  :mod:`.ssm` binds pure-torch kernels of the same math (:mod:`.ssm_kernels`) for the scope.
 
 :func:`enable_cpu_support` replaces exactly these with CPU equivalents and :func:`disable_cpu_support`
 puts the originals back; :func:`megatron_cpu` is the context-manager form. Nothing is patched at import
@@ -154,6 +157,9 @@ def enable_cpu_support() -> None:
         from megatron_ring.megatron.data.token_order import install_thd_partitioner
 
         install_thd_partitioner(_patch)
+        from megatron_ring.megatron.cpu import ssm
+
+        ssm.install(_patch)  # Mamba-2 / GDN kernels where mamba_ssm / causal_conv1d / FLA are missing
         _patch(mrandom, "CudaRNGStatesTracker", _make_cpu_tracker_class())
         _saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
         mrandom.initialize_rng_tracker(force_reset=True)

@@ -22,7 +22,15 @@ Stock Megatron-LM (``pretrain_gpt.py``)::
   ``gpt_builder`` cannot combine any ``--spec`` with ``--mtp-num-layers`` anyway (``use_te`` is unbound,
   gpt_builders.py:84).
 
-Megatron-Bridge (any GPT provider)::
+Stock Megatron-LM ``pretrain_hybrid.py`` (HybridModel: Mamba-2, GDN, attention, MLP, MoE layers; core_v0.16's
+``pretrain_mamba.py``)::
+
+    --spec megatron_ring.megatron.spec ring_hybrid_stack_spec
+
+Megatron's own hybrid stack spec with the attention layers' core attention on the ring (and Mamba / GDN
+layers through Megatron's own CP, in the same token order); see :mod:`megatron_ring.megatron.spec.hybrid`.
+
+Megatron-Bridge (any GPT provider; hybrid providers: ``cfg.model.hybrid_stack_spec = ring_hybrid_stack_spec``)::
 
     cfg.model.transformer_layer_spec = ring_spec(cfg.model.transformer_layer_spec)
 
@@ -46,11 +54,13 @@ from typing import Any
 from megatron_ring.megatron import compat
 from megatron_ring.megatron.spec.deferred import RingLayerSpec, RingTransformerLayer, ring_layer_module_spec
 from megatron_ring.megatron.spec.gpt import ring_layer_spec_provider, ring_spec
+from megatron_ring.megatron.spec.hybrid import ring_hybrid_stack_spec
 from megatron_ring.megatron.spec.mtp import install_mtp_ring_attention
 from megatron_ring.megatron.spec.stock import describe_core_attention
 
 __all__ = ["ring_layer_spec", "ring_layer_spec_provider", "ring_layer_module_spec", "RingLayerSpec",
-           "RingTransformerLayer", "ring_spec", "describe_core_attention", "install_mtp_ring_attention"]
+           "RingTransformerLayer", "ring_spec", "describe_core_attention", "install_mtp_ring_attention",
+           "ring_hybrid_stack_spec"]
 
 #: ``--spec megatron_ring.megatron.spec ring_layer_spec``: the provider where ``GPTModelBuilder`` calls it,
 #: the layer ``ModuleSpec`` where the builder uses it as it is (Megatron-LM core_v0.16, megatron-core alone).

@@ -8,6 +8,7 @@ from typing import Any
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ring.megatron import compat
+from megatron_ring.megatron.spec.hybrid import is_hybrid_stack_spec, ring_hybrid_spec
 from megatron_ring.megatron.spec.mtp import ring_mtp
 from megatron_ring.megatron.spec.stock import announce, swap
 
@@ -68,19 +69,29 @@ def ring_spec(spec: Any) -> Any:
 
     ``spec``: a ``ModuleSpec`` / block spec (returned with core attention swapped), or a callable spec
     provider ``f(config[, vp_stage])`` (returned as a callable of the same form whose result is swapped).
+    A hybrid stack spec (``HybridStack`` / ``MambaStack``: Megatron-Bridge's ``hybrid_stack_spec``) becomes
+    what ``ring_hybrid_stack_spec`` is built from (:func:`~megatron_ring.megatron.spec.hybrid.ring_hybrid_spec`).
     """
+    if is_hybrid_stack_spec(spec):
+        return ring_hybrid_spec(spec)
     if isinstance(spec, ModuleSpec) or hasattr(spec, "layer_specs") or not callable(spec):
         return swap(spec)
     takes_vp = "vp_stage" in inspect.signature(spec).parameters
 
     if takes_vp:
         def provider(config: Any, vp_stage: int | None = None) -> Any:
-            out = swap(spec(config, vp_stage=vp_stage))
+            out = spec(config, vp_stage=vp_stage)
+            if is_hybrid_stack_spec(out):
+                return ring_hybrid_spec(out)  # its stack announces when it is built
+            out = swap(out)
             announce("ring_spec", out, config)
             return out
     else:
         def provider(config: Any) -> Any:  # type: ignore[misc]
-            out = swap(spec(config))
+            out = spec(config)
+            if is_hybrid_stack_spec(out):
+                return ring_hybrid_spec(out)
+            out = swap(out)
             announce("ring_spec", out, config)
             return out
     provider.__name__ = f"ring_spec({getattr(spec, '__name__', type(spec).__name__)})"

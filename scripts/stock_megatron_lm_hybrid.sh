@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Stock Megatron-LM pretrain_hybrid.py (unpatched checkout: main or core_v0.19.0) with ring attention through
+# --spec, on CPU/gloo.
+#
+#   PATTERN='M*M-' bash scripts/stock_megatron_lm_hybrid.sh MEGATRON_LM_CHECKOUT CP [EXTRA_FLAGS...]
+#
+# CP = 1 runs the reference: Megatron's hybrid stack spec with Megatron's own core attention
+# (--spec megatron_ring.megatron.spec.hybrid reference_hybrid_stack_spec: megatron-core ships only
+# TransformerEngine hybrid specs, and this machine has no TransformerEngine, so the stack is built from the
+# local equivalents, exactly as ring_hybrid_stack_spec builds it); CP > 1 adds
+# --spec megatron_ring.megatron.spec ring_hybrid_stack_spec. CONTROL=1 keeps the reference spec at CP > 1
+# (Megatron's local attention refuses CP > 1). Where CUDA is available, drop the CPU opt-in (the module
+# megatron_ring.megatron.cpu) and the CPU flags. Needs: torch, megatron-core's dependencies and einops,
+# megatron_ring importable, and on CPU the checkout's dataset helper built (or copied from the
+# megatron-core 0.19 wheel: megatron/core/datasets/helpers_cpp*.so; docs/megatron-runs.md).
+set -euo pipefail
+MLM=$(cd "$1" && pwd); CP=$2; shift 2
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python}
+ITERS=${ITERS:-10}
+PATTERN=${PATTERN:-M*M-}
+MODEL=(--hybrid-layer-pattern "$PATTERN" --hidden-size 64 --num-attention-heads 4 --group-query-attention
+       --num-query-groups 2 --seq-length 128 --max-position-embeddings 128 --micro-batch-size 2
+       --global-batch-size 4 --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
+       --lr-warmup-iters 1 --weight-decay 0.01 --clip-grad 1.0 --position-embedding-type rope
+       --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+       --attention-dropout "${ATTN_DROPOUT:-0}" --hidden-dropout 0 --mock-data --tokenizer-type NullTokenizer
+       --vocab-size 128 --make-vocab-size-divisible-by 64 --seed 1234 --log-interval 1 --eval-iters 0
+       --eval-interval 1000 --split 100,0,0
+       --mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2
+       --linear-key-head-dim 16 --linear-value-head-dim 16 --linear-num-key-heads 4 --linear-num-value-heads 8
+       --linear-conv-kernel-dim 4)
+case "$PATTERN" in *E*) MODEL+=(--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-aux-loss-coeff 0
+                                 --moe-router-load-balancing-type none --moe-token-dispatcher-type allgather);; esac
+CPU=(--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion
+     --transformer-impl local --rerun-mode disabled --no-rope-fusion --no-bias-swiglu-fusion
+     --no-masked-softmax-fusion --no-bias-dropout-fusion --no-persist-layer-norm)
+SPEC=(--spec megatron_ring.megatron.spec.hybrid reference_hybrid_stack_spec)
+if [ "$CP" -gt 1 ] && [ -z "${CONTROL:-}" ]; then SPEC=(--spec megatron_ring.megatron.spec ring_hybrid_stack_spec); fi
+PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+cd "$MLM"
+export PYTHONPATH="$MLM:$HERE${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "$PY" -m torch.distributed.run --nproc-per-node "$CP" --master-addr 127.0.0.1 --master-port "$PORT" \
+  -m megatron_ring.megatron.cpu pretrain_hybrid.py "${MODEL[@]}" "${CPU[@]}" \
+  --context-parallel-size "$CP" "${SPEC[@]}" "$@"

@@ -1,0 +1,142 @@
+"""Workers for the HybridModel tests (spawned gloo processes; 0.19 wheel: ``megatron.core.models.hybrid``).
+
+Under test: Megatron's own ``HybridModel`` built from ``ring_hybrid_stack_spec`` at CP = 1, 2, 4, batches
+split by Megatron's own ``get_batch_on_this_cp_rank`` (zigzag), Mamba / GDN layers through Megatron's own
+CP code and the CPU opt-in's pure-torch kernels. Reference: the same model from Megatron's hybrid stack
+spec without the ring (local ``DotProductAttention``) at CP = 1, one process. Same seeds, so the same
+weights. Per step: the mean loss over all tokens (each CP rank's masked sum, summed over CP, over the
+global token count); step-0 gradients summed over CP (parameters are replicated over CP).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HYBRID = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab=128, seq=64, micro_batch=2,
+              seed=1234, data_seed=11, lr=3e-3, mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+              linear_conv_kernel_dim=4, num_moe_experts=4, moe_router_topk=2)
+
+
+def config(m: dict, pattern: str, cp: int, attention_dropout: float = 0.0):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = "E" in pattern
+    kw = dict(num_moe_experts=m["num_moe_experts"], moe_router_topk=m["moe_router_topk"], moe_ffn_hidden_size=64,
+              moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
+              moe_grouped_gemm=False) if moe else {}
+    return TransformerConfig(
+        num_layers=len(pattern), hidden_size=m["hidden_size"], num_attention_heads=m["num_attention_heads"],
+        num_query_groups=m["num_query_groups"], ffn_hidden_size=2 * m["hidden_size"], context_parallel_size=cp,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=attention_dropout,
+        params_dtype=torch.float32, normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True,
+        activation_func=F.silu, bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        mamba_state_dim=m["mamba_state_dim"], mamba_head_dim=m["mamba_head_dim"], mamba_num_groups=m["mamba_num_groups"],
+        linear_key_head_dim=m["linear_key_head_dim"], linear_value_head_dim=m["linear_value_head_dim"],
+        linear_num_key_heads=m["linear_num_key_heads"], linear_num_value_heads=m["linear_num_value_heads"],
+        linear_conv_kernel_dim=m["linear_conv_kernel_dim"], **kw)
+
+
+def build(m: dict, pattern: str, cp: int, ring: bool, attention_dropout: float = 0.0):
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_ring.megatron.spec import ring_hybrid_stack_spec
+    from megatron_ring.megatron.spec.hybrid import RingHybridStackSpec
+
+    torch.manual_seed(m["seed"])
+    spec = ring_hybrid_stack_spec if ring else RingHybridStackSpec(ring=False)
+    return HybridModel(config=config(m, pattern, cp, attention_dropout), hybrid_stack_spec=spec,
+                       vocab_size=m["vocab"], max_sequence_length=m["seq"], hybrid_layer_pattern=pattern,
+                       position_embedding_type="rope", share_embeddings_and_output_weights=False)
+
+
+def make_batch(m: dict, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(m["data_seed"] * 1000 + step)
+    b, s = m["micro_batch"], m["seq"]
+    data = torch.randint(0, m["vocab"], (b, s + 1), generator=g)
+    return dict(tokens=data[:, :-1].contiguous(), labels=data[:, 1:].contiguous(),
+                loss_mask=(torch.rand(b, s, generator=g) > 0.25).float(),
+                position_ids=torch.arange(s).unsqueeze(0).expand(b, s).contiguous())
+
+
+def split(batch: dict, cp_group, how: str = "zigzag") -> dict:
+    """This CP rank's share: Megatron's own zigzag split, or (negative control) contiguous chunks."""
+    from megatron_ring.megatron import compat
+
+    if cp_group.size() == 1:
+        return batch
+    if how == "zigzag":
+        return compat.megatron_get_batch_on_this_cp_rank(dict(batch), cp_group)
+    return {k: v.chunk(cp_group.size(), dim=1)[cp_group.rank()].contiguous() for k, v in batch.items()}
+
+
+def hybrid_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, steps: int,
+                  attention_dropout: float = 0.0, how: str = "zigzag") -> dict[str, Any]:
+    """Losses per step and step-0 gradients (rank 0 returns them) of HybridModel at CP = world."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megatron_ring.megatron import megatron_cpu
+
+    if "E" in pattern and not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: torch.device("cpu")  # Megatron's MoE router gating asks for it
+    with megatron_cpu():
+        ps.initialize_model_parallel(1, 1, context_parallel_size=world)
+        try:
+            tensor_parallel.model_parallel_cuda_manual_seed(m["seed"])
+            model = build(m, pattern, world, ring, attention_dropout)
+            cp_group = ps.get_context_parallel_group()
+            opt = torch.optim.AdamW(model.parameters(), lr=m["lr"], weight_decay=0.0)
+            losses, grads0 = [], None
+            for step in range(steps):
+                opt.zero_grad(set_to_none=True)
+                full = make_batch(m, step)
+                mine = split(full, cp_group, how)
+                tok = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
+                total = full["loss_mask"].sum()
+                local = (tok * mine["loss_mask"]).sum()
+                (local / total).backward()
+                rep = local.detach().clone()
+                if world > 1:
+                    dist.all_reduce(rep, group=cp_group)
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            dist.all_reduce(p.grad, group=cp_group)
+                losses.append(float(rep / total))
+                if step == 0:
+                    grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                opt.step()
+            return dict(losses=losses, grads=grads0 if rank == 0 else None)
+        finally:
+            ps.destroy_model_parallel()
+
+
+def build_error_worker(rank: int, world: int, m: dict, pattern: str, ring: bool) -> str:
+    """The error (type: message) building HybridModel raises at CP = world, or 'built'."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megatron_ring.megatron import megatron_cpu
+
+    with megatron_cpu():
+        ps.initialize_model_parallel(1, 1, context_parallel_size=world)
+        try:
+            tensor_parallel.model_parallel_cuda_manual_seed(m["seed"])
+            try:
+                model = build(m, pattern, world, ring)
+            except Exception as e:  # noqa: BLE001 - the test reads the message
+                return f"{type(e).__name__}: {e}"
+            if world > 1:  # Megatron's local attention refuses CP > 1 in its forward, if not at build time
+                try:
+                    b = split(make_batch(m, 0), ps.get_context_parallel_group())
+                    model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+                except Exception as e:  # noqa: BLE001
+                    return f"{type(e).__name__}: {e}"
+            return "built"
+        finally:
+            ps.destroy_model_parallel()

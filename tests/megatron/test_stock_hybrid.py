@@ -1,0 +1,81 @@
+"""``--spec megatron_ring.megatron.spec ring_hybrid_stack_spec`` through Megatron's own ``pretrain()`` (0.19 wheel).
+
+tests/megatron/stock_pretrain_hybrid.py builds the run the way Megatron-LM's ``pretrain_hybrid.py`` does
+(``hybrid_config_from_args`` imports ``--spec`` as the hybrid stack spec; ``HybridModelBuilder``; Megatron's
+own zigzag batch split, RoPE and loss): nothing from megatron_ring is called except through ``--spec`` (and
+the CPU opt-in). Reference: the same script at CP=1 with ``reference_hybrid_stack_spec`` (the same stack
+with Megatron's own attention; megatron-core's TransformerEngine spec cannot be built without TE), one
+process. Per-iteration masked mean loss, fp32: CP=2 equals CP=1 within 1e-5 (pattern ``M*M-``: Mamba
+layers through Megatron's own CP, the attention layer on the ring). The control (the reference spec at
+CP=2) is refused by Megatron; a ``D`` layer is refused by name.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from tests.helpers.launch import free_port
+from tests.megatron.pretrain_cli import CPU_FLAGS
+
+from megatron_ring.megatron.compat import has_megatron_training
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not has_megatron_training(), reason="needs megatron.training (0.19 wheel)")]
+pytest.importorskip("megatron.core.models.hybrid", reason="HybridModel ships with megatron-core >= 0.19")
+pytest.importorskip("einops", reason="Megatron's Mamba layers import einops (pinned; scripts/setup_env.sh)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+SCRIPT = os.path.join(HERE, "stock_pretrain_hybrid.py")
+ITERS, MICRO = 3, 2
+MODEL = ("--hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+         "--seq-length 64 --max-position-embeddings 64 --position-embedding-type rope --normalization RMSNorm "
+         "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --hidden-dropout 0 "
+         "--attention-dropout 0 --vocab-size 128 --make-vocab-size-divisible-by 64 --tokenizer-type NullTokenizer "
+         "--seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 1000 --mamba-state-dim 16 "
+         "--mamba-head-dim 16 --mamba-num-groups 2 --micro-batch-size 2 --global-batch-size 4 "
+         f"--train-iters {ITERS} --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 "
+         "--weight-decay 0.01 --clip-grad 1.0").split() + CPU_FLAGS
+RING = ["--spec", "megatron_ring.megatron.spec", "ring_hybrid_stack_spec"]
+REFERENCE = ["--spec", "megatron_ring.megatron.spec.hybrid", "reference_hybrid_stack_spec"]
+TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
+
+
+def launch(tmp_path, name: str, nproc: int, pattern: str, *extra: str, ok: bool = True, model: list | None = None):
+    log = tmp_path / f"{name}.loss"
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keep where einops is
+    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *(MODEL if model is None else model),
+           "--hybrid-layer-pattern", pattern,
+           "--context-parallel-size", str(nproc), *extra]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    if not ok:
+        assert p.returncode != 0, f"{name} should have failed:\n{p.stdout[-2000:]}"
+        return p.stdout + p.stderr
+    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    rows = [tuple(map(float, line.split()[:2])) for line in log.read_text().splitlines()]
+    assert len(rows) == ITERS * MICRO, rows
+    losses = [sum(r[0] for r in rows[i:i + MICRO]) / sum(r[1] for r in rows[i:i + MICRO])
+              for i in range(0, len(rows), MICRO)]
+    return losses, p.stdout
+
+
+def test_stock_pretrain_hybrid_cp2_equals_cp1(tmp_path):
+    ref, out = launch(tmp_path, "cp1", 1, "M*M-", *REFERENCE)
+    assert ref[-1] < ref[0], f"the reference must train: {ref}"
+    assert "ring attention in" not in out
+    got, out = launch(tmp_path, "cp2", 2, "M*M-", *RING)
+    assert "ring attention in layers 2 (*) of 4 (pattern M*M-)" in out, out[-3000:]
+    assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+
+
+def test_stock_control_and_dsa_refused(tmp_path):
+    out = launch(tmp_path, "control", 2, "M*M-", *REFERENCE, ok=False)
+    assert "Context parallelism is only supported by TEDotProductAttention" in out, out[-3000:]
+    no_gqa = [a for a in MODEL if a not in ("--group-query-attention",)]  # D layers are MLA: no GQA flags
+    no_gqa = [a for i, a in enumerate(no_gqa) if a != "--num-query-groups" and no_gqa[i - 1] != "--num-query-groups"]
+    out = launch(tmp_path, "dsa", 1, "MD-", *RING, ok=False, model=no_gqa)
+    assert "hybrid layer 'D'" in out, out[-3000:]
