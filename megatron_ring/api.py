@@ -257,7 +257,7 @@ def _agreed_codec(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     and options), then the wire codec. ``comm_dtype`` spellings are normalised ("fp8" ==
     torch.float8_e4m3fn); a bad value is raised after the cross-rank check, never before it."""
     try:
-        codec, codec_error = make_codec(comm_dtype, q.dtype), None
+        codec, codec_error = _codec(comm_dtype, q.dtype), None
     except ValueError as exc:
         codec, codec_error = None, exc
     wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
@@ -274,6 +274,20 @@ def _agreed_codec(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             "dropout/softmax_offset/kv_pieces": extras})
     if codec_error is not None:
         raise codec_error
+    return codec
+
+
+_codecs: dict = {}  # (comm_dtype, compute dtype) -> codec; codecs hold no per-call state
+
+
+def _codec(comm_dtype: Any, dtype: torch.dtype) -> KVCodec:
+    """:func:`make_codec`, one codec object per signature (its wire layout is cached per object)."""
+    try:
+        codec = _codecs.get((comm_dtype, dtype))
+    except TypeError:  # an unhashable spelling: make_codec names the accepted ones
+        return make_codec(comm_dtype, dtype)
+    if codec is None:
+        codec = _codecs[comm_dtype, dtype] = make_codec(comm_dtype, dtype)
     return codec
 
 
