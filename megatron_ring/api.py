@@ -142,7 +142,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     block_kernel = call.refusing(select_kernel, qh, kernel)
     plan = call.plan(lay, mask, scale, block_kernel, qh, vh,
                      _dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world))
-    return call.repack(_dispatch(call, qh, kh, vh, plan, _sink(softmax_offset, qh)))
+    return call.repack(_dispatch(call, q, k, v, qh, kh, vh, plan, _sink(softmax_offset, qh)))
 
 
 def _check_tensors(q: Any, k: Any, v: Any) -> None:
@@ -188,12 +188,20 @@ class _Call:
         self.s_dim = 1 if self.qkv_format == "bshd" else 0
         return q, k, v
 
+    @property
+    def perm(self) -> tuple[int, ...]:
+        """``t.permute(perm)`` is the BHSD view of a tensor in the call's format."""
+        return (0, 2, 1, 3) if self.qkv_format == "bshd" else (1, 2, 0, 3)
+
     def bhsd(self, t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2) if self.qkv_format == "bshd" else t.permute(1, 2, 0, 3)
 
+    def from_bhsd(self, out: torch.Tensor) -> torch.Tensor:
+        """A BHSD tensor in the call's format (a view)."""
+        return out.transpose(1, 2) if self.qkv_format == "bshd" else out.permute(2, 0, 1, 3)
+
     def repack(self, out: torch.Tensor) -> torch.Tensor:
-        """The BHSD output in the caller's format, contiguous (e.g. q was a non-dense view)."""
-        out = out.transpose(1, 2) if self.qkv_format == "bshd" else out.permute(2, 0, 1, 3)
+        """The output in the caller's format, contiguous (e.g. q was a non-dense view)."""
         out = out.squeeze(0) if self.thd else out
         return out if out.is_contiguous() else out.contiguous()
 
@@ -291,13 +299,15 @@ def _codec(comm_dtype: Any, dtype: torch.dtype) -> KVCodec:
     return codec
 
 
-def _dispatch(call: _Call, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan,
-              sink: torch.Tensor | None) -> torch.Tensor:
-    """The exchange: the ring itself, or another comm type (same plan and schedule; sinks, dropout too)."""
+def _dispatch(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor,
+              vh: torch.Tensor, plan: RingPlan, sink: torch.Tensor | None) -> torch.Tensor:
+    """The exchange: the ring itself, or another comm type (same plan and schedule; sinks, dropout too).
+    ``q, k, v`` in the call's format, ``qh, kh, vh`` their BHSD views; returns the output in the call's
+    format (the ring takes the call's format itself: no autograd view nodes around it)."""
     if call.comm_type == "p2p":
-        return RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], call.head_chunks), sink)
-    return run_strategy(call.comm_type, qh, kh, vh, plan, head_chunks=call.head_chunks,
-                        hierarchical_groups=call.hierarchical_groups, sink=sink)
+        return RingAttentionFunction.apply(q, k, v, plan, head_groups(kh.shape[1], call.head_chunks), sink, call.perm)
+    return call.from_bhsd(run_strategy(call.comm_type, qh, kh, vh, plan, head_chunks=call.head_chunks,
+                                       hierarchical_groups=call.hierarchical_groups, sink=sink))
 
 
 def _pieces(requested: Any, q: torch.Tensor, k: torch.Tensor, s_dim: int) -> int:

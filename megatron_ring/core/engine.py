@@ -308,11 +308,17 @@ class _Accumulators:
         self.all = k.new_zeros((slots, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
         self.rot = Rotation(ring, list(self.all.unbind(0)), "bwd_dkv", start_for(n, ring.world)) \
             if ring.world > 1 else None
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def views(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """dK, dV of piece ``j`` of the visiting block, as BHSD views ``[b, h_kv / n, s, d]``."""
-        slot = (self.rot.piece(j) if self.rot is not None else self.all[0]).permute(1, 0, 2, 3)
-        return slot[..., :self.dk], slot[..., self.dk:]
+        """dK, dV of piece ``j`` of the visiting block, as BHSD views ``[b, h_kv / n, s, d]`` (made once
+        per slot)."""
+        at = self.rot.cur[j] if self.rot is not None else 0
+        got = self._views.get(at)
+        if got is None:
+            slot = self.all[at].permute(1, 0, 2, 3)
+            got = self._views[at] = (slot[..., :self.dk], slot[..., self.dk:])
+        return got
 
     def arrived(self, j: int, step: int) -> None:
         if self.rot is not None:
@@ -399,16 +405,32 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
-                heads: list[slice], sink: torch.Tensor | None = None) -> torch.Tensor:
-        """``sink``: optional fp32 ``[h]`` softmax offsets (attention sinks), folded into the lse."""
+                heads: list[slice], sink: torch.Tensor | None = None,
+                perm: tuple[int, ...] | None = None) -> torch.Tensor:
+        """``sink``: optional fp32 ``[h]`` softmax offsets (attention sinks), folded into the lse.
+
+        ``perm``: q, k, v come in the caller's layout, ``t.permute(perm)`` is BHSD; the output (and the
+        gradients) are returned in the caller's layout. The views are made here, so autograd records no
+        view nodes around the call (less host time per call)."""
+        ctx.perm = perm
+        if perm is not None:
+            q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
         out, lse = forward_by_heads(q, v, heads, lambda hs, qs: ring_forward(
             q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs)), sink)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan, ctx.heads = plan, heads
-        return out
+        return out if perm is None else out.permute(_inverse(perm))
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
+        if ctx.perm is None:
+            return RingAttentionFunction._backward(ctx, dout)
+        inv = _inverse(ctx.perm)
+        dq, dk, dv, *extra = RingAttentionFunction._backward(ctx, dout.permute(ctx.perm))
+        return (dq.permute(inv), dk.permute(inv), dv.permute(inv), *extra)
+
+    @staticmethod
+    def _backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse, sink = ctx.saved_tensors
         if dout.stride() != out.stride():
             dout = torch.empty_like(out).copy_(dout)
@@ -427,6 +449,14 @@ class RingAttentionFunction(torch.autograd.Function):
                 whole[:, sl].copy_(part)
             del parts
         return (dq, dk, dv, *extra)
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes ``perm``."""
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
 
 
 def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],

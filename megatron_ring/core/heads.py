@@ -1,14 +1,21 @@
 """Head bookkeeping shared by the engine and the strategies."""
 from __future__ import annotations
 
+import functools
+
 __all__ = ["head_groups", "kv_replication"]
 
 
 def head_groups(h_kv: int, groups: int) -> list[slice]:
     """Split K/V heads ``[0, h_kv)`` into ``groups`` near-equal slices (at most one slice per head)."""
-    n = max(1, min(int(groups), h_kv))
+    return list(_head_groups(h_kv, int(groups)))
+
+
+@functools.lru_cache(maxsize=256)
+def _head_groups(h_kv: int, groups: int) -> tuple[slice, ...]:
+    n = max(1, min(groups, h_kv))
     bounds = [round(i * h_kv / n) for i in range(n + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    return tuple(slice(a, b) for a, b in zip(bounds, bounds[1:]))
 
 
 def kv_replication(h: int, h_kv: int, world: int) -> int:

@@ -8,7 +8,7 @@ How: one process, one thread, the loopback transport (:class:`~megatron_ring.tra
 the same schedule as P ranks, every exchange a local copy of a tiny block), and an INSTANT kernel
 (:class:`InstantKernel`: returns results of the right shape made once per shape, so each kernel call costs
 one Python call and nothing else). Per world size P a call is timed ``--iters`` times after a warm-up
-(median). A call runs P forward steps and P backward steps, so the per-call time is fitted (least squares
+(median of the thread's CPU time; the world sizes take turns). A call runs P forward steps and P backward steps, so the per-call time is fitted (least squares
 over P = 2..8) as ``fixed + per_step * 2P``: ``per_step`` is the host time of one ring step, ``fixed`` what a
 call costs on top of its steps (argument checks, plan and buffers, autograd).
 
@@ -60,31 +60,44 @@ class InstantKernel(BlockKernel):
             torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
 
 
+#: calls in a row per world size before the next one takes its turn
+BURST = 10
+
+
 def host_times(world_sizes, seq_local: int = 64, heads: int = 8, head_dim: int = 64, causal: bool = False,
                iters: int = 200, warmup: int = 20) -> dict[int, float]:
-    """Median seconds of one forward+backward ``ring_attention`` call per world size (loopback ring,
-    instant kernel, ``[1, seq_local, heads, head_dim]`` fp32 per rank, zigzag)."""
+    """Median seconds of the calling thread's CPU time for one forward+backward ``ring_attention`` call, per
+    world size (loopback ring, instant kernel, ``[1, seq_local, heads, head_dim]`` fp32 per rank, zigzag).
+
+    CPU time of this thread, not wall-clock time: with one torch thread every op (the backward included)
+    runs on this thread, and time the machine's other load takes from it is not counted. The world sizes
+    take turns every :data:`BURST` calls, so what remains of a drifting load hits them alike."""
     torch.set_num_threads(1)
-    out = {}
+    calls = {}
     for world in world_sizes:
         ring, kernel = LoopbackRing(world, 0, torch.device("cpu")), InstantKernel()
         g = torch.Generator().manual_seed(world)
         q, k, v = (torch.randn(1, seq_local, heads, head_dim, generator=g).requires_grad_() for _ in range(3))
         dout = torch.randn(1, seq_local, heads, head_dim, generator=g)
 
-        def call():
+        def call(q=q, k=k, v=v, dout=dout, ring=ring, kernel=kernel):
             ring_attention(q, k, v, causal=causal, ring=ring, kernel=kernel, layout="zigzag").backward(dout)
             q.grad = k.grad = v.grad = None
 
-        for _ in range(warmup):
+        calls[world] = call
+    for _ in range(warmup):
+        for call in calls.values():
             call()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        out[world] = statistics.median(times)
-    return out
+    times: dict[int, list[float]] = {w: [] for w in calls}
+    clock = time.thread_time_ns
+    for _ in range(max(1, iters // BURST)):
+        for world, call in calls.items():
+            call()  # a warm cache, as in a layer's steady state (not measured)
+            for _ in range(BURST):
+                t0 = clock()
+                call()
+                times[world].append((clock() - t0) * 1e-9)
+    return {w: statistics.median(t) for w, t in times.items()}
 
 
 def fit(times: dict[int, float]) -> tuple[float, float]:
