@@ -124,6 +124,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     Returns:
         The attention output with q's shape and dtype, contiguous in ``qkv_format``.
     """
+    if torch.compiler.is_compiling():  # torch.compile: ONE graph break, the ring runs eagerly (docs/compile.md)
+        return _eager_ring_attention(
+            q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale, qkv_format=qkv_format,
+            comm_dtype=comm_dtype, kernel=kernel, check_consistency=check_consistency, timeout_s=timeout_s,
+            head_chunks=head_chunks, ring=ring, cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
+            hierarchical_groups=hierarchical_groups, softmax_offset=softmax_offset, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, kv_pieces=kv_pieces)
     _check_tensors(q, k, v)
     if ring is None:
         ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else _default_timeout())
@@ -143,6 +150,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     plan = call.plan(lay, mask, scale, block_kernel, qh, vh,
                      _dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world))
     return call.repack(_dispatch(call, q, k, v, qh, kh, vh, plan, _sink(softmax_offset, qh)))
+
+
+#: ``ring_attention`` as torch.compile sees it: never traced (its exchanges wait on the host, its status is
+#: read on the host), called eagerly between the compiled graphs before and after it
+_eager_ring_attention = torch.compiler.disable(
+    ring_attention, reason="megatron_ring: the ring's exchanges and in-band status run eagerly (docs/compile.md)")
 
 
 def _check_tensors(q: Any, k: Any, v: Any) -> None:

@@ -413,25 +413,31 @@ class RingAttentionFunction(torch.autograd.Function):
         gradients) are returned in the caller's layout. The views are made here, so autograd records no
         view nodes around the call (less host time per call)."""
         ctx.perm = perm
+        inputs = (q, k, v)
         if perm is not None:
             q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
         out, lse = forward_by_heads(q, v, heads, lambda hs, qs: ring_forward(
             q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs)), sink)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
+        if perm is not None:
+            out = out.permute(_inverse(perm))
+        ctx.save_for_backward(*inputs, out, lse, sink)  # the inputs and the output themselves (no aliases)
         ctx.plan, ctx.heads = plan, heads
-        return out if perm is None else out.permute(_inverse(perm))
+        return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        if ctx.perm is None:
-            return RingAttentionFunction._backward(ctx, dout)
-        inv = _inverse(ctx.perm)
-        dq, dk, dv, *extra = RingAttentionFunction._backward(ctx, dout.permute(ctx.perm))
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        perm = ctx.perm
+        if perm is None:
+            return RingAttentionFunction._backward(ctx, dout, q, k, v, out, lse, sink)
+        inv = _inverse(perm)
+        dq, dk, dv, *extra = RingAttentionFunction._backward(
+            ctx, dout.permute(perm), q.permute(perm), k.permute(perm), v.permute(perm), out.permute(perm), lse, sink)
         return (dq.permute(inv), dk.permute(inv), dv.permute(inv), *extra)
 
     @staticmethod
-    def _backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse, sink = ctx.saved_tensors
+    def _backward(ctx, dout, q, k, v, out, lse, sink):
+        """The backward on BHSD views."""
         if dout.stride() != out.stride():
             dout = torch.empty_like(out).copy_(dout)
         extra = [None] * (len(ctx.needs_input_grad) - 3)  # plan, heads[, sink]
