@@ -14,13 +14,15 @@ the ``[b, s, h, d]`` tensors a projection layer produces (what ours takes), ``to
 ``[b, h, s, d]`` copies made beforehand (its best case: no ``contiguous()`` copies inside, the layout the
 CPU kernel prefers). The modes take turns every iteration, order rotating; a time is the slowest rank's
 forward+backward after a barrier; the ratio is the median over iterations of the within-iteration
-ratio. Memory: each mode alone in fresh processes, peak resident memory per rank above the baseline
+ratio; the CPU ratio compares the busiest rank's process CPU seconds per call (all threads) the same
+way, a measure the machine's other load stretches less than wall-clock time. Memory: each mode alone in fresh processes, peak resident memory per rank above the baseline
 after a tiny warm-up (the main benchmark's method). Outputs of the two rings are compared once (they
 must agree to fp32 rounding).
 """
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 from megatron_ring.timing import timed
@@ -117,10 +119,13 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     diff = float((a - b).abs().max())
     names = list(calls)
     times: dict[str, list[float]] = {m: [] for m in names}
+    cpu: dict[str, list[float]] = {m: [] for m in names}
     for it in range(cfg["iters"]):
         for m in names[it % len(names):] + names[:it % len(names)]:
+            c0 = time.process_time()
             times[m] += timed(calls[m], 1, dist.barrier)
-    return {"times": times, "max_abs_diff": diff}
+            cpu[m].append(time.process_time() - c0)
+    return {"times": times, "cpu": cpu, "max_abs_diff": diff}
 
 
 def _memory_worker(rank: int, world: int, cfg: dict[str, Any]) -> float:
@@ -158,6 +163,11 @@ def run_torch_ring(world_sizes, seqs, causal_list=(True, False), heads: int = 8,
                            **{f"{m}_s": statistics.median(slowest[m]) for m in MODES})
                 for m in MODES[1:]:
                     row[f"ours/{m}"] = statistics.median(a / b for a, b in zip(slowest["ours"], slowest[m]))
+                # CPU seconds of the busiest rank's process (every thread: gloo's included): the work a call
+                # costs, which the machine's other load does not stretch as it stretches wall-clock time
+                busiest = {m: [max(t) for t in zip(*(r["cpu"][m] for r in per_rank))] for m in MODES}
+                for m in MODES[1:]:
+                    row[f"cpu ours/{m}"] = statistics.median(a / b for a, b in zip(busiest["ours"], busiest[m]))
                 if memory:
                     for m in MODES:
                         row[f"{m}_mib"] = max(run_on_ranks(_memory_worker, world, dict(cfg, mode=m),
@@ -171,6 +181,7 @@ def format_torch_ring(rows: list[dict[str, Any]], header: bool = True) -> str:
     cols = [("seq", "S", "{}"), ("P", "P", "{}"), ("causal", "causal", "{}"), ("ours_s", "ours s", "{:.3f}"),
             ("torch (views)_s", "torch views s", "{:.3f}"), ("torch (BHSD)_s", "torch BHSD s", "{:.3f}"),
             ("ours/torch (views)", "ours/views", "{:.3f}"), ("ours/torch (BHSD)", "ours/BHSD", "{:.3f}"),
+            ("cpu ours/torch (views)", "cpu o/views", "{:.3f}"), ("cpu ours/torch (BHSD)", "cpu o/BHSD", "{:.3f}"),
             ("ours_mib", "ours MiB", "{:.0f}"), ("torch (views)_mib", "views MiB", "{:.0f}"),
             ("torch (BHSD)_mib", "BHSD MiB", "{:.0f}"), ("max_abs_diff", "max|diff|", "{:.1e}")]
     lines = [" | ".join(f"{t:>9}" for _, t, _ in cols)] if header else []
