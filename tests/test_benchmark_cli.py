@@ -66,3 +66,22 @@ def test_instant_kernel_leaves_the_engine_running_unchanged():
     ring_attention(q, k, v, causal=True, ring=ring, kernel=InstantKernel()).sum().backward()
     assert ring.bytes_sent["fwd_kv"] > 0 and ring.bytes_sent["bwd_dkv"] > 0
     assert not q.grad.any() and not k.grad.any()
+
+
+def test_torch_ring_row_agrees_and_pairs_ratios():
+    """Ours vs PyTorch's ring: both rings compute the same attention on the same shards (fp32 rounding),
+    and every ratio / memory column is filled."""
+    rows = benchmark.main(["--torch-ring", "--world-sizes", "2", "--seq", "64", "--heads", "2", "--head-dim", "8",
+                           "--iters", "2", "--timeout", "300"])
+    assert [(r["P"], r["causal"]) for r in rows] == [(2, True), (2, False)]
+    for r in rows:
+        # |out| <= max|v| ~ 4 for these normal inputs; two fp32 merges of 32 keys differ by a few ulps
+        assert r["max_abs_diff"] < 64 * torch_eps()
+        for m in ("torch (views)", "torch (BHSD)"):
+            assert r[f"ours/{m}"] > 0 and r[f"cpu ours/{m}"] > 0 and r[f"{m}_mib"] >= 0
+
+
+def torch_eps() -> float:
+    import torch
+
+    return torch.finfo(torch.float32).eps

@@ -140,6 +140,7 @@ class _KVStream:
         #: of the slot (the identity wire): made once per ring, not once per step
         self.local = [(k, v) if _covers(hs, h_kv) else (k[:, hs], v[:, hs]) for hs in self.heads]
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._exact = self.rot is not None and _decodes_to_views(plan.codec, self.spec)
 
     def block(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Piece ``j`` of the K, V visiting at ``step`` (local tensors at step 0, decoded wire data after).
@@ -167,7 +168,7 @@ class _KVStream:
         got = self._views.get(slot)
         if got is not None:
             return got
-        views = _decodes_to_views(self.plan.codec, self.spec)
+        views = self._exact
         if exact_only and not views:
             return None
         buf = self.rot.slots[slot]
