@@ -124,6 +124,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     Returns:
         The attention output with q's shape and dtype, contiguous in ``qkv_format``.
     """
+    if torch.compiler.is_compiling():  # torch.compile: ONE graph break, the ring runs eagerly (docs/compile.md)
+        return _eager_ring_attention(
+            q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale, qkv_format=qkv_format,
+            comm_dtype=comm_dtype, kernel=kernel, check_consistency=check_consistency, timeout_s=timeout_s,
+            head_chunks=head_chunks, ring=ring, cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
+            hierarchical_groups=hierarchical_groups, softmax_offset=softmax_offset, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, kv_pieces=kv_pieces)
     _check_tensors(q, k, v)
     if ring is None:
         ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else _default_timeout())
@@ -142,7 +149,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     block_kernel = call.refusing(select_kernel, qh, kernel)
     plan = call.plan(lay, mask, scale, block_kernel, qh, vh,
                      _dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world))
-    return call.repack(_dispatch(call, qh, kh, vh, plan, _sink(softmax_offset, qh)))
+    return call.repack(_dispatch(call, q, k, v, qh, kh, vh, plan, _sink(softmax_offset, qh)))
+
+
+#: ``ring_attention`` as torch.compile sees it: never traced (its exchanges wait on the host, its status is
+#: read on the host), called eagerly between the compiled graphs before and after it
+_eager_ring_attention = torch.compiler.disable(
+    ring_attention, reason="megatron_ring: the ring's exchanges and in-band status run eagerly (docs/compile.md)")
 
 
 def _check_tensors(q: Any, k: Any, v: Any) -> None:
@@ -188,12 +201,20 @@ class _Call:
         self.s_dim = 1 if self.qkv_format == "bshd" else 0
         return q, k, v
 
+    @property
+    def perm(self) -> tuple[int, ...]:
+        """``t.permute(perm)`` is the BHSD view of a tensor in the call's format."""
+        return (0, 2, 1, 3) if self.qkv_format == "bshd" else (1, 2, 0, 3)
+
     def bhsd(self, t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2) if self.qkv_format == "bshd" else t.permute(1, 2, 0, 3)
 
+    def from_bhsd(self, out: torch.Tensor) -> torch.Tensor:
+        """A BHSD tensor in the call's format (a view)."""
+        return out.transpose(1, 2) if self.qkv_format == "bshd" else out.permute(2, 0, 1, 3)
+
     def repack(self, out: torch.Tensor) -> torch.Tensor:
-        """The BHSD output in the caller's format, contiguous (e.g. q was a non-dense view)."""
-        out = out.transpose(1, 2) if self.qkv_format == "bshd" else out.permute(2, 0, 1, 3)
+        """The output in the caller's format, contiguous (e.g. q was a non-dense view)."""
         out = out.squeeze(0) if self.thd else out
         return out if out.is_contiguous() else out.contiguous()
 
@@ -257,7 +278,7 @@ def _agreed_codec(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     and options), then the wire codec. ``comm_dtype`` spellings are normalised ("fp8" ==
     torch.float8_e4m3fn); a bad value is raised after the cross-rank check, never before it."""
     try:
-        codec, codec_error = make_codec(comm_dtype, q.dtype), None
+        codec, codec_error = _codec(comm_dtype, q.dtype), None
     except ValueError as exc:
         codec, codec_error = None, exc
     wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
@@ -280,13 +301,29 @@ def _agreed_codec(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return codec
 
 
-def _dispatch(call: _Call, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan,
-              sink: torch.Tensor | None) -> torch.Tensor:
-    """The exchange: the ring itself, or another comm type (same plan and schedule; sinks, dropout too)."""
+_codecs: dict = {}  # (comm_dtype, compute dtype) -> codec; codecs hold no per-call state
+
+
+def _codec(comm_dtype: Any, dtype: torch.dtype) -> KVCodec:
+    """:func:`make_codec`, one codec object per signature (its wire layout is cached per object)."""
+    try:
+        codec = _codecs.get((comm_dtype, dtype))
+    except TypeError:  # an unhashable spelling: make_codec names the accepted ones
+        return make_codec(comm_dtype, dtype)
+    if codec is None:
+        codec = _codecs[comm_dtype, dtype] = make_codec(comm_dtype, dtype)
+    return codec
+
+
+def _dispatch(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor,
+              vh: torch.Tensor, plan: RingPlan, sink: torch.Tensor | None) -> torch.Tensor:
+    """The exchange: the ring itself, or another comm type (same plan and schedule; sinks, dropout too).
+    ``q, k, v`` in the call's format, ``qh, kh, vh`` their BHSD views; returns the output in the call's
+    format (the ring takes the call's format itself: no autograd view nodes around it)."""
     if call.comm_type == "p2p":
-        return RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], call.head_chunks), sink)
-    return run_strategy(call.comm_type, qh, kh, vh, plan, head_chunks=call.head_chunks,
-                        hierarchical_groups=call.hierarchical_groups, sink=sink)
+        return RingAttentionFunction.apply(q, k, v, plan, head_groups(kh.shape[1], call.head_chunks), sink, call.perm)
+    return call.from_bhsd(run_strategy(call.comm_type, qh, kh, vh, plan, head_chunks=call.head_chunks,
+                                       hierarchical_groups=call.hierarchical_groups, sink=sink))
 
 
 def _pieces(requested: Any, q: torch.Tensor, k: torch.Tensor, s_dim: int) -> int:

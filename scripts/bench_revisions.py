@@ -8,6 +8,14 @@ one thread each, timing forward+backward of ``megatron_ring.ring_attention`` (zi
 ``--iters`` calls after one warm-up call; a call's time is the slowest rank's. Printed per (P, causal):
 each revision's median, and the median over rounds of the within-round ratio B/A with its spread (min-max),
 which is the noise to compare against. Uses only ``ring_attention``, whose signature both revisions share.
+
+    .venv/bin/python scripts/bench_revisions.py 76eb4bf HEAD --host-time --rounds 5
+
+``--host-time``: per round each revision runs THIS checkout's ``megatron_ring/tools/bench/host_time.py``
+(the engine's own host time: loopback ring, instant kernel, P = 2..8, one process, one thread; it uses only
+``ring_attention``, ``LoopbackRing`` and ``BlockKernel``, which older revisions have too) against its own
+library, order alternating; printed per causal: each revision's median fitted host time per ring step and
+fixed per call, and the medians over rounds of the within-round ratios B/A with their spread.
 """
 from __future__ import annotations
 
@@ -77,6 +85,49 @@ def _run(tree: str, world: int, cfg: dict, timeout: float) -> float:
     return statistics.median(json.loads(line[len("RESULT "):]))
 
 
+HOST_TIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "megatron_ring", "tools", "bench",
+                         "host_time.py")
+
+
+def _host_time(tree: str, iters: int, timeout: float) -> list[dict]:
+    """One run of the host-time row (this checkout's script) against the library in ``tree``."""
+    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, os.path.abspath(HOST_TIME), "--json", "--iters", str(iters)], env=env,
+                         cwd=tree, capture_output=True, text=True, timeout=timeout)
+    if res.returncode:
+        raise RuntimeError(f"host-time run failed in {tree}:\n{res.stderr[-2000:]}")
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def _host_time_rows(trees: list[str], a) -> list[dict]:
+    runs: dict[int, list[list[dict]]] = {0: [], 1: []}
+    for rnd in range(a.rounds):
+        for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
+            runs[i].append(_host_time(trees[i], a.iters, a.timeout))
+    rows = []
+    for c, causal in enumerate((False, True)):
+        row = dict(causal=causal)
+        for key in ("per_step_s", "fixed_s"):
+            xa = [r[c][key] for r in runs[0]]
+            xb = [r[c][key] for r in runs[1]]
+            ratios = [b / x for x, b in zip(xa, xb)]
+            row[key] = dict(a=statistics.median(xa), b=statistics.median(xb), ratio=statistics.median(ratios),
+                            ratio_min=min(ratios), ratio_max=max(ratios))
+        for i, side in ((0, "a"), (1, "b")):
+            row[f"{side}_call_s"] = {p: statistics.median(r[c]["call_s"][p] for r in runs[i]) for p in runs[i][0][c]["call_s"]}
+        rows.append(row)
+        ps, st, fx = list(row["a_call_s"]), row["per_step_s"], row["fixed_s"]
+        print(f"causal={causal!s:5}  per step: {a.rev_a} {st['a'] * 1e3:.3f} ms  {a.rev_b} {st['b'] * 1e3:.3f} ms  ratio "
+              f"{st['ratio']:.3f} ({st['ratio_min']:.3f}-{st['ratio_max']:.3f});  fixed per call: {a.rev_a} "
+              f"{fx['a'] * 1e3:.3f} ms  {a.rev_b} {fx['b'] * 1e3:.3f} ms  ratio {fx['ratio']:.3f} "
+              f"({fx['ratio_min']:.3f}-{fx['ratio_max']:.3f})", flush=True)
+        for side, rev in (("a", a.rev_a), ("b", a.rev_b)):
+            print(f"    {rev:>10} call ms: " + "  ".join(f"P={p} {row[f'{side}_call_s'][p] * 1e3:.3f}" for p in ps),
+                  flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rev_a")
@@ -89,7 +140,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json")
+    ap.add_argument("--host-time", action="store_true", help="compare the engine's host time per ring step and "
+                    "per call instead (megatron_ring/tools/bench/host_time.py; --iters calls per P, default 200)")
     a = ap.parse_args(argv)
+    if a.host_time and a.iters == 3:
+        a.iters = 200
     repo = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()
     with tempfile.TemporaryDirectory() as tmp:
         trees = []
@@ -98,8 +153,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             subprocess.check_call(["git", "-C", repo, "worktree", "add", "-q", "--detach", path, rev])
             trees.append(path)
         try:
-            rows = []
-            for world in a.world_sizes:
+            rows = _host_time_rows(trees, a) if a.host_time else []
+            for world in ([] if a.host_time else a.world_sizes):
                 for causal in (True, False):
                     cfg = dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, iters=a.iters, causal=causal)
                     t = {0: [], 1: []}

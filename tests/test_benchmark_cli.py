@@ -36,3 +36,52 @@ def test_breakdown_one_table_per_piece_count():
         # every exchange launch is timed (a real gloo ring: step 0 starts the first K/V hop)
         assert r["mean"].get("fwd|0|launch", 0.0) > 0, r["mean"]
         assert 0 <= r["other_s"] < r["total_s"]  # each rank's own untimed rest (timed regions never nest)
+
+
+def test_host_time_row_fits_per_step_and_fixed():
+    from megatron_ring.tools.bench import host_time
+
+    rows = benchmark.main(["--host-time", "--world-sizes", "2", "3", "--block-len", "8", "--heads", "2",
+                           "--head-dim", "8", "--iters", "3"])
+    assert [r["causal"] for r in rows] == [False, True]
+    for r in rows:
+        assert set(r["call_s"]) == {"2", "3"} and all(t > 0 for t in r["call_s"].values())
+        # two points: the fit goes through both
+        assert r["fixed_s"] + r["per_step_s"] * 4 == pytest.approx(r["call_s"]["2"])
+        assert r["fixed_s"] + r["per_step_s"] * 6 == pytest.approx(r["call_s"]["3"])
+    assert host_time.fit({2: 1.0, 4: 2.0, 6: 3.0}) == pytest.approx((0.25, 0.0))
+
+
+def test_instant_kernel_leaves_the_engine_running_unchanged():
+    """The host-time row's kernel does nothing, yet the engine runs its whole schedule: every merge,
+    wire copy and gradient add happens (zero kernel results give zero gradients; the ring's bytes move)."""
+    import torch
+
+    from megatron_ring import ring_attention
+    from megatron_ring.tools.bench.host_time import InstantKernel
+    from megatron_ring.transport.ring import LoopbackRing
+
+    ring = LoopbackRing(4, 1, torch.device("cpu"))
+    q, k, v = (torch.randn(1, 8, 2, 4, requires_grad=True) for _ in range(3))
+    ring_attention(q, k, v, causal=True, ring=ring, kernel=InstantKernel()).sum().backward()
+    assert ring.bytes_sent["fwd_kv"] > 0 and ring.bytes_sent["bwd_dkv"] > 0
+    assert not q.grad.any() and not k.grad.any()
+
+
+def test_torch_ring_row_agrees_and_pairs_ratios():
+    """Ours vs PyTorch's ring: both rings compute the same attention on the same shards (fp32 rounding),
+    and every ratio / memory column is filled."""
+    rows = benchmark.main(["--torch-ring", "--world-sizes", "2", "--seq", "64", "--heads", "2", "--head-dim", "8",
+                           "--iters", "2", "--timeout", "300"])
+    assert [(r["P"], r["causal"]) for r in rows] == [(2, True), (2, False)]
+    for r in rows:
+        # |out| <= max|v| ~ 4 for these normal inputs; two fp32 merges of 32 keys differ by a few ulps
+        assert r["max_abs_diff"] < 64 * torch_eps()
+        for m in ("torch (views)", "torch (BHSD)"):
+            assert r[f"ours/{m}"] > 0 and r[f"cpu ours/{m}"] > 0 and r[f"{m}_mib"] >= 0
+
+
+def torch_eps() -> float:
+    import torch
+
+    return torch.finfo(torch.float32).eps

@@ -175,3 +175,34 @@ def test_streaming_terms_follow_the_piece_count():
     assert abs((bwd[1] - bwd[8]) - dkv32 * (1 - 1 / 8) / 1e12) <= F64_REL * bwd[1]  # rounding of the sums
     fwd = {n: predict("p2p", Problem(kv_pieces=n, **kw), 4, m)["fwd_s"] for n in (1, 8)}
     assert fwd[1] == fwd[8]  # forward hides every piece's exchange under that piece's compute
+
+
+def test_machine_presets_fill_the_planner(capsys):
+    """``--machine NAME``: link numbers and the default kernel rate from the preset; explicit flags win;
+    an unknown name or a missing number without a preset names the fix."""
+    import pytest
+
+    from megatron_ring.tools.machines import KERNEL_FRACTION, MACHINES, machine
+
+    assert set(MACHINES) == {"h100-sxm", "h800", "a100", "b200", "gb200-nvl72"}
+    assert machine("H100 SXM") is machine("h100") is MACHINES["h100-sxm"]
+    assert machine("GB200_NVL72").gpus_per_node == 72
+    h800 = MACHINES["h800"]
+    assert h800.intra_node == 200e9 and h800.kernel_flops == KERNEL_FRACTION * 989e12
+    shape = ["--seq-length", "65536", "--hidden-size", "4096", "--num-attention-heads", "32", "--num-query-groups",
+             "8", "--context-parallel-size", "8", "16"]
+    res = plan.main(["--machine", "h800"] + shape)
+    inp = res["inputs"]
+    assert (inp["intra_node_bandwidth"], inp["inter_node_bandwidth"], inp["gpus_per_node"], inp["flops"]) == (
+        200e9, 50e9, 8, h800.kernel_flops)
+    # CP 16 spans two 8-GPU nodes: the ring runs at the inter-node rate, so it is slower per token than on NVL72
+    nvl = plan.main(["--machine", "gb200-nvl72", "--flops", str(h800.kernel_flops)] + shape)
+    assert nvl["inputs"]["flops"] == h800.kernel_flops  # an explicit flag overrides the preset's default
+    ring = lambda r, cp: next(x for x in r["rows"] if x["cp"] == cp and x["comm_type"] == "p2p"  # noqa: E731
+                              and x["layout"] == "zigzag")
+    assert ring(nvl, 16)["time_s"] < ring(res, 16)["time_s"]
+    with pytest.raises(SystemExit, match="presets: h100-sxm"):
+        plan.main(["--machine", "tpu"] + shape)
+    with pytest.raises(SystemExit, match="--intra-node-bandwidth is required without --machine"):
+        plan.main(["--flops", "1e12"] + shape)
+    capsys.readouterr()

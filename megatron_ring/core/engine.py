@@ -24,6 +24,7 @@ the other ranks see the status and raise instead of waiting (:mod:`.status`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable, NoReturn
 
@@ -136,21 +137,47 @@ class _KVStream:
             # an error is raised after the ring, on every rank
             self.status.encode_pieces([(k[:, hs], v[:, hs]) for hs in self.heads],
                                       [self.rot.piece(j) for j in range(n)])
+        #: the local block's pieces (step 0), and per slot its decoded K, V where decoding only makes views
+        #: of the slot (the identity wire): made once per ring, not once per step
+        self.local = [(k, v) if _covers(hs, h_kv) else (k[:, hs], v[:, hs]) for hs in self.heads]
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._exact = self.rot is not None and _decodes_to_views(plan.codec, self.spec)
 
     def block(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Piece ``j`` of the K, V visiting at ``step`` (local tensors at step 0, decoded wire data after).
         Unless this is the last step, the piece is first passed on to the next rank, so that exchange
         overlaps this piece's compute."""
-        hs = self.heads[j]
         if self.rot is not None and step + 1 < self.steps:
             self.rot.pass_on(j, step)
         if step == 0:
-            return self.k[:, hs], self.v[:, hs]
+            # the local piece: as encoded in its slot where that is exact (a view of the slot: the identity
+            # wire), as the kernels prefer (dense [b, h, s, d]; a [b, s, h, d] caller's K/V are strided:
+            # ~3% slower per CPU flash call, measured), else the caller's K/V
+            if self.rot is not None:
+                got = self._decoded(step, self.rot.cur[j])
+                if got is not None:
+                    return got
+            return self.local[j]
         self.rot.arrived(j, step)
-        buf = self.rot.piece(j)
-        self.status.received((self.plan.ring.rank - step) % self.plan.ring.world, buf)
+        slot = self.rot.cur[j]
+        self.status.received((self.plan.ring.rank - step) % self.plan.ring.world, self.rot.slots[slot])
+        return self._decoded(step, slot, exact_only=False)
+
+    def _decoded(self, step: int, slot: int, exact_only: bool = True):
+        """K, V decoded from ``slot``; made once per slot where decoding makes views of it (the identity
+        wire: they follow its contents). ``exact_only``: None unless decoding makes such views."""
+        got = self._views.get(slot)
+        if got is not None:
+            return got
+        views = self._exact
+        if exact_only and not views:
+            return None
+        buf = self.rot.slots[slot]
         with breakdown.timed(step, "decode"):
-            return self.plan.codec.decode(buf[:-1], self.spec)
+            got = self.plan.codec.decode(buf[:-1], self.spec)
+        if views:
+            self._views[slot] = got
+        return got
 
     def advance(self) -> None:
         """The step is over: the next block becomes the visiting one."""
@@ -163,6 +190,15 @@ class _KVStream:
             self.rot.drain(step)
             POOL.give(*self.rot.slots)
             self.rot = None
+
+
+@functools.lru_cache(maxsize=64)
+def _decodes_to_views(codec: KVCodec, spec: KVSpec) -> bool:
+    """Whether ``codec`` decodes a wire buffer of ``spec`` into views of it (decoding changes nothing: the
+    identity wire), found once per signature on a meta buffer."""
+    meta = replace(spec, device=torch.device("meta"))
+    buf = codec.new_buffer(meta)
+    return all(t._base is buf for t in codec.decode(buf, meta))
 
 
 def _pieces(plan: RingPlan, k: torch.Tensor) -> int:
@@ -196,12 +232,13 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
                               dtype=torch.float32, device=q.device)
     lse = q.new_empty((b, h, s), dtype=torch.float32)
     pieces = _piece_plans(plan, kv.heads, h // k.shape[1])
+    views = [_heads(qs, h, q, out, lse) for qs, _ in pieces]  # made once, not per step
     fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
     for step in range(steps):
         tasks = plan.tasks(step, s) if refusal is None else ()  # refused: the stream only, no compute
-        for j, (qs, piece_plan) in enumerate(pieces):
-            fresh[j] = _forward_step(q[:, qs], *kv.block(step, j), piece_plan, step, tasks,
-                                     out[:, qs], lse[:, qs], fresh[j])
+        for j, (_, piece_plan) in enumerate(pieces):
+            q_j, out_j, lse_j = views[j]
+            fresh[j] = _forward_step(q_j, *kv.block(step, j), piece_plan, step, tasks, out_j, lse_j, fresh[j])
         kv.advance()
     kv.release(steps)
     if plan.ring.world > 1:
@@ -224,16 +261,21 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
     next step. Returns whether the accumulator is still unwritten."""
     s = q.shape[2]
     for task in tasks:
+        rows, cols = task.q, task.kv
+        whole = _covers(rows, s)
         with breakdown.timed(step, "kernel"):
-            o, l = plan.forward_block(task, q[:, :, task.q], kt[:, :, task.kv], vt[:, :, task.kv], step)
-        if fresh and task.q == slice(0, s):  # first result covering every row: copied in
+            o, l = plan.forward_block(task, q if whole else q[:, :, rows], *_cols(kt, vt, cols), step)
+        if fresh and whole:  # first result covering every row: copied in
             out.copy_(o)
             lse.copy_(l)
         else:
             if fresh:
                 _init_acc(out, lse)
             with breakdown.timed(step, "merge"):
-                merge_into(out[:, :, task.q], lse[:, :, task.q], o, l)
+                if whole:
+                    merge_into(out, lse, o, l)
+                else:
+                    merge_into(out[:, :, rows], lse[:, :, rows], o, l)
         fresh = False
         del o, l
     return fresh
@@ -257,11 +299,16 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         dkv = _Accumulators(plan.ring, k, v, n)
     dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
     pieces = _piece_plans(plan, kv.heads, q.shape[1] // k.shape[1])
+    # per piece, made once: its query heads' views, lse contiguous (as the kernels take it)
+    views = [(dout_j, q_j, out_j, lse_j.contiguous(), dq_j)
+             for dout_j, q_j, out_j, lse_j, dq_j in (_heads(qs, q.shape[1], dout, q, out, lse, dq)
+                                                     for qs, _ in pieces)]
     for step in range(steps):
         tasks = plan.tasks(step, s)
-        for j, (qs, piece_plan) in enumerate(pieces):
+        for j, (_, piece_plan) in enumerate(pieces):
             kt, vt = kv.block(step, j)
-            _backward_step(dout[:, qs], q[:, qs], kt, vt, out[:, qs], lse[:, qs], piece_plan, step, dq[:, qs],
+            dout_j, q_j, out_j, lse_j, dq_j = views[j]
+            _backward_step(dout_j, q_j, kt, vt, out_j, lse_j, piece_plan, step, dq_j,
                            lambda: dkv.arrived(j, step), *dkv.views(j), tasks)
             dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
         kv.advance()
@@ -289,11 +336,17 @@ class _Accumulators:
         self.all = k.new_zeros((slots, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
         self.rot = Rotation(ring, list(self.all.unbind(0)), "bwd_dkv", start_for(n, ring.world)) \
             if ring.world > 1 else None
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def views(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """dK, dV of piece ``j`` of the visiting block, as BHSD views ``[b, h_kv / n, s, d]``."""
-        slot = (self.rot.piece(j) if self.rot is not None else self.all[0]).permute(1, 0, 2, 3)
-        return slot[..., :self.dk], slot[..., self.dk:]
+        """dK, dV of piece ``j`` of the visiting block, as BHSD views ``[b, h_kv / n, s, d]`` (made once
+        per slot)."""
+        at = self.rot.cur[j] if self.rot is not None else 0
+        got = self._views.get(at)
+        if got is None:
+            slot = self.all[at].permute(1, 0, 2, 3)
+            got = self._views[at] = (slot[..., :self.dk], slot[..., self.dk:])
+        return got
 
     def arrived(self, j: int, step: int) -> None:
         if self.rot is not None:
@@ -322,26 +375,51 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     """``tasks`` of one visiting block: dQ into ``dq``; dK/dV into the travelling accumulator, after
     ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute)."""
     partial = []
+    s, sk = q.shape[2], kt.shape[2]
     for task in tasks:
         rows = task.q
         with breakdown.timed(step, "kernel"):
-            dq_b, dk_b, dv_b = plan.backward_block(
-                task, dout[:, :, rows], q[:, :, rows], kt[:, :, task.kv], vt[:, :, task.kv],
-                out[:, :, rows], lse[:, :, rows].contiguous(), step)
-        with breakdown.timed(step, "copies"):
-            dq[:, :, rows] += dq_b
+            if _covers(rows, s):
+                dq_b, dk_b, dv_b = plan.backward_block(task, dout, q, *_cols(kt, vt, task.kv), out, lse, step)
+            else:
+                dq_b, dk_b, dv_b = plan.backward_block(
+                    task, dout[:, :, rows], q[:, :, rows], *_cols(kt, vt, task.kv),
+                    out[:, :, rows], lse[:, :, rows].contiguous(), step)
+        with breakdown.timed(step, "copies"):  # add_ into the view: no write-back copy as ``+=`` on a slice does
+            (dq if _covers(rows, s) else dq[:, :, rows]).add_(dq_b)
         del dq_b
         partial.append((task.kv, dk_b, dv_b))
     wait_for_acc()
     with breakdown.timed(step, "copies"):
         for cols, dk_b, dv_b in partial:
-            dk_acc[:, :, cols] += dk_b
-            dv_acc[:, :, cols] += dv_b
+            dk_view, dv_view = (dk_acc, dv_acc) if _covers(cols, sk) else _cols(dk_acc, dv_acc, cols)
+            dk_view.add_(dk_b)
+            dv_view.add_(dv_b)
+
+
+def _heads(qs: slice, h: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The query heads ``qs`` of each tensor (dim 1; the tensors themselves when ``qs`` is all ``h``)."""
+    if _covers(qs, h):
+        return tensors
+    return tuple(t[:, qs] for t in tensors)
+
+
+def _covers(sl: slice, n: int) -> bool:
+    """Whether the row slice ``sl`` is all ``n`` rows (then the tensor itself is used, no view made)."""
+    return sl.start == 0 and sl.stop == n and sl.step is None
+
+
+def _cols(k: torch.Tensor, v: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V rows ``cols`` (the tensors themselves when that is all of them)."""
+    if _covers(cols, k.shape[2]):
+        return k, v
+    return k[:, :, cols], v[:, :, cols]
 
 
 def _memory_order(like: torch.Tensor) -> list[int]:
     """``like``'s dimensions from outermost to innermost in memory."""
-    return sorted(range(like.ndim), key=lambda i: like.stride(i), reverse=True)
+    strides = like.stride()
+    return sorted(range(like.ndim), key=strides.__getitem__, reverse=True)
 
 
 
@@ -355,18 +433,40 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
-                heads: list[slice], sink: torch.Tensor | None = None) -> torch.Tensor:
-        """``sink``: optional fp32 ``[h]`` softmax offsets (attention sinks), folded into the lse."""
+                heads: list[slice], sink: torch.Tensor | None = None,
+                perm: tuple[int, ...] | None = None) -> torch.Tensor:
+        """``sink``: optional fp32 ``[h]`` softmax offsets (attention sinks), folded into the lse.
+
+        ``perm``: q, k, v come in the caller's layout, ``t.permute(perm)`` is BHSD; the output (and the
+        gradients) are returned in the caller's layout. The views are made here, so autograd records no
+        view nodes around the call (less host time per call)."""
         plan.checks.backward_follows = any(ctx.needs_input_grad[:3])  # where the status is read (core/status.py)
+        ctx.perm = perm
+        inputs = (q, k, v)
+        if perm is not None:
+            q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
         out, lse = forward_by_heads(q, v, heads, lambda hs, qs: ring_forward(
             q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs)), sink)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
+        if perm is not None:
+            out = out.permute(_inverse(perm))
+        ctx.save_for_backward(*inputs, out, lse, sink)  # the inputs and the output themselves (no aliases)
         ctx.plan, ctx.heads = plan, heads
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse, sink = ctx.saved_tensors
+        perm = ctx.perm
+        if perm is None:
+            return RingAttentionFunction._backward(ctx, dout, q, k, v, out, lse, sink)
+        inv = _inverse(perm)
+        dq, dk, dv, *extra = RingAttentionFunction._backward(
+            ctx, dout.permute(perm), q.permute(perm), k.permute(perm), v.permute(perm), out.permute(perm), lse, sink)
+        return (dq.permute(inv), dk.permute(inv), dv.permute(inv), *extra)
+
+    @staticmethod
+    def _backward(ctx, dout, q, k, v, out, lse, sink):
+        """The backward on BHSD views."""
         if dout.stride() != out.stride():
             dout = torch.empty_like(out).copy_(dout)
         extra = [None] * (len(ctx.needs_input_grad) - 3)  # plan, heads[, sink]
@@ -384,6 +484,14 @@ class RingAttentionFunction(torch.autograd.Function):
                 whole[:, sl].copy_(part)
             del parts
         return (dq, dk, dv, *extra)
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes ``perm``."""
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
 
 
 def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],

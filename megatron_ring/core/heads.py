@@ -1,8 +1,8 @@
 """Head bookkeeping shared by the engine and the strategies."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from functools import lru_cache
 from math import gcd
 
 from megatron_ring.errors import HeadSplitError
@@ -12,9 +12,14 @@ __all__ = ["head_groups", "HeadSplit", "head_split", "check_head_count"]
 
 def head_groups(h_kv: int, groups: int) -> list[slice]:
     """Split K/V heads ``[0, h_kv)`` into ``groups`` near-equal slices (at most one slice per head)."""
-    n = max(1, min(int(groups), h_kv))
+    return list(_head_groups(h_kv, int(groups)))
+
+
+@functools.lru_cache(maxsize=256)
+def _head_groups(h_kv: int, groups: int) -> tuple[slice, ...]:
+    n = max(1, min(groups, h_kv))
     bounds = [round(i * h_kv / n) for i in range(n + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    return tuple(slice(a, b) for a, b in zip(bounds, bounds[1:]))
 
 
 def _kv_span(a: int, b: int, g: int) -> int:
@@ -86,7 +91,7 @@ def check_head_count(h: int, world: int, what: str = "comm_type='a2a'") -> None:
             f"of at most {h} ranks")
 
 
-@lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)
 def head_split(h: int, h_kv: int, world: int, what: str = "comm_type='a2a'") -> HeadSplit:
     """The :class:`HeadSplit` of ``h`` query heads and ``h_kv`` K/V heads over ``world`` ranks.
 

@@ -20,11 +20,11 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tens
     acc_out: ``[b, h, n, d]`` float32 (may be a row-slice view); acc_lse: ``[b, h, n]`` float32.
     blk_out: ``[b, h, n, d]`` any float dtype; blk_lse: ``[b, h, n]`` float32.
     """
-    m = torch.maximum(acc_lse, blk_lse)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both -inf: keep weights at 0, not NaN
+    # lse is never +inf or NaN, so the max is finite or -inf; both -inf: m = 0 keeps the weights at 0, not NaN
+    m = torch.maximum(acc_lse, blk_lse).nan_to_num_(neginf=0.0)
     w_acc = torch.exp(acc_lse - m)
     w_blk = torch.exp(blk_lse - m)
-    total = w_acc + w_blk
-    inv = torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))
+    total = w_acc + w_blk  # 0 (no key yet on either side) or in [1, 2]
+    inv = total.reciprocal().nan_to_num_(posinf=0.0)  # 1/0 = inf -> 0: the row stays 0
     acc_out.mul_((w_acc * inv).unsqueeze(-1)).add_(blk_out * (w_blk * inv).unsqueeze(-1))
-    acc_lse.copy_(m + torch.log(total))
+    acc_lse.copy_(m.add_(torch.log(total)))

@@ -41,6 +41,7 @@ The others raise the same exception type, naming the failing global rank(s).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Protocol
 
 import torch
@@ -59,8 +60,15 @@ OK, BAD_VALUES, BAD_INPUT = 0, 1, 2
 
 def status_buffers(codec: KVCodec, spec: KVSpec, count: int) -> list[torch.Tensor]:
     """``count`` wire buffers with one status element after the codec's payload."""
+    numel, dtype = _wire_layout(codec, spec)
+    return [POOL.take(numel + 1, dtype, spec.device) for _ in range(count)]
+
+
+@functools.lru_cache(maxsize=64)
+def _wire_layout(codec: KVCodec, spec: KVSpec) -> tuple[int, torch.dtype]:
+    """Elements and dtype of ``codec``'s wire buffer for ``spec`` (per signature: api.py reuses codecs)."""
     proto = codec.new_buffer(dataclasses.replace(spec, device=torch.device("meta")))
-    return [POOL.take(proto.numel() + 1, proto.dtype, spec.device) for _ in range(count)]
+    return proto.numel(), proto.dtype
 
 
 class StatusRecorder(Protocol):

@@ -5,6 +5,8 @@ a sequence needs.
         --num-query-groups 8 --context-parallel-size 32 --gpus-per-node 8 \\
         --intra-node-bandwidth 450e9 --inter-node-bandwidth 50e9 --flops 700e12 \\
         [--micro-batch-size 1] [--gpu-memory 80e9 --num-layers 80] [--json plan.json]
+    python -m megatron_ring.plan --machine h100-sxm --seq-length 131072 --hidden-size 4096 \
+        --num-attention-heads 32 --num-query-groups 8 --context-parallel-size 8 16 [--flops 450e12]
     python -m megatron_ring.plan dynamic-cp --mix long-tail --world-sizes 8 64 ...   (per-document CP
         groups: fixed CP vs Megatron's hybrid-CP scheduler vs ours; see megatron_ring/tools/dynamic_plan.py)
 
@@ -22,6 +24,7 @@ import sys
 from typing import Any
 
 from megatron_ring.schedules.layouts import LAYOUTS
+from megatron_ring.tools.machines import MACHINES, machine as machine_preset
 from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, candidate_types, pick, predict, smallest_cp, wire_bytes_per_elem)
 
@@ -45,6 +48,7 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--hidden-size must divide by --num-attention-heads, and heads by --num-query-groups")
     d = a.kv_channels or a.hidden_size // heads
     elem = _ELEM[a.dtype]
+    _apply_machine(a)
     machine = Machine(flops=a.flops, bwd_flops=a.bwd_flops, bw_intra=a.intra_node_bandwidth,
                       bw_inter=a.inter_node_bandwidth, latency=a.latency, gpus_per_node=a.gpus_per_node,
                       overlap=a.overlap)
@@ -79,6 +83,26 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
                                 "min_cp": p,
                                 "per_rank_bytes": (a.num_layers * activation_bytes(pb, p) if p else None)}
     return out
+
+
+def _apply_machine(a: argparse.Namespace) -> None:
+    """Fill the machine numbers not given on the command line from ``--machine`` (tools/machines.py);
+    without a preset, the bandwidth and the kernel rate are required."""
+    preset = None
+    if a.machine:
+        try:
+            preset = machine_preset(a.machine)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    fill = {"intra_node_bandwidth": preset and preset.intra_node, "inter_node_bandwidth": preset and preset.inter_node,
+            "flops": preset and preset.kernel_flops, "gpus_per_node": preset.gpus_per_node if preset else 8,
+            "latency": preset.latency if preset else 20e-6}
+    for key, val in fill.items():
+        if getattr(a, key) is None:
+            setattr(a, key, val)
+    for key, flag in (("intra_node_bandwidth", "--intra-node-bandwidth"), ("flops", "--flops")):
+        if getattr(a, key) is None:
+            raise SystemExit(f"{flag} is required without --machine (presets: {', '.join(MACHINES)})")
 
 
 def _print(res: dict[str, Any]) -> None:
@@ -127,13 +151,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--context-parallel-size", type=int, nargs="+", required=True, help="one or more CP sizes")
     ap.add_argument("--tensor-model-parallel-size", type=int, default=1)
     ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--intra-node-bandwidth", type=float, required=True, help="bytes/s per GPU inside a node")
+    ap.add_argument("--machine", default=None, help=f"GPU preset: {', '.join(MACHINES)} (link bandwidths, GPUs per "
+                    "NVLink domain, latency and a default kernel rate from public spec sheets, see "
+                    "megatron_ring/tools/machines.py); flags given explicitly override its numbers")
+    ap.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node / NVLink domain (default 8)")
+    ap.add_argument("--intra-node-bandwidth", type=float, default=None,
+                    help="bytes/s per GPU inside a node (required without --machine)")
     ap.add_argument("--inter-node-bandwidth", type=float, default=None, help="bytes/s per GPU across nodes")
-    ap.add_argument("--latency", type=float, default=20e-6, help="seconds per message")
+    ap.add_argument("--latency", type=float, default=None, help="seconds per message (default 20e-6)")
     ap.add_argument("--overlap", type=float, default=1.0,
                     help="fraction of a transfer hidden under compute (1: GPUs; 0: CPU processes)")
-    ap.add_argument("--flops", type=float, required=True, help="achieved attention forward flop/s per GPU")
+    ap.add_argument("--flops", type=float, default=None, help="achieved attention forward flop/s per GPU (the "
+                    "kernel rate; required without --machine, whose default is 0.6 x its dense BF16 peak)")
     ap.add_argument("--bwd-flops", type=float, default=None, help="backward flop/s (default: --flops)")
     ap.add_argument("--a2a-size", type=int, default=None,
                     help="inner (a2a) size for a2a+p2p; default: --gpus-per-node when CP spans nodes")

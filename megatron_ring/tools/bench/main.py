@@ -321,6 +321,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                           "one-GPU SDPA (megatron_ring.tools.bench.gpu)")
     ap.add_argument("--breakdown", action="store_true",
                     help="per ring step: time in kernel, merge, decode, copies, waits (megatron_ring.tools.bench.breakdown)")
+    ap.add_argument("--host-time", action="store_true",
+                    help="the engine's own host time per ring step and per call: loopback ring, instant kernel, "
+                         "P = --world-sizes (default 2..8), blocks of --block-len tokens per rank "
+                         "(megatron_ring.tools.bench.host_time)")
+    ap.add_argument("--block-len", type=int, default=64, help="with --host-time: tokens per rank")
+    ap.add_argument("--torch-ring", action="store_true",
+                    help="ours vs PyTorch's own context-parallel ring, side by side, for --seq (one or more "
+                         "values with --torch-ring-seqs) x --world-sizes x causal and not "
+                         "(megatron_ring.tools.bench.torch_ring)")
+    ap.add_argument("--torch-ring-seqs", type=int, nargs="+", default=None, help="with --torch-ring: sequence lengths")
     ap.add_argument("--features", action="store_true",
                     help="cost of MLA head dims (padding), sinks, dropout per block (megatron_ring.tools.bench.features)")
     ap.add_argument("--dynamic-cp", nargs="?", const="long-tail", choices=["long-tail", "uniform"], default=None,
@@ -343,6 +353,33 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=2, default=str)
         return res["rows"]
+    if a.torch_ring:
+        from megatron_ring.tools.bench import torch_ring as tr
+
+        seqs = a.torch_ring_seqs or [a.seq]
+        ps = [p for p in a.world_sizes if p > 1]
+        print(f"# ours vs PyTorch's ring: H={a.heads} D={a.head_dim} fp32, zigzag/head-tail shards; P processes x 1 "
+              f"thread; fwd+bwd medians of {a.iters} (slowest rank), modes interleaved; ours/x: median of "
+              f"per-iteration ratios; MiB: peak per rank, each mode alone", flush=True)
+        rows = tr.run_torch_ring(ps, seqs, heads=a.heads, head_dim=a.head_dim, iters=a.iters, timeout=a.timeout)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return rows
+    if a.host_time:
+        from megatron_ring.tools.bench import host_time as ht
+
+        ps = a.world_sizes if a.world_sizes != [1, 2, 4] else list(range(2, 9))
+        iters = a.iters if a.iters != 5 else 200
+        print(f"# host time: loopback ring, instant kernel, [1, {a.block_len}, {a.heads}, {a.head_dim}] fp32 per rank, "
+              f"zigzag, fwd+bwd; one process, 1 thread; medians of {iters} calls; fitted call = fixed + "
+              f"per_step x 2P", flush=True)
+        rows = ht.run_host_time(ps, a.block_len, a.heads, a.head_dim, iters)
+        print(ht.format_host_time(rows), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return rows
     if a.features:
         from megatron_ring.tools.bench import features as bf
 
