@@ -139,8 +139,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                  hierarchical_groups=hierarchical_groups)
     codec = _agreed_codec(call, q, k, v, comm_dtype=comm_dtype, softmax_scale=softmax_scale,
                           check_consistency=check_consistency, extras=(
-                              dropout_p, dropout_seed, _offset_kind(softmax_offset),
-                              kv_pieces, os.environ.get("MEGATRON_RING_KV_PIECES", "")))
+                              dropout_p, dropout_seed is not None, _offset_kind(softmax_offset),
+                              kv_pieces, os.environ.get("MEGATRON_RING_KV_PIECES", "")),
+                          per_call=(dropout_seed,) if isinstance(dropout_seed, int) and dropout_p else ())
     q, k, v = call.tensors = call.unpack(q, k, v)
     call.codec, call.pieces = codec, _pieces(kv_pieces, q, k, call.s_dim)
     call.refusing(check_inputs, q, k, v, call.qkv_format)
@@ -273,9 +274,10 @@ class _Call:
 
 
 def _agreed_codec(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_dtype: Any,
-                  softmax_scale: Any, check_consistency: bool, extras: tuple) -> KVCodec:
+                  softmax_scale: Any, check_consistency: bool, extras: tuple,
+                  per_call: tuple = ()) -> KVCodec:
     """The cross-rank check (every rank raises the same error unless all pass the same shapes, dtypes
-    and options), then the wire codec. ``comm_dtype`` spellings are normalised ("fp8" ==
+    and options; ``per_call``: the dropout seed, compared with a new signature only), then the wire codec. ``comm_dtype`` spellings are normalised ("fp8" ==
     torch.float8_e4m3fn); a bad value is raised after the cross-rank check, never before it."""
     try:
         codec, codec_error = _codec(comm_dtype, q.dtype), None
@@ -293,7 +295,7 @@ def _agreed_codec(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 "q.dtype": q.dtype, "k.dtype": k.dtype, "v.dtype": v.dtype, "device type": q.device.type,
                 "layout": getattr(call.layout, "name", call.layout), "qkv_format": call.qkv_format,
                 "comm_dtype": wire_name, "cu_seqlens": call.cu_seqlens, "window": call.window,
-                "dropout/softmax_offset/kv_pieces": extras}, timeout=ring.timeout)
+                "dropout/softmax_offset/kv_pieces": extras}, timeout=ring.timeout, per_call=per_call)
         except (RuntimeError, TimeoutError) as exc:  # a rank of the group died or stalled (not a mismatch)
             raise ring.group_error("the cross-rank check of the call's arguments (an all_gather)", exc) from exc
     if codec_error is not None:

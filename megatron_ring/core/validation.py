@@ -29,6 +29,8 @@ _SIGNATURE_FIELDS = (
     "q.dtype", "k.dtype", "v.dtype", "device type", "causal", "layout", "qkv_format", "comm_dtype",
     "softmax_scale", "head_chunks", "cu_seqlens", "window", "comm_type", "dropout/softmax_offset/kv_pieces",
 )
+_PER_CALL_FIELDS = ("dropout_seed",)
+_INT63 = (1 << 63) - 1  # per-call integers as int64 (a seed's bits above 63 are not compared)
 
 
 def _code(x: Any) -> int:
@@ -63,8 +65,13 @@ _checked = PerGroup()  # group -> signatures already agreed on (held weakly: see
 
 
 def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.device,
-                            describe: dict[str, Any], timeout: datetime.timedelta | None = None) -> None:
+                            describe: dict[str, Any], timeout: datetime.timedelta | None = None,
+                            per_call: Sequence[int] = ()) -> None:
     """Raise ValueError on every rank of ``group`` unless all ranks pass the same ``signature``.
+
+    ``per_call``: integers that change from call to call (the dropout seed): compared together with a new
+    signature, never a reason for a new check on their own (so a per-step seed costs no collective per call;
+    a rank seeded differently, e.g. by its rank, is caught at the first call).
 
     ``describe`` holds human-readable values of this rank's call, used only for the message. ``timeout``:
     the all-gather's deadline (None: the group's); a peer that is gone raises the backend's error
@@ -75,16 +82,17 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
     if sig in seen:
         return
     world = dist.get_world_size(group)
-    mine = torch.tensor(sig, dtype=torch.int64, device=device)
+    mine = torch.tensor(sig + tuple(int(x) & _INT63 for x in per_call), dtype=torch.int64, device=device)
     allsig = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(allsig, mine, group=group, async_op=True)
     if (work.wait(timeout) if timeout is not None else work.wait()) is False:
         raise TimeoutError(f"the all_gather did not complete within {timeout}")
     rows = torch.stack(allsig).cpu()
-    differing = [name for i, name in enumerate(_SIGNATURE_FIELDS) if not bool((rows[:, i] == rows[0, i]).all())]
+    fields = _SIGNATURE_FIELDS + _PER_CALL_FIELDS[:len(per_call)]
+    differing = [name for i, name in enumerate(fields) if not bool((rows[:, i] == rows[0, i]).all())]
     if differing:
         per_rank = "; ".join(
-            f"rank {r}: " + ", ".join(f"{f}={_decode(f, int(rows[r, _SIGNATURE_FIELDS.index(f)]), describe)}"
+            f"rank {r}: " + ", ".join(f"{f}={_decode(f, int(rows[r, fields.index(f)]), describe)}"
                                       for f in differing)
             for r in range(world))
         raise ValueError(
@@ -102,7 +110,7 @@ def _decode(field: str, value: int, describe: dict[str, Any]) -> str:
     if field in ("cu_seqlens", "window"):
         local = describe.get(field)
         return f"<{field} differs from this rank's {_listed(local)}>" if local is not None else "<differs>"
-    if "shape" in field or field in ("q.ndim", "head_chunks"):
+    if "shape" in field or field in ("q.ndim", "head_chunks", "dropout_seed"):
         return str(value)
     local = describe.get(field)
     if local is not None and _code(local) == value:
