@@ -67,7 +67,9 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def main() -> None:
+def main(config_from_args=gpt_config_from_args) -> None:
+    """``config_from_args``: Megatron-LM's model-config builder (``gpt_config_from_args`` for pretrain_gpt.py,
+    ``hybrid_config_from_args`` for pretrain_hybrid.py: tests/megatron/stock_pretrain_hybrid.py)."""
     cpu = contextlib.nullcontext()
     if not torch.cuda.is_available():
         from megatron_ring.megatron.cpu.training import megatron_training_cpu, training_cpu_enabled
@@ -76,7 +78,7 @@ def main() -> None:
             cpu = megatron_training_cpu()
     with cpu:
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-        model_cfg = gpt_config_from_args(args)  # imports --spec, as pretrain_gpt.py does
+        model_cfg = config_from_args(args)  # imports --spec, as pretrain_gpt.py / pretrain_hybrid.py do
         pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
                  ModelType.encoder_or_decoder, forward_step)
 

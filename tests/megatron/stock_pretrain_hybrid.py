@@ -9,76 +9,13 @@ Megatron's schedule does the CP scaling). Nothing from megatron_ring is called h
 
 Env: ``MEGATRON_RING_LOSS_LOG``: one line per micro-batch on rank 0, loss sum and token count over DP x CP.
 """
-from __future__ import annotations
-
-import contextlib
 import os
 import sys
-import warnings
-from functools import partial
 
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import stock_pretrain_gpt as stock  # noqa: E402  (the same run; only the model-config builder differs)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
-from megatron.training import get_args, pretrain  # noqa: E402
-from megatron.training.argument_utils import hybrid_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
-from pattern_data import PatternDataset  # noqa: E402  (the examples' synthetic data: no megatron_ring)
-
-
-def datasets_provider(num_samples, vp_stage=None):
-    args = get_args()
-    vocab = args.vocab_size or args.padded_vocab_size
-    return tuple(PatternDataset(max(int(n), 1), args.seq_length, vocab, args.seed + k)
-                 for k, n in enumerate(num_samples))
-
-
-datasets_provider.is_distributed = True
-
-
-def loss_func(loss_mask, output_tensor):
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    log = os.environ.get("MEGATRON_RING_LOSS_LOG")
-    if log:
-        stats = torch.stack([loss.detach().double(), mask.sum().double()])
-        dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
-        if dist.get_rank() == 0:
-            with open(log, "a") as f:
-                f.write(f"{stats[0].item():.17g} {stats[1].item():.17g}\n")
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    batch = get_batch_on_this_cp_rank(batch, False, cp_group=ps.get_context_parallel_group())  # zigzag
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
-
-
-def main() -> None:
-    cpu = contextlib.nullcontext()
-    if not torch.cuda.is_available():
-        from megatron_ring.megatron.cpu.training import megatron_training_cpu, training_cpu_enabled
-
-        if not training_cpu_enabled():  # already entered when run as `-m megatron_ring.megatron.cpu`
-            cpu = megatron_training_cpu()
-    with cpu:
-        args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-        model_cfg = hybrid_config_from_args(args)  # imports --spec, as pretrain_hybrid.py does
-        pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step)
-
+from megatron.training.argument_utils import hybrid_config_from_args  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    stock.main(hybrid_config_from_args)
