@@ -64,6 +64,7 @@ def _compare(got: dict, ref: dict, what: str, pattern: str) -> None:
     assert len(got["losses"]) == len(ref["losses"]), what
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         tol = model_loss_tol(b, step=step + 1, **_sizes(pattern))
+        print(f"{what} step {step}: loss |d| {abs(a - b):.3g}, bound {tol:.3g}")
         assert abs(a - b) <= tol, f"{what}: step {step} loss {a} vs {b} (|d| {abs(a - b):.3g} > {tol:.3g})"
     assert set(got["grads"]) == set(ref["grads"]), what
     tol = _grad_tol(ref["grads"])
@@ -100,6 +101,8 @@ def test_token_order_disagreement_is_seen(run):
     fresh model's loss is near log(vocab) whatever the order, so the gradients carry the signal)."""
     ref = _reference(run, "M*M-")
     got = run(HW.hybrid_worker, 2, HW.HYBRID, "M*M-", True, STEPS, 0.0, "contiguous")[0]
+    print(f"negative control: loss |d| {abs(got['losses'][0] - ref['losses'][0]):.3g}, "
+          f"bound {model_loss_tol(ref['losses'][0], **_sizes('M*M-')):.3g}")
     assert abs(got["losses"][0] - ref["losses"][0]) > model_loss_tol(ref["losses"][0], **_sizes("M*M-")), \
         (got["losses"], ref["losses"])
     assert _grad_diff(got, ref) > 100 * _grad_tol(ref["grads"])
