@@ -57,6 +57,8 @@ def _ratio(got: list[float], want: list[float], sizes: dict) -> float:
     r = max(abs(a - b) / model_loss_tol(b, step=SAVE_AT + 1 + i, **sizes) for i, (a, b) in enumerate(zip(got, want)))
     print(f"worst |resumed - uninterrupted| / bound: {r:.3g}")
     return r
+
+
 MODEL = gpt_args(ITERS, attention_dropout=0.1, extra="--ckpt-format torch_dist")
 CPU = CPU_FLAGS
 
