@@ -62,14 +62,14 @@ def make_batch(m: dict, step: int) -> dict[str, torch.Tensor]:
                 position_ids=torch.arange(s).unsqueeze(0).expand(b, s).contiguous())
 
 
-#: packed THD: odd real document lengths, each padded to a multiple of 2 * PACK_CP (the largest CP tested),
+#: packed THD: odd real document lengths, each padded to a multiple of 2 * pack_cp (the largest CP tested),
 #: so CP = 1, 2, 4 see the same stream; padding tokens carry no loss
 PACKED = dict(doc_lengths=(13, 5, 22, 1, 9, 3), pack_cp=4)
 
 
 def packed_layout(m: dict | None) -> tuple[list[int], list[int]]:
     """``(cu_seqlens, cu_seqlens_padded)`` of the packed stream."""
-    lens = list(PACKED["doc_lengths"])
+    lens = list((m or {}).get("doc_lengths", PACKED["doc_lengths"]))
     unit = 2 * (m or {}).get("pack_cp", PACKED["pack_cp"])
     padded = [-(-n // unit) * unit for n in lens]
     cu, cup = [0], [0]
@@ -85,7 +85,7 @@ def make_packed_batch(m: dict, step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(m["data_seed"] * 1000 + 500 + step)
     _, cup = packed_layout(m)
     tokens, labels, mask, pos = [], [], [], []
-    for n, a, b in zip(PACKED["doc_lengths"], cup[:-1], cup[1:]):
+    for n, a, b in zip(m.get("doc_lengths", PACKED["doc_lengths"]), cup[:-1], cup[1:]):
         doc = torch.randint(0, m["vocab"], (n + 1,), generator=g)
         fill = torch.randint(0, m["vocab"], (b - a - n,), generator=g)
         tokens.append(torch.cat([doc[:-1], fill]))
@@ -105,7 +105,7 @@ def packed_params(m: dict):
     width = max(b - a for a, b in zip(cup[:-1], cup[1:]))
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=cup_t,
                            cu_seqlens_kv_padded=cup_t, max_seqlen_q=width, max_seqlen_kv=width,
-                           total_tokens=cup[-1])
+                           total_tokens=cup[-1])  # total_tokens: Mamba's per-document seq_idx
 
 
 def split_packed(batch: dict, cp_group, m: dict | None = None) -> dict:
@@ -117,8 +117,14 @@ def split_packed(batch: dict, cp_group, m: dict | None = None) -> dict:
     if cp_group.size() == 1:
         return batch
     cu, cup = packed_layout(m)
-    b = dict(batch, cu_seqlens=torch.tensor([cu], dtype=torch.int32), cu_seqlens_padded=torch.tensor([cup], dtype=torch.int32))
-    out = mutils._get_batch_on_this_cp_rank_per_document_balancing(b, cp_group)
+    if hasattr(mutils, "get_thd_batch_on_this_cp_rank"):  # Megatron-LM main's name for it
+        out, _ = mutils.get_thd_batch_on_this_cp_rank(
+            dict(batch), torch.tensor(cu, dtype=torch.int32), torch.tensor(cup, dtype=torch.int32),
+            torch.tensor([cup[-1]]), cp_size=cp_group.size(), cp_rank=cp_group.rank())
+    else:
+        out = mutils._get_batch_on_this_cp_rank_per_document_balancing(
+            dict(batch, cu_seqlens=torch.tensor([cu], dtype=torch.int32),
+                 cu_seqlens_padded=torch.tensor([cup], dtype=torch.int32)), cp_group)
     return {k: out[k] for k in batch}
 
 
@@ -195,7 +201,7 @@ def _documents_step(model, full: dict, m: dict) -> tuple[torch.Tensor, torch.Ten
     _, cup = packed_layout(m)
     total = full["loss_mask"].sum()
     local = torch.zeros(())
-    for n, a in zip(PACKED["doc_lengths"], cup[:-1]):
+    for n, a in zip(m.get("doc_lengths", PACKED["doc_lengths"]), cup[:-1]):
         doc = {k: v[:, a:a + n] for k, v in full.items()}
         tok = model(doc["tokens"], torch.arange(n).unsqueeze(0), None, labels=doc["labels"])
         part = (tok * doc["loss_mask"]).sum()

@@ -10,6 +10,15 @@ loss near 4.9); step-0 gradients within ``8 * eps32 * sqrt(tokens) * max|g|`` (a
 over the batch's tokens; CP changes only the order of that sum and of the attention merge; observed
 ~9e-8 against ~1.8e-6). The negative control feeds the model a contiguous split instead of the zigzag
 one: the gradients must move far outside the bound, so the test sees a token-order disagreement.
+
+Packed THD (``*-*-``, ``M*M-``, ``G*G-``; CP = 1, 2, 4): six documents of odd lengths, each padded to a
+multiple of 2 x 4, split by Megatron's own per-document zigzag split, ``PackedSeqParams`` (qkv_format
+``thd``, ``cu_seqlens`` and ``cu_seqlens_padded``). Reference: Megatron's own model (no ring) at CP = 1 on
+the real documents one at a time (Megatron's local attention takes no packed input; documents see nothing of
+each other, so this is what the packed step must equal). Same bounds, ``tokens`` = the packed stream's 80
+(observed: loss <= 9.5e-7, gradients <= 1.2e-7 against >= 1.1e-6). Negative control: the packed batch split
+zigzag over the whole stream (as BSHD is) is off by far (measured 8e-2 against 4.1e-6); documents padded to
+a multiple of 2 only are refused by name at CP = 2.
 """
 from __future__ import annotations
 
@@ -149,7 +158,9 @@ def test_packed_token_order_disagreement_is_seen(run):
 @pytest.mark.slow
 @needs_einops
 def test_packed_documents_not_padded_to_2cp_refused(run):
-    """Documents padded to a multiple of 2 only, at CP = 2: refused by name (pad each to a multiple of 2 x CP),
-    never a silent mix."""
-    with pytest.raises(Exception, match="multiple of 2 x"):
-        run(HW.hybrid_worker, 2, dict(HW.HYBRID, pack_cp=1), "M*M-", True, 1, 0.0, "thd")
+    """Documents padded to a multiple of 2 only (the stream's 60 tokens a multiple of 2 x 2), at CP = 2: refused
+    by name at the first call (pad each document to a multiple of 2 x CP), never a silent mix."""
+    m = dict(HW.HYBRID, pack_cp=1, doc_lengths=HW.PACKED["doc_lengths"] + (1,))
+    assert HW.packed_layout(m)[1][-1] % 4 == 0
+    with pytest.raises(Exception, match="every sequence must be padded to a multiple of 2 x"):
+        run(HW.hybrid_worker, 2, m, "M*M-", True, 1, 0.0, "thd")
