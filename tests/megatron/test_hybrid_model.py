@@ -18,7 +18,8 @@ the real documents one at a time (Megatron's local attention takes no packed inp
 each other, so this is what the packed step must equal). Same bounds, ``tokens`` = the packed stream's 80
 (observed: loss <= 9.5e-7, gradients <= 1.2e-7 against >= 1.1e-6). Negative control: the packed batch split
 zigzag over the whole stream (as BSHD is) is off by far (measured 8e-2 against 4.1e-6); documents padded to
-a multiple of 2 only are refused by name at CP = 2.
+a multiple of 2 only are refused by name at CP = 2. Attention dropout 0.1 on the packed batch: CP = 2, 4 equal
+the ring at CP = 1.
 """
 from __future__ import annotations
 
@@ -164,3 +165,19 @@ def test_packed_documents_not_padded_to_2cp_refused(run):
     assert HW.packed_layout(m)[1][-1] % 4 == 0
     with pytest.raises(Exception, match="every sequence must be padded to a multiple of 2 x"):
         run(HW.hybrid_worker, 2, m, "M*M-", True, 1, 0.0, "thd")
+
+
+@pytest.mark.slow
+@needs_einops
+@pytest.mark.parametrize("cp", [2, 4])
+def test_hybrid_packed_thd_attention_dropout_cp_invariant(run, cp):
+    """Attention dropout 0.1 on the packed batch: CP = 2, 4 equal the ring at CP = 1 on the same packed batch
+    (the ring keys dropout on positions in the packed stream, whichever rank holds them)."""
+    key = ("M*M-", "thd", 0.1)
+    if key not in _REF:
+        _REF[key] = run(HW.hybrid_worker, 1, HW.HYBRID, "M*M-", True, STEPS, 0.1, "thd")[0]
+    ref = _REF[key]
+    plain = _documents_reference(run, "M*M-")
+    assert _grad_diff(ref, plain) > 100 * _grad_tol(plain["grads"], PACKED_TOKENS), "dropout 0.1 must change them"
+    got = run(HW.hybrid_worker, cp, HW.HYBRID, "M*M-", True, STEPS, 0.1, "thd")[0]
+    _compare(got, ref, f"M*M- THD dropout 0.1 CP={cp}", PACKED_TOKENS)
