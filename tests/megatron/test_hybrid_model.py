@@ -11,7 +11,7 @@ over the batch's tokens; CP changes only the order of that sum and of the attent
 ~9e-8 against ~1.8e-6). The negative control feeds the model a contiguous split instead of the zigzag
 one: the gradients must move far outside the bound, so the test sees a token-order disagreement.
 
-Packed THD (``*-*-``, ``M*M-``, ``G*G-``; CP = 1, 2, 4): six documents of odd lengths, each padded to a
+Packed THD (``*-*-``, ``M*M-``, ``G*G-``, ``*E*-``; CP = 1, 2, 4): six documents of odd lengths, each padded to a
 multiple of 2 x 4, split by Megatron's own per-document zigzag split, ``PackedSeqParams`` (qkv_format
 ``thd``, ``cu_seqlens`` and ``cu_seqlens_padded``). Reference: Megatron's own model (no ring) at CP = 1 on
 the real documents one at a time (Megatron's local attention takes no packed input; documents see nothing of
@@ -120,7 +120,7 @@ def test_dsa_layer_refused_by_name(run):
 # --- packed THD -----------------------------------------------------------------------------------------
 #: the packed stream's length (every document padded to a multiple of 2 x 4): the gradient sums run over it
 PACKED_TOKENS = HW.packed_layout(HW.HYBRID)[1][-1]
-THD_PATTERNS = ["*-*-", pytest.param("M*M-", marks=needs_einops), "G*G-"]
+THD_PATTERNS = ["*-*-", pytest.param("M*M-", marks=needs_einops), "G*G-", "*E*-"]
 
 
 def _documents_reference(run, pattern: str) -> dict:
