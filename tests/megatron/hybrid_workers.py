@@ -62,6 +62,72 @@ def make_batch(m: dict, step: int) -> dict[str, torch.Tensor]:
                 position_ids=torch.arange(s).unsqueeze(0).expand(b, s).contiguous())
 
 
+#: packed THD: odd real document lengths, each padded to a multiple of 2 * pack_cp (the largest CP tested),
+#: so CP = 1, 2, 4 see the same stream; padding tokens carry no loss
+PACKED = dict(doc_lengths=(13, 5, 22, 1, 9, 3), pack_cp=4)
+
+
+def packed_layout(m: dict | None) -> tuple[list[int], list[int]]:
+    """``(cu_seqlens, cu_seqlens_padded)`` of the packed stream."""
+    lens = list((m or {}).get("doc_lengths", PACKED["doc_lengths"]))
+    unit = 2 * (m or {}).get("pack_cp", PACKED["pack_cp"])
+    padded = [-(-n // unit) * unit for n in lens]
+    cu, cup = [0], [0]
+    for n, p in zip(lens, padded):
+        cu.append(cu[-1] + n)
+        cup.append(cup[-1] + p)
+    return cu, cup
+
+
+def make_packed_batch(m: dict, step: int) -> dict[str, torch.Tensor]:
+    """One packed THD micro-batch ``[1, T]``: each document ``n + 1`` random tokens (inputs and next-token
+    labels), then filler up to its padded length (loss mask 0 there); position ids restart per document."""
+    g = torch.Generator().manual_seed(m["data_seed"] * 1000 + 500 + step)
+    _, cup = packed_layout(m)
+    tokens, labels, mask, pos = [], [], [], []
+    for n, a, b in zip(m.get("doc_lengths", PACKED["doc_lengths"]), cup[:-1], cup[1:]):
+        doc = torch.randint(0, m["vocab"], (n + 1,), generator=g)
+        fill = torch.randint(0, m["vocab"], (b - a - n,), generator=g)
+        tokens.append(torch.cat([doc[:-1], fill]))
+        labels.append(torch.cat([doc[1:], fill]))
+        mask.append(torch.cat([(torch.rand(n, generator=g) > 0.25).float(), torch.zeros(b - a - n)]))
+        pos.append(torch.arange(b - a))
+    return {k: torch.cat(v).unsqueeze(0) for k, v in
+            dict(tokens=tokens, labels=labels, loss_mask=mask, position_ids=pos).items()}
+
+
+def packed_params(m: dict):
+    """Megatron's ``PackedSeqParams`` of the packed stream (global cu_seqlens, qkv_format ``thd``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu, cup = packed_layout(m)
+    cu_t, cup_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(cup, dtype=torch.int32)
+    width = max(b - a for a, b in zip(cup[:-1], cup[1:]))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=cup_t,
+                           cu_seqlens_kv_padded=cup_t, max_seqlen_q=width, max_seqlen_kv=width,
+                           total_tokens=cup[-1])  # total_tokens: Mamba's per-document seq_idx
+
+
+def split_packed(batch: dict, cp_group, m: dict | None = None) -> dict:
+    """This CP rank's share of a packed batch: Megatron's own per-document zigzag split
+    (``_get_batch_on_this_cp_rank_per_document_balancing``, TransformerEngine's ``thd_get_partitioned_indices``;
+    the pure-torch one the CPU opt-in installs where TE is missing)."""
+    import megatron.core.utils as mutils
+
+    if cp_group.size() == 1:
+        return batch
+    cu, cup = packed_layout(m)
+    if hasattr(mutils, "get_thd_batch_on_this_cp_rank"):  # Megatron-LM main's name for it
+        out, _ = mutils.get_thd_batch_on_this_cp_rank(
+            dict(batch), torch.tensor(cu, dtype=torch.int32), torch.tensor(cup, dtype=torch.int32),
+            torch.tensor([cup[-1]]), cp_size=cp_group.size(), cp_rank=cp_group.rank())
+    else:
+        out = mutils._get_batch_on_this_cp_rank_per_document_balancing(
+            dict(batch, cu_seqlens=torch.tensor([cu], dtype=torch.int32),
+                 cu_seqlens_padded=torch.tensor([cup], dtype=torch.int32)), cp_group)
+    return {k: out[k] for k in batch}
+
+
 def split(batch: dict, cp_group, how: str = "zigzag") -> dict:
     """This CP rank's share: Megatron's own zigzag split, or (negative control) contiguous chunks."""
     from megatron_ring.megatron import compat
@@ -75,7 +141,12 @@ def split(batch: dict, cp_group, how: str = "zigzag") -> dict:
 
 def hybrid_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, steps: int,
                   attention_dropout: float = 0.0, how: str = "zigzag") -> dict[str, Any]:
-    """Losses per step and step-0 gradients (rank 0 returns them) of HybridModel at CP = world."""
+    """Losses per step and step-0 gradients (rank 0 returns them) of HybridModel at CP = world.
+
+    ``how``: ``zigzag`` (BSHD, Megatron's split), ``contiguous`` (BSHD, the negative control), ``thd`` (the
+    packed batch, Megatron's per-document split, ``PackedSeqParams``), ``thd_stream`` (negative control: the packed
+    batch split zigzag over the whole stream, as BSHD is), ``documents`` (the packed batch's real
+    documents one at a time as BSHD ``[1, n]`` batches: the independent reference for ``thd``, CP = 1 only)."""
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -94,12 +165,21 @@ def hybrid_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, step
             losses, grads0 = [], None
             for step in range(steps):
                 opt.zero_grad(set_to_none=True)
-                full = make_batch(m, step)
-                mine = split(full, cp_group, how)
-                tok = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
-                total = full["loss_mask"].sum()
-                local = (tok * mine["loss_mask"]).sum()
-                (local / total).backward()
+                if how == "documents":
+                    local, total = _documents_step(model, make_packed_batch(m, step), m)
+                else:
+                    packed = how in ("thd", "thd_stream")
+                    full = make_packed_batch(m, step) if packed else make_batch(m, step)
+                    total = full["loss_mask"].sum()
+                    if packed:  # thd_stream (negative control): the stream's zigzag split, not per document
+                        mine = split_packed(full, cp_group, m) if how == "thd" else split(full, cp_group)
+                        tok = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"],
+                                    packed_seq_params=packed_params(m))
+                    else:
+                        mine = split(full, cp_group, how)
+                        tok = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
+                    local = (tok * mine["loss_mask"]).sum()
+                    (local / total).backward()
                 rep = local.detach().clone()
                 if world > 1:
                     dist.all_reduce(rep, group=cp_group)
@@ -113,6 +193,21 @@ def hybrid_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, step
             return dict(losses=losses, grads=grads0 if rank == 0 else None)
         finally:
             ps.destroy_model_parallel()
+
+
+def _documents_step(model, full: dict, m: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward / backward of the packed batch's real documents one by one (BSHD, CP = 1): the masked loss sum
+    and the packed batch's token count (gradients accumulate as ``sum / total``, as the packed step's do)."""
+    _, cup = packed_layout(m)
+    total = full["loss_mask"].sum()
+    local = torch.zeros(())
+    for n, a in zip(m.get("doc_lengths", PACKED["doc_lengths"]), cup[:-1]):
+        doc = {k: v[:, a:a + n] for k, v in full.items()}
+        tok = model(doc["tokens"], torch.arange(n).unsqueeze(0), None, labels=doc["labels"])
+        part = (tok * doc["loss_mask"]).sum()
+        (part / total).backward()
+        local = local + part.detach()
+    return local, total
 
 
 def build_error_worker(rank: int, world: int, m: dict, pattern: str, ring: bool) -> str:

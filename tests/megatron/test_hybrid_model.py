@@ -11,6 +11,16 @@ loss near 4.9 at iteration 1); step-0 gradients within ``8 * eps32 * sqrt(tokens
 over the batch's tokens; CP changes only the order of that sum and of the attention merge; observed
 ~9e-8 against ~1.8e-6). The negative control feeds the model a contiguous split instead of the zigzag
 one: the gradients must move far outside the bound, so the test sees a token-order disagreement.
+
+Packed THD (``*-*-``, ``M*M-``, ``G*G-``, ``*E*-``; CP = 1, 2, 4): six documents of odd lengths, each padded to a
+multiple of 2 x 4, split by Megatron's own per-document zigzag split, ``PackedSeqParams`` (qkv_format
+``thd``, ``cu_seqlens`` and ``cu_seqlens_padded``). Reference: Megatron's own model (no ring) at CP = 1 on
+the real documents one at a time (Megatron's local attention takes no packed input; documents see nothing of
+each other, so this is what the packed step must equal). Same bounds, ``tokens`` = the packed stream's 80
+(observed: loss <= 9.5e-7, gradients <= 1.2e-7 against >= 1.1e-6). Negative control: the packed batch split
+zigzag over the whole stream (as BSHD is) is off by far (measured 8e-2 against 4.1e-6); documents padded to
+a multiple of 2 only are refused by name at CP = 2. Attention dropout 0.1 on the packed batch: CP = 2, 4 equal
+the ring at CP = 1.
 """
 from __future__ import annotations
 
@@ -36,15 +46,13 @@ STEPS = 2
 _REF: dict = {}
 
 
-def _sizes(pattern: str) -> dict:
+def _sizes(pattern: str, tokens: int = HW.HYBRID["micro_batch"] * HW.HYBRID["seq"]) -> dict:
     """The model-level rule's sizes: one layer per pattern character, FFN 2 x hidden (hybrid_workers)."""
     m = HW.HYBRID
-    return dict(seq=m["seq"], hidden=m["hidden_size"], layers=len(pattern), ffn=2 * m["hidden_size"],
-                tokens=m["micro_batch"] * m["seq"])
+    return dict(seq=m["seq"], hidden=m["hidden_size"], layers=len(pattern), ffn=2 * m["hidden_size"], tokens=tokens)
 
 
-def _grad_tol(ref_grads: dict) -> float:
-    tokens = HW.HYBRID["micro_batch"] * HW.HYBRID["seq"]
+def _grad_tol(ref_grads: dict, tokens: int = HW.HYBRID["micro_batch"] * HW.HYBRID["seq"]) -> float:
     gmax = max(float(g.abs().max()) for g in ref_grads.values())
     return 8 * torch.finfo(torch.float32).eps * math.sqrt(tokens) * gmax
 
@@ -60,14 +68,15 @@ def _grad_diff(a: dict, b: dict) -> float:
     return max(float((a["grads"][n] - g).abs().max()) for n, g in b["grads"].items())
 
 
-def _compare(got: dict, ref: dict, what: str, pattern: str) -> None:
+def _compare(got: dict, ref: dict, what: str, pattern: str,
+             tokens: int = HW.HYBRID["micro_batch"] * HW.HYBRID["seq"]) -> None:
     assert len(got["losses"]) == len(ref["losses"]), what
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-        tol = model_loss_tol(b, step=step + 1, **_sizes(pattern))
+        tol = model_loss_tol(b, step=step + 1, **_sizes(pattern, tokens))
         print(f"{what} step {step}: loss |d| {abs(a - b):.3g}, bound {tol:.3g}")
         assert abs(a - b) <= tol, f"{what}: step {step} loss {a} vs {b} (|d| {abs(a - b):.3g} > {tol:.3g})"
     assert set(got["grads"]) == set(ref["grads"]), what
-    tol = _grad_tol(ref["grads"])
+    tol = _grad_tol(ref["grads"], tokens)
     worst = _grad_diff(got, ref)
     assert worst <= tol, f"{what}: step-0 gradients differ by {worst:.3g} > {tol:.3g}"
 
@@ -120,3 +129,69 @@ def test_control_without_the_spec_refuses_at_cp2(run):
 def test_dsa_layer_refused_by_name(run):
     errors = run(HW.build_error_worker, 1, HW.HYBRID, "MD-", True)
     assert "hybrid layer 'D'" in errors[0] and "DeepSeek sparse attention" in errors[0], errors
+
+
+# --- packed THD -----------------------------------------------------------------------------------------
+#: the packed stream's length (every document padded to a multiple of 2 x 4): the gradient sums run over it
+PACKED_TOKENS = HW.packed_layout(HW.HYBRID)[1][-1]
+THD_PATTERNS = ["*-*-", pytest.param("M*M-", marks=needs_einops), "G*G-", "*E*-"]
+
+
+def _documents_reference(run, pattern: str) -> dict:
+    """Megatron's own model (local attention, no ring) at CP = 1 on the packed batch's real documents one at a
+    time (BSHD ``[1, n]``): what a packed step must equal, since documents see nothing of each other."""
+    key = (pattern, "documents")
+    if key not in _REF:
+        _REF[key] = run(HW.hybrid_worker, 1, HW.HYBRID, pattern, False, STEPS, 0.0, "documents")[0]
+    return _REF[key]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("pattern", THD_PATTERNS)
+def test_hybrid_packed_thd_cp_equals_megatron_per_document(run, pattern, cp):
+    """A packed THD batch (six documents of odd lengths 1..22, each padded to a multiple of 2 x 4, global
+    ``cu_seqlens`` / ``cu_seqlens_padded`` in ``PackedSeqParams``) split by Megatron's own per-document zigzag
+    split; Mamba / GDN through Megatron's CP (which undoes that order with ``thd_get_partitioned_indices``),
+    attention on the ring in the same order. Equals Megatron's CP = 1 model run document by document, with
+    the BSHD bounds (gradient sums over the packed stream's tokens)."""
+    ref = _documents_reference(run, pattern)
+    got = run(HW.hybrid_worker, cp, HW.HYBRID, pattern, True, STEPS, 0.0, "thd")[0]
+    _compare(got, ref, f"{pattern} THD CP={cp}", pattern, PACKED_TOKENS)
+
+
+@pytest.mark.slow
+@needs_einops
+def test_packed_token_order_disagreement_is_seen(run):
+    """Negative control: the packed batch split zigzag over the whole stream (the BSHD split) instead of per
+    document: Megatron's Mamba CP undoes a per-document order that is not there; the bounds must fail by far."""
+    ref = _documents_reference(run, "M*M-")
+    got = run(HW.hybrid_worker, 2, HW.HYBRID, "M*M-", True, STEPS, 0.0, "thd_stream")[0]
+    assert _grad_diff(got, ref) > 100 * _grad_tol(ref["grads"], PACKED_TOKENS)
+
+
+@pytest.mark.slow
+@needs_einops
+def test_packed_documents_not_padded_to_2cp_refused(run):
+    """Documents padded to a multiple of 2 only (the stream's 60 tokens a multiple of 2 x 2), at CP = 2: refused
+    by name at the first call (pad each document to a multiple of 2 x CP), never a silent mix."""
+    m = dict(HW.HYBRID, pack_cp=1, doc_lengths=HW.PACKED["doc_lengths"] + (1,))
+    assert HW.packed_layout(m)[1][-1] % 4 == 0
+    with pytest.raises(Exception, match="every sequence must be padded to a multiple of 2 x"):
+        run(HW.hybrid_worker, 2, m, "M*M-", True, 1, 0.0, "thd")
+
+
+@pytest.mark.slow
+@needs_einops
+@pytest.mark.parametrize("cp", [2, 4])
+def test_hybrid_packed_thd_attention_dropout_cp_invariant(run, cp):
+    """Attention dropout 0.1 on the packed batch: CP = 2, 4 equal the ring at CP = 1 on the same packed batch
+    (the ring keys dropout on positions in the packed stream, whichever rank holds them)."""
+    key = ("M*M-", "thd", 0.1)
+    if key not in _REF:
+        _REF[key] = run(HW.hybrid_worker, 1, HW.HYBRID, "M*M-", True, STEPS, 0.1, "thd")[0]
+    ref = _REF[key]
+    plain = _documents_reference(run, "M*M-")
+    assert _grad_diff(ref, plain) > 100 * _grad_tol(plain["grads"], PACKED_TOKENS), "dropout 0.1 must change them"
+    got = run(HW.hybrid_worker, cp, HW.HYBRID, "M*M-", True, STEPS, 0.1, "thd")[0]
+    _compare(got, ref, f"M*M- THD dropout 0.1 CP={cp}", "M*M-", PACKED_TOKENS)
