@@ -140,3 +140,44 @@ class Checks:
                                     "capability": torch.backends.cpu.get_cpu_capability(),
                                     "failed": len(bad), "worst": self.worst_label()}) + "\n")
         assert not bad, f"{self.name}: {len(bad)} of {len(self.rows)} over the derived bound:\n" + "\n".join(bad[:20])
+
+
+# ---- model level: whole Megatron models (losses, gradients, training curves), fp32 --------------------------
+# One rule for every model-level comparison in tests/megatron (docs/numerics.md, "Model-level tolerances"),
+# the CP doctor's (megatron_ring/doctor/compare.py ``bounds``; docs/doctor.md "How the bounds are derived"):
+# two runs that differ only in the order of fp32 sums (CP size, layout, comm type, resume point) differ by
+#   loss (a mean of per-token values), after ``step`` optimizer updates (step = 1: the first forward):
+#       |d| <= step * rel_fwd * max(|loss|, 1),      rel_fwd  = 4 eps sqrt(n_red) depth
+#   a gradient tensor (sums over the iteration's n_tok tokens too), of iteration ``step``:
+#       max |d| <= step * rel_grad * max |g_ref|,   rel_grad = 4 eps sqrt(n_red n_tok) depth
+# eps = 2^-23 (fp32), n_red = max(seq, hidden, ffn), n_tok = tokens of one iteration, depth = layers + 2.
+from megatron_ring.doctor.compare import bounds as _doctor_bounds  # noqa: E402  (a tool; tests may import it)
+
+
+def model_bounds(*, seq: int, hidden: int, layers: int, tokens: int, ffn: int | None = None) -> dict:
+    """``rel_fwd`` / ``rel_grad`` of a model (``tokens``: per iteration, all micro-batches; ``ffn``: 4 hidden
+    when not given, Megatron's default)."""
+    return _doctor_bounds({"seq_length": seq, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_layers": layers,
+                           "global_batch_size": max(1, tokens // seq)})
+
+
+def model_loss_tol(ref_loss: float, *, step: int = 1, **sizes) -> float:
+    """Bound on |loss - ref_loss| at iteration ``step`` (1-based: ``step`` - 1 updates before it)."""
+    return step * model_bounds(**sizes)["rel_fwd"] * max(abs(float(ref_loss)), 1.0)
+
+
+def model_curve_tols(ref_losses, **sizes) -> list[float]:
+    """Per-iteration bounds for a loss curve (iteration i of the list: ``model_loss_tol(step=i + 1)``)."""
+    return [model_loss_tol(x, step=i + 1, **sizes) for i, x in enumerate(ref_losses)]
+
+
+def model_grad_tol(ref_grad: torch.Tensor, *, step: int = 1, **sizes) -> float:
+    """Bound on max |g - g_ref| for one gradient tensor of iteration ``step``."""
+    return step * model_bounds(**sizes)["rel_grad"] * ref_grad.detach().abs().max().item()
+
+
+def add_model_grads(checks: "Checks", got: dict, ref: dict, *, label: str = "", step: int = 1, **sizes) -> None:
+    """One row per parameter: max |got - ref| against ``model_grad_tol`` (the same names must be present)."""
+    assert got.keys() == ref.keys(), (label, sorted(set(got) ^ set(ref)))
+    for name, g in ref.items():
+        checks.add(f"{label} {name}".strip(), max_err(got[name], g), model_grad_tol(g, step=step, **sizes))

@@ -16,6 +16,13 @@ MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_grou
              micro_batch=2, pos_emb="rope", seed=1234, data_seed=7, lr=5e-3, data_cycle=2)
 
 
+def sizes(m: dict = MODEL, dp: int = 1) -> dict:
+    """The sizes the model-level tolerance needs (tests/helpers/numerics.py ``model_bounds``): FFN 2 x hidden
+    (``_transformer_config``), ``dp`` x micro-batch x seq tokens per iteration."""
+    return dict(seq=m["seq"], hidden=m["hidden_size"], layers=m["num_layers"], ffn=2 * m["hidden_size"],
+                tokens=dp * m["micro_batch"] * m["seq"])
+
+
 def _transformer_config(m: dict, tp: int, cp: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 

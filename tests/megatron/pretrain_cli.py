@@ -24,6 +24,10 @@ MODEL_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-
                "--hidden-dropout 0 --vocab-size 128 --make-vocab-size-divisible-by 64 --tokenizer-type NullTokenizer "
                "--seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 1000").split()
 
+#: MODEL_FLAGS' sizes for the model-level tolerance (tests/helpers/numerics.py ``model_bounds``): FFN 128 (Megatron's
+#: SwiGLU default, int(4 h 2/3 / 64) 64), a global batch of 4 sequences per iteration (``gpt_args``)
+MODEL_SIZES = dict(seq=64, hidden=64, layers=2, ffn=128, tokens=4 * 64)
+
 
 def gpt_args(iters: int, *, attention_dropout: float = 0.0, extra: str = "") -> list[str]:
     """The model, a 2 x 2 micro-batch schedule and AdamW with a cosine schedule, for ``iters`` iterations."""

@@ -5,33 +5,33 @@ process, same seed and weights, GQA (4 heads, 2 query groups), RoPE, irregular l
 ``get_gpt_layer_ring_spec`` at (TP, CP), every layout, sharded with ``get_batch_on_this_cp_rank``, loss
 from ``reduce_loss_over_cp``, gradients from ``allreduce_gradients``.
 
-Tolerances (fp32): loss |diff| <= 2e-5 (values ~4.9, observed <= 1e-6); gradients
-``assert_close(rtol=1e-4, atol=1e-6)`` (observed max |diff| ~2e-8, gradient entries up to ~1e-1).
+Tolerances (fp32): the model-level rule (tests/helpers/numerics.py, docs/numerics.md "Model-level
+tolerances"): loss of iteration i within ``i rel_fwd max(|loss|, 1)``, each gradient tensor's max |diff| within
+``rel_grad max |g_ref|`` (this model: rel_fwd 2.2e-5, rel_grad 2.4e-4 at 128 tokens).
 """
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.helpers.numerics import Checks, add_model_grads, max_err, model_grad_tol, model_loss_tol
 from tests.megatron import megatron_workers as W
 from tests.megatron.conftest import reference
 
 pytestmark = pytest.mark.slow  # every test here starts worker processes
 
 LAYOUTS = ["zigzag", "striped", "contiguous"]
-LOSS_ATOL = 2e-5
-GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 STEPS = 2  # step 0 gives gradients; step 1 checks the optimizer step kept the models identical
 
 
-def _check(res_rank0: dict, ref: dict, layouts=LAYOUTS) -> None:
+def _check(res_rank0: dict, ref: dict, layouts=LAYOUTS, dp: int = 1, m: dict = W.MODEL) -> None:
+    sizes, c = W.sizes(m, dp), Checks("Megatron CP vs CP=1")
     for layout in layouts:
         got = res_rank0["layouts"][layout]
+        assert len(got["losses"]) == len(ref["losses"])
         for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-            assert abs(a - b) <= LOSS_ATOL, f"{layout}: step {step} loss {a} vs reference {b}"
-        assert set(got["grads"]) == set(ref["grads"])
-        for name, g in ref["grads"].items():
-            torch.testing.assert_close(got["grads"][name], g, **GRAD_TOL, msg=lambda m: f"{layout} {name}: {m}")
+            c.add(f"{layout} loss {step}", abs(a - b), model_loss_tol(b, step=step + 1, **sizes))
+        add_model_grads(c, got["grads"], ref["grads"], label=layout, **sizes)
+    c.check()
 
 
 def _check_groups(results: list[dict], tp: int, cp: int) -> None:
@@ -57,7 +57,7 @@ def test_loss_and_grads_match_megatron_cp1(run, tp, cp, world):
     dp = world // (tp * cp)
     ref = reference(STEPS, dp)
     results = run(W.ring_worker, world, W.MODEL, tp, cp, LAYOUTS, STEPS, False)
-    _check(results[0], ref)
+    _check(results[0], ref, dp=dp)
     for r in results[1:]:  # every rank reports the same (CP = 1) loss
         for layout in LAYOUTS:
             assert r["layouts"][layout]["losses"] == pytest.approx(results[0]["layouts"][layout]["losses"], abs=1e-6)
@@ -68,7 +68,7 @@ def test_loss_and_grads_match_megatron_cp1(run, tp, cp, world):
 def test_tp2_cp2_dp2_world8(run):
     ref = reference(STEPS, 2)
     results = run(W.ring_worker, 8, W.MODEL, 2, 2, LAYOUTS, STEPS, False)
-    _check(results[0], ref)
+    _check(results[0], ref, dp=2)
     _check_groups(results, 2, 2)
 
 
@@ -77,7 +77,7 @@ def test_learned_absolute_positions_follow_layout(run):
     m = dict(W.MODEL, pos_emb="learned_absolute")
     ref = reference(STEPS, 1, pos_emb="learned_absolute")
     results = run(W.ring_worker, 2, m, 1, 2, ["striped"], STEPS, False)
-    _check(results[0], ref, ["striped"])
+    _check(results[0], ref, ["striped"], m=m)
 
 
 def test_negative_control_megatron_rope_slicing_breaks_striped(run):
@@ -85,7 +85,10 @@ def test_negative_control_megatron_rope_slicing_breaks_striped(run):
     gradients well outside the tolerance (and zigzag, where it is right, stays inside)."""
     ref = reference(1, 1)
     res = run(W.ring_worker, 2, W.MODEL, 1, 2, ["striped", "zigzag"], 1, True)[0]["layouts"]
-    bad = max((res["striped"]["negative_control"]["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
-    ok = max((res["zigzag"]["negative_control"]["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
-    assert bad > 100 * GRAD_TOL["atol"], bad
-    assert ok <= GRAD_TOL["atol"], ok
+    def worst(layout):  # the largest max |diff| / bound over the gradient tensors
+        grads = res[layout]["negative_control"]["grads"]
+        return max(max_err(grads[n], g) / model_grad_tol(g, **W.sizes()) for n, g in ref["grads"].items())
+    bad, ok = worst("striped"), worst("zigzag")
+    print(f"negative control: striped {bad:.3g} x the bound, zigzag {ok:.3g} x")
+    assert bad > 10, bad
+    assert ok <= 1, ok

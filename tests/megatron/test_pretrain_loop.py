@@ -2,7 +2,8 @@
 
 Runs where ``megatron.training`` is importable (the megatron-core 0.19 wheel ships it: the Python 3.12
 venv in CI); skipped otherwise. Reference: the same script at CP = 1 with Megatron's own local attention,
-one process. Each ring run must match it per iteration (masked mean token loss, fp32) within 1e-5; the
+one process. Each ring run must match it per iteration (masked mean token loss, fp32) within the model-level
+bound ``i rel_fwd max(|loss|, 1)`` at iteration i (tests/helpers/numerics.py ``model_curve_tols``); the
 lossy wires within the bounds of docs/megatron-lm.md. Every layout runs once, and every parallel shape
 (CP=2, CP=4, TP=2 x CP=2) once, with the distributed optimizer on and off and both recompute modes spread
 over the runs (each run is a torchrun launch of 1-4 CPU processes: the cases are combined to keep CI lean).
@@ -14,7 +15,8 @@ import os
 import pytest
 
 from tests.helpers.launch import ROOT, masked_mean_losses, torchrun
-from tests.megatron.pretrain_cli import PRETRAIN_MARKS, CPU_FLAGS, gpt_args
+from tests.helpers.numerics import Checks, model_curve_tols
+from tests.megatron.pretrain_cli import PRETRAIN_MARKS, CPU_FLAGS, MODEL_SIZES, gpt_args
 
 
 pytestmark = PRETRAIN_MARKS
@@ -59,8 +61,10 @@ WIRES = {"bf16": 2e-3, "fp8": 2e-2}  # per-iteration |loss - CP=1 loss| bounds (
 def test_pretrain_ring_matches_cp1(tmp_path, reference, case):
     nproc, flags = CASES[case]
     got = pretrain(tmp_path, case, nproc, *flags.split())
-    diffs = [abs(a - b) for a, b in zip(got, reference)]
-    assert max(diffs) <= 1e-5, (case, got, reference)
+    c = Checks(f"pretrain() {case} vs CP=1")
+    for i, (a, b, t) in enumerate(zip(got, reference, model_curve_tols(reference, **MODEL_SIZES))):
+        c.add(f"iteration {i + 1}", abs(a - b), t)
+    c.check(min_rows=ITERS)
 
 
 @pytest.mark.parametrize("wire", sorted(WIRES))

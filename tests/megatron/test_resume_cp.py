@@ -1,7 +1,8 @@
 """Resume at another CP size with Megatron's own distributed checkpointing, attention dropout ON.
 
 Two loops, each saving at CP = 4 and resuming at CP = 2 and CP = 1 (continued per-iteration loss equal to
-the uninterrupted CP = 4 run within 1e-5), each with a negative control:
+the uninterrupted CP = 4 run within the model-level bound ``i rel_fwd max(|loss|, 1)`` at iteration i,
+tests/helpers/numerics.py ``model_loss_tol``), each with a negative control:
 
 * Megatron-LM's ``pretrain()`` with ``--save/--load --ckpt-format torch_dist`` where ``megatron.training``
   is installed (the megatron-core 0.19 wheel: the Python 3.12 venv);
@@ -12,12 +13,13 @@ the uninterrupted CP = 4 run within 1e-5), each with a negative control:
 ``pretrain()``: it runs examples/pretrain_ring_gpt_any_cp.py (ring attention at every CP size) at CP = 4 for ITERS iterations
 and saves a ``torch_dist`` checkpoint at iteration SAVE_AT. Resumed from it at CP = 2 and at CP = 1, the
 continued per-iteration loss (masked mean token loss, fp32 model, float64 sums over DP x CP) must equal the
-uninterrupted CP = 4 run within 1e-5. Attention dropout is 0.1: the ring's dropout mask depends only on
+uninterrupted CP = 4 run within that bound. Attention dropout is 0.1: the ring's dropout mask depends only on
 (seed, layer, head, global positions), and Megatron checkpoints the RNG tracker it is drawn from per
 (PP, TP) rank (shared over DP x CP), so the masks continue identically at any CP size.
 
 Negative control (so the test can fail): resumed at CP = 1 with ``--no-load-rng`` the tracker restarts
-from its seed, the dropout masks differ and the loss must differ by more than 1e-4.
+from its seed, the dropout masks differ and the loss must leave the bound (measured: 3.8 x the bound with
+``pretrain()``; 2e-3 off, the reordering difference is ~1e-7).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ import os
 import pytest
 
 from tests.helpers.launch import ROOT, masked_mean_losses, torchrun
-from tests.megatron.pretrain_cli import CPU_FLAGS, gpt_args
+from tests.helpers.numerics import model_loss_tol
+from tests.megatron.pretrain_cli import CPU_FLAGS, MODEL_SIZES, gpt_args
 
 from megatron_ring.megatron.compat import has_megatron_training
 
@@ -44,6 +47,18 @@ SCRIPT = os.path.join(ROOT, "examples", "pretrain_ring_gpt_any_cp.py")
 CORE_WORKER = os.path.join(ROOT, "tests", "megatron", "resume_workers.py")
 ITERS, SAVE_AT = 6, 3
 MICRO_BATCHES = 2  # global batch 4 / (micro batch 2 x DP 1)
+#: the Megatron-Core loop's model (resume_workers.MODEL): FFN 2 x hidden, one micro-batch of 2 per iteration
+CORE_SIZES = dict(seq=64, hidden=64, layers=2, ffn=128, tokens=2 * 64)
+
+
+def _ratio(got: list[float], want: list[float], sizes: dict) -> float:
+    """The worst |resumed - uninterrupted| / bound over the continued iterations SAVE_AT + 1 .. ITERS."""
+    assert len(got) == len(want) == ITERS - SAVE_AT, (got, want)
+    r = max(abs(a - b) / model_loss_tol(b, step=SAVE_AT + 1 + i, **sizes) for i, (a, b) in enumerate(zip(got, want)))
+    print(f"worst |resumed - uninterrupted| / bound: {r:.3g}")
+    return r
+
+
 MODEL = gpt_args(ITERS, attention_dropout=0.1, extra="--ckpt-format torch_dist")
 CPU = CPU_FLAGS
 
@@ -81,15 +96,14 @@ def resume(tmp_path, saved_cp4, cp: int, *extra: str) -> tuple[list[float], list
 @pytest.mark.parametrize("cp", [2, 1])
 def test_resume_at_another_cp_size_continues_the_cp4_curve(tmp_path, saved_cp4, cp):
     got, want = resume(tmp_path, saved_cp4, cp)
-    diffs = [abs(a - b) for a, b in zip(got, want)]
-    assert max(diffs) <= 1e-5, (cp, got, want)
+    assert _ratio(got, want, MODEL_SIZES) <= 1, (cp, got, want, _ratio(got, want, MODEL_SIZES))
 
 
 @needs_training
 def test_resume_without_the_rng_state_differs(tmp_path, saved_cp4):
     """The dropout masks come from the checkpointed RNG tracker: without it the curve must move."""
     got, want = resume(tmp_path, saved_cp4, 1, "--no-load-rng")
-    assert max(abs(a - b) for a, b in zip(got, want)) > 1e-4, (got, want)
+    assert _ratio(got, want, MODEL_SIZES) > 1, (got, want)  # measured 3.8 x the bound
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,12 +133,13 @@ def core_saved_cp4(tmp_path_factory):
 def test_core_loop_resume_at_another_cp_size(tmp_path, core_saved_cp4, cp):
     ckpt, full = core_saved_cp4
     got = core_run(tmp_path, f"resume-cp{cp}", cp, ckpt, SAVE_AT, None)
-    diffs = [abs(a - b) for a, b in zip(got, full[SAVE_AT:])]
-    assert max(diffs) <= 1e-5, (cp, got, full[SAVE_AT:])
+    r = _ratio(got, full[SAVE_AT:], CORE_SIZES)
+    assert r <= 1, (cp, got, full[SAVE_AT:], r)
 
 
 @core_loop_only
 def test_core_loop_resume_without_the_rng_state_differs(tmp_path, core_saved_cp4):
     ckpt, full = core_saved_cp4
     got = core_run(tmp_path, "resume-norng", 1, ckpt, SAVE_AT, None, load_rng=False)
-    assert max(abs(a - b) for a, b in zip(got, full[SAVE_AT:])) > 1e-4, (got, full[SAVE_AT:])
+    r = _ratio(got, full[SAVE_AT:], CORE_SIZES)
+    assert r > 1, (got, full[SAVE_AT:], r)
