@@ -87,3 +87,12 @@ def outputs_and_grads(fn, q, k, v, dout):
     out = fn(*leaves)
     out.backward(dout)
     return [out.detach()] + [t.grad for t in leaves]
+
+
+def documents_and_filler(cu_padded, lens) -> list[int]:
+    """Boundaries of a padded packed stream as the float64 reference sees it: each document (``lens``, from the
+    start of its padded slot ``cu_padded``) and, where the slot is longer, its filler as a document of its own."""
+    cu = [0]
+    for a, n, b in zip(cu_padded[:-1].tolist(), lens, cu_padded[1:].tolist()):
+        cu += [a + n, b] if b > a + n else [a + n]
+    return sorted(set(cu))

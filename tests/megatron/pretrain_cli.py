@@ -1,6 +1,11 @@
 """Command lines shared by the tests that launch Megatron's pretrain() with torchrun on CPU."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from megatron_ring.megatron.compat import has_megatron_training
@@ -35,3 +40,21 @@ def gpt_args(iters: int, *, attention_dropout: float = 0.0, extra: str = "") -> 
                           "--min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 --weight-decay 0.01 "
                           f"--clip-grad 1.0 --attention-dropout {attention_dropout:g} {extra}").split()
 
+
+
+#: the repository root (PYTHONPATH of launched commands)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_doctor(tmp_path, cache, script: str, script_args, *doctor_args: str, env_extra: dict | None = None,
+               timeout: float | None = None) -> tuple[int, dict, str]:
+    """``python -m megatron_ring.doctor --cp 2 --iters 2 ... -- script script_args``: (exit code, its --json
+    record (empty if none was written), stdout + the tail of stderr)."""
+    out = tmp_path / "doctor.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "megatron_ring.doctor", "--cp", "2", "--iters", "2", "--json", str(out),
+           "--cache", str(cache), "--workdir", str(tmp_path / "runs"), *doctor_args, "--", script, *script_args]
+    timeout = timeout if timeout is not None else float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "600"))
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    data = json.loads(out.read_text()) if out.exists() else {}
+    return p.returncode, data, p.stdout + p.stderr[-3000:]

@@ -12,34 +12,22 @@ Tiny model (2 layers, hidden 64, sequence 64), 2 iterations, CP=2; CP=1 runs are
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-from tests.megatron.pretrain_cli import CPU_FLAGS, PRETRAIN_MARKS, gpt_args
+from tests.megatron.pretrain_cli import CPU_FLAGS, PRETRAIN_MARKS, gpt_args, run_doctor
 
 pytestmark = PRETRAIN_MARKS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(HERE, "stock_pretrain_gpt.py")
-TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "600"))
 MTP = ["--mtp-num-layers", "1"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
        "--moe-token-dispatcher-type", "alltoall"]
 
 
 def doctor(tmp_path, cache, *extra_args: str, env_extra: dict | None = None) -> tuple[int, dict, str]:
-    out = tmp_path / "doctor.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "megatron_ring.doctor", "--cp", "2", "--iters", "2", "--json", str(out),
-           "--cache", str(cache), "--workdir", str(tmp_path / "runs"), "--", SCRIPT,
-           *gpt_args(2), *CPU_FLAGS, *extra_args]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    data = json.loads(out.read_text()) if out.exists() else {}
-    return p.returncode, data, p.stdout + p.stderr[-3000:]
+    return run_doctor(tmp_path, cache, SCRIPT, [*gpt_args(2), *CPU_FLAGS, *extra_args], env_extra=env_extra)
 
 
 @pytest.fixture(scope="module")

@@ -7,31 +7,20 @@ the control must exit 0. Tiny model, 2 iterations, CP=2.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-from tests.megatron.pretrain_cli import CPU_FLAGS, PRETRAIN_MARKS, gpt_args
+from tests.megatron.pretrain_cli import CPU_FLAGS, PRETRAIN_MARKS, gpt_args, run_doctor
 
 pytestmark = PRETRAIN_MARKS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(HERE, "doctor_plants.py")
 ARGS = gpt_args(2) + CPU_FLAGS + ["--calculate-per-token-loss"]
-TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "600"))
 
 
 def doctor(tmp_path, cache, plant: str, *extra: str) -> tuple[int, dict, str]:
-    out = tmp_path / "doctor.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DOCTOR_TEST_PLANT=plant)
-    cmd = [sys.executable, "-m", "megatron_ring.doctor", "--cp", "2", "--iters", "2", "--json", str(out),
-           "--cache", str(cache), "--workdir", str(tmp_path / "runs"), *extra, "--", SCRIPT, *ARGS]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    data = json.loads(out.read_text()) if out.exists() else {}
-    return p.returncode, data, p.stdout + p.stderr[-3000:]
+    return run_doctor(tmp_path, cache, SCRIPT, ARGS, *extra, env_extra={"DOCTOR_TEST_PLANT": plant})
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ def stock_packed_attention_worker(rank: int, world: int, comm_type: str) -> dict
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from tests.helpers.numerics import max_err, score_bound, tol
-    from tests.helpers.reference import doc_attention_reference, outputs_and_grads
+    from tests.helpers.reference import doc_attention_reference, documents_and_filler, outputs_and_grads
     from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel,
                                         initialize_context_parallel, megatron_cpu)
     from megatron_ring.megatron.data.token_order import thd_get_partitioned_indices
@@ -42,10 +42,7 @@ def stock_packed_attention_worker(rank: int, world: int, comm_type: str) -> dict
                 q, dout = (torch.randn(T, 4, 8, generator=g).double() for _ in range(2))  # fp32 values
                 k, v = (torch.randn(T, 2, 8, generator=g).double() for _ in range(2))
                 real = torch.cat([torch.arange(int(a), int(a) + n) for a, n in zip(cup[:-1], lens)])
-                ref_cu = [0]  # documents and filler as the reference sees them
-                for a, n, b in zip(cup[:-1].tolist(), lens, cup[1:].tolist()):
-                    ref_cu += [a + n, b] if b > a + n else [a + n]
-                ref_cu = sorted(set(ref_cu))
+                ref_cu = documents_and_filler(cup, lens)  # documents and filler as the reference sees them
                 ref = outputs_and_grads(lambda *t: doc_attention_reference(*t, ref_cu, True, window), q, k, v, dout)
                 idx = thd_get_partitioned_indices(cup, T, world, rank).long()  # Megatron's split
                 local = [t.index_select(0, idx).float() for t in (q, k, v, dout)]
