@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stock Megatron-LM pretrain_hybrid.py (unpatched checkout: main or core_v0.19.0) with ring attention through
-# --spec, on CPU/gloo.
+# --spec, on CPU/gloo. A checkout without pretrain_hybrid.py (core_v0.16.1) runs its older name for the hybrid
+# stack, pretrain_mamba.py (MambaModel; the pattern flag is --hybrid-override-pattern there, with --num-layers).
 #
 #   PATTERN='M*M-' bash scripts/stock_megatron_lm_hybrid.sh MEGATRON_LM_CHECKOUT CP [EXTRA_FLAGS...]
 #
@@ -19,7 +20,9 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python}
 ITERS=${ITERS:-10}
 PATTERN=${PATTERN:-M*M-}
-MODEL=(--hybrid-layer-pattern "$PATTERN" --hidden-size 64 --num-attention-heads 4 --group-query-attention
+if [ -f "$MLM/pretrain_hybrid.py" ]; then SCRIPT=pretrain_hybrid.py; LAYERS=(--hybrid-layer-pattern "$PATTERN")
+else SCRIPT=pretrain_mamba.py; LAYERS=(--num-layers "${#PATTERN}" --hybrid-override-pattern "$PATTERN"); fi
+MODEL=("${LAYERS[@]}" --hidden-size 64 --num-attention-heads 4 --group-query-attention
        --num-query-groups 2 --seq-length 128 --max-position-embeddings 128 --micro-batch-size 2
        --global-batch-size 4 --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
        --lr-warmup-iters 1 --weight-decay 0.01 --clip-grad 1.0 --position-embedding-type rope
@@ -41,5 +44,5 @@ PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); pri
 cd "$MLM"
 export PYTHONPATH="$MLM:$HERE${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$PY" -m torch.distributed.run --nproc-per-node "$CP" --master-addr 127.0.0.1 --master-port "$PORT" \
-  -m megatron_ring.megatron.cpu pretrain_hybrid.py "${MODEL[@]}" "${CPU[@]}" \
+  -m megatron_ring.megatron.cpu "$SCRIPT" "${MODEL[@]}" "${CPU[@]}" \
   --context-parallel-size "$CP" "${SPEC[@]}" "$@"

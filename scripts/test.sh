@@ -7,7 +7,8 @@
 #   2. .venv312 (Python 3.12, megatron-core 0.19.2, ships megatron.training; its torch is a CUDA build that runs
 #      on CPU): tests/megatron, which includes the real-loop tests (Megatron's own pretrain()), and
 #      tests/fake_cuda, the fake-CUDA tier (the GPU path traced under FakeTensorMode, fast); only the options
-#      of "$@" pass;
+#      of "$@" pass; tests/megatron/test_mamba_v016.py there runs megatron-core 0.16.1's MambaModel from .venv's
+#      wheel in a child process (0.16.1's Mamba mixer imports triton, which .venv lacks);
 #   3. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py and
 #      tests/megatron/test_bridge_hybrid.py.
 # On a machine with NVIDIA GPUs (and a CUDA build of torch in .venv) step 1 also runs tests/gpu (part of

@@ -239,7 +239,8 @@ def test_cpu_opt_in_binds_the_kernels_and_restores_megatron():
     from megatron_ring.megatron.cpu import ssm
 
     planned = ssm.planned()
-    before = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in planned]
+    absent = object()  # a kernel name this megatron-core leaves unbound without mamba_ssm: removed again on exit
+    before = [(obj, attr, getattr(obj, attr, absent)) for obj, attr, _ in planned]
     if not mixer.HAVE_MAMBA_SSM:
         assert any(attr == "mamba_split_conv1d_scan_combined" for _, attr, _ in planned)
     with megatron_cpu():
@@ -248,4 +249,4 @@ def test_cpu_opt_in_binds_the_kernels_and_restores_megatron():
         if not before or mixer.mamba_split_conv1d_scan_combined is not None:
             assert mixer.HAVE_MAMBA_SSM
     for obj, attr, old in before:
-        assert getattr(obj, attr) is old, (obj, attr)
+        assert getattr(obj, attr, absent) is old, (obj, attr)

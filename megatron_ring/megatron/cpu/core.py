@@ -120,8 +120,12 @@ def _make_cpu_tracker_class():
 # ----------------------------------------------------------------------------------------------
 # enable / disable
 # ----------------------------------------------------------------------------------------------
+#: recorded for a name the object did not have before the opt-in bound it (restoring removes the name)
+_ABSENT = object()
+
+
 def _patch(obj: Any, attr: str, new: Any) -> None:
-    _saved.append((obj, attr, getattr(obj, attr)))
+    _saved.append((obj, attr, getattr(obj, attr, _ABSENT)))
     setattr(obj, attr, new)
 
 
@@ -178,7 +182,10 @@ def disable_cpu_support() -> None:
 
         while _saved:
             obj, attr, old = _saved.pop()
-            setattr(obj, attr, old)
+            if old is _ABSENT:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
         if _saved_tracker is not None:
             mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _saved_tracker
             _saved_tracker = None

@@ -29,6 +29,11 @@ __all__ = ["install", "planned"]
 
 Patch = Callable[[Any, str, Any], None]
 
+#: the mamba_ssm entry points ``MambaMixer`` calls in training and prefill. Some megatron-core lines bind them
+#: to None when mamba_ssm is missing; others (0.16) leave them unbound (the names are assigned only inside the
+#: ``try`` of the import), so the opt-in binds them either way (and removes them again on exit).
+MIXER_KERNELS = ("mamba_split_conv1d_scan_combined", "mamba_chunk_scan_combined")
+
 
 def _load(name: str) -> Any:
     try:
@@ -100,8 +105,7 @@ def planned() -> list[tuple[Any, str, Any]]:
     if mixer is not None and not getattr(mixer, "HAVE_MAMBA_SSM", True):
         out += [(mixer, "HAVE_MAMBA_SSM", True),
                 (mixer, "ExtendedRMSNorm", _extended_rms_norm_class()),
-                (mixer, "mamba_split_conv1d_scan_combined", kernels.mamba_split_conv1d_scan_combined),
-                (mixer, "mamba_chunk_scan_combined", kernels.mamba_chunk_scan_combined)]
+                *((mixer, name, getattr(kernels, name)) for name in MIXER_KERNELS)]
         if hasattr(mixer, "_check_mamba_sequence_packing_support"):
             out.append((mixer, "_check_mamba_sequence_packing_support", _packing_supported))
     if mixer is not None and _missing(getattr(mixer, "causal_conv1d_fn", None)):
@@ -129,9 +133,10 @@ def planned() -> list[tuple[Any, str, Any]]:
                 orig = getattr(fn, "_torchdynamo_orig_callable", None)
                 if callable(orig):
                     out.append((cls, name, orig))
-    # a name this megatron-core never binds (0.16's single-module GDN has no ``l2norm`` without FLA; its GDN
-    # is not part of its hybrid stack) is left alone: the opt-in only rebinds names it can restore
-    return [(obj, attr, new) for obj, attr, new in out if hasattr(obj, attr)]
+    # any other name this megatron-core never binds (0.16's single-module GDN has no ``l2norm`` without FLA; its
+    # GDN is not part of its hybrid stack) is left alone; the mixer's kernels are bound even where absent
+    return [(obj, attr, new) for obj, attr, new in out
+            if hasattr(obj, attr) or (obj is mixer and attr in MIXER_KERNELS)]
 
 
 def install(patch: Patch) -> None:

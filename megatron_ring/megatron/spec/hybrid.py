@@ -4,6 +4,9 @@ Stock Megatron-LM ``pretrain_hybrid.py`` (main, core_r0.19; core_v0.16's ``pretr
 
     --spec megatron_ring.megatron.spec ring_hybrid_stack_spec --hybrid-layer-pattern 'M*M-'
 
+(``pretrain_mamba.py`` takes the pattern as ``--hybrid-override-pattern 'M*M-' --num-layers 4``; its patterns
+know ``M``, ``*``, ``-``, ``E``.)
+
 Every builder of these lines hands the ``--spec`` object to the model as it is (``HybridModel(
 hybrid_stack_spec=...)`` / ``MambaModel(mamba_stack_spec=...)``), so ``ring_hybrid_stack_spec`` is a stack
 ``ModuleSpec`` on every line (also callable as ``ring_hybrid_stack_spec(config[, vp_stage])``, returning
