@@ -164,10 +164,18 @@ def _check(per_rank):
     return sum(len(r) for r, _, _ in per_rank)
 
 
+def _rows_expected(world, cases, dtypes):
+    """Rows ``_check`` must see: per rank, case, layout, causal (bf16: zigzag causal only) out/dq/dk/dv, ring and
+    SDPA each."""
+    return world * len(cases) * (3 * 2 + (torch.bfloat16 in dtypes)) * 4 * 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(A2A))
 def test_a2a_with_few_heads_matches_full_attention(world):
-    assert _check(run_distributed(_worker, world, A2A[world], None, (torch.float32, torch.bfloat16), timeout=300))
+    dtypes = (torch.float32, torch.bfloat16)
+    assert _check(run_distributed(_worker, world, A2A[world], None, dtypes, timeout=300)) == \
+        _rows_expected(world, A2A[world], dtypes)
 
 
 @pytest.mark.slow
@@ -175,7 +183,35 @@ def test_a2a_with_few_heads_matches_full_attention(world):
 def test_a2a_p2p_with_few_heads_matches_full_attention(world):
     inner, cases = HIER[world]
     dtypes = (torch.float32, torch.bfloat16) if world == 4 else (torch.float32,)
-    assert _check(run_distributed(_worker, world, cases, inner, dtypes, timeout=600))
+    assert _check(run_distributed(_worker, world, cases, inner, dtypes, timeout=600)) == \
+        _rows_expected(world, cases, dtypes)
+
+
+def _swapped_kv_worker(rank, world):
+    """The same comparison with a broken a2a: the K/V all-to-all's received sequence shards swapped."""
+    real = a2a_mod.all_to_all
+
+    def swapped(out, inp, group, timeout_s, what, in_splits=None, out_splits=None):
+        pending = real(out, inp, group, timeout_s, what, in_splits, out_splits)
+        if what != "all-to-all of K/V":
+            return pending
+
+        class Swapped:
+            def wait(self):
+                pending.wait()
+                out.copy_(torch.cat(out.chunk(world)[::-1]))
+        return Swapped()
+    a2a_mod.all_to_all = swapped
+    return _case_errors(world, "zigzag", True, (4, 2, 8, "bshd"), torch.float32, 7, comm_type="a2a")
+
+
+@pytest.mark.slow
+def test_a2a_comparison_sees_a_broken_all_to_all():
+    """Negative control: K/V shards of the wrong ranks (sequence order broken) fail the float64 bound by far."""
+    for rows in run_distributed(_swapped_kv_worker, 2, timeout=120):
+        errs = {name: (err, bound) for name, err, _, bound in rows}
+        print({k: f"{e:.3g} > {b:.3g}" for k, (e, b) in errs.items()})
+        assert errs["out"][0] > 100 * errs["out"][1] and errs["dk"][0] > 100 * errs["dk"][1], errs
 
 
 def _refusal_worker(rank, world):

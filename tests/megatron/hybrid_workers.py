@@ -163,6 +163,9 @@ def hybrid_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, step
             cp_group = ps.get_context_parallel_group()
             opt = torch.optim.AdamW(model.parameters(), lr=m["lr"], weight_decay=0.0)
             losses, grads0 = [], None
+            # step 0's core-attention calls (dropout 0 only: a float64 reference cannot redraw dropout's mask)
+            records: list = []
+            hooks = capture_core_attention(model, records) if ring and attention_dropout == 0.0 else []
             for step in range(steps):
                 opt.zero_grad(set_to_none=True)
                 if how == "documents":
@@ -189,10 +192,32 @@ def hybrid_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, step
                 losses.append(float(rep / total))
                 if step == 0:
                     grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                    for h in hooks:
+                        h.remove()
                 opt.step()
-            return dict(losses=losses, grads=grads0 if rank == 0 else None)
+            return dict(losses=losses, grads=grads0 if rank == 0 else None, attention=records)
         finally:
             ps.destroy_model_parallel()
+
+
+def capture_core_attention(model, records: list) -> list:
+    """Forward hooks on the model's ``RingDotProductAttention`` modules: per call, one record in ``records`` with
+    the layer's name, the ``q``, ``k``, ``v`` core attention was given on this rank (after Megatron's RoPE, in
+    this rank's token order) and the ``out`` it returned; during the model's own backward, tensor hooks add the
+    upstream gradient of the output (``dout``) and the gradients that flow back into q, k, v (``dq``, ``dk``,
+    ``dv``). Returns the hook handles (remove them to stop capturing)."""
+    from megatron_ring.megatron.attention.module import RingDotProductAttention
+
+    def hook(module, args, kwargs, out, name):
+        q, k, v = (args[i] if len(args) > i else kwargs[n] for i, n in enumerate(("query", "key", "value")))
+        rec = dict(layer=name, q=q.detach().clone(), k=k.detach().clone(), v=v.detach().clone(),
+                   out=out.detach().clone())
+        for key, t in (("dq", q), ("dk", k), ("dv", v), ("dout", out)):
+            t.register_hook(lambda g, key=key, rec=rec: rec.__setitem__(key, g.detach().clone()))
+        records.append(rec)
+
+    return [mod.register_forward_hook(lambda *a, name=name: hook(*a, name), with_kwargs=True)
+            for name, mod in model.named_modules() if isinstance(mod, RingDotProductAttention)]
 
 
 def _documents_step(model, full: dict, m: dict) -> tuple[torch.Tensor, torch.Tensor]:
