@@ -67,9 +67,12 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def main(config_from_args=gpt_config_from_args) -> None:
+def main(config_from_args=gpt_config_from_args, forward=None, datasets=None) -> None:
     """``config_from_args``: Megatron-LM's model-config builder (``gpt_config_from_args`` for pretrain_gpt.py,
-    ``hybrid_config_from_args`` for pretrain_hybrid.py: tests/megatron/stock_pretrain_hybrid.py)."""
+    ``hybrid_config_from_args`` for pretrain_hybrid.py: tests/megatron/stock_pretrain_hybrid.py); ``forward`` /
+    ``datasets``: the forward step and data sets provider (default: this file's BSHD ones)."""
+    forward = forward or forward_step
+    datasets = datasets or datasets_provider
     cpu = contextlib.nullcontext()
     if not torch.cuda.is_available():
         from megatron_ring.megatron.cpu.training import megatron_training_cpu, training_cpu_enabled
@@ -79,8 +82,8 @@ def main(config_from_args=gpt_config_from_args) -> None:
     with cpu:
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
         model_cfg = config_from_args(args)  # imports --spec, as pretrain_gpt.py / pretrain_hybrid.py do
-        pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step)
+        pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets,
+                 ModelType.encoder_or_decoder, forward)
 
 
 if __name__ == "__main__":
