@@ -1,4 +1,5 @@
-"""A stock-style ``pretrain_hybrid.py`` for the CI tests of ``--spec megatron_ring.megatron.spec ring_hybrid_stack_spec``.
+"""A stock-style ``pretrain_hybrid.py`` for the CI tests of
+``--spec megatron_ring.megatron.spec ring_hybrid_stack_spec``.
 
 Built the way Megatron-LM's ``pretrain_hybrid.py`` (core_r0.19 / main) builds a run: ``parse_and_validate_args``
 -> ``hybrid_config_from_args`` (which imports ``--spec`` as the hybrid stack spec) ->

@@ -10,8 +10,8 @@ process. Per-iteration masked mean loss, fp32: CP=2 equals CP=1 within the model
 layers through Megatron's own CP, the attention layer on the ring). The control (the reference spec at
 CP=2) is refused by Megatron; a ``D`` layer is refused by name.
 
-Packed THD (the mirror follows stock ``get_batch``'s packed path, ``--sft`` and ``--dataloader-inter-document-masking``):
-the reference is the ring at CP=1 (one rank: the documents as a mask; Megatron's local attention refuses packed
+Packed THD (the mirror follows stock ``get_batch``'s packed path, ``--sft`` and
+``--dataloader-inter-document-masking``): the reference is the ring at CP=1 (one rank: the documents as a mask; Megatron's local attention refuses packed
 sequences). ``--sft`` (documents padded to 2 x CP, split per document; ``M*M-`` with RoPE: Mamba layers
 undo that order through Megatron's own CP; with ``--calculate-per-token-loss``: the loss-masked filler leaves the CP
 ranks different token counts, and Megatron's default divides each rank's loss by its own count, which no CP

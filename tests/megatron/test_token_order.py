@@ -322,8 +322,8 @@ def test_stream_split_refusals_name_the_fix():
     sft = SimpleNamespace(dataloader_inter_document_masking=True, sft=True, position_embedding_type="rope")
     assert megatron_lm_packed_split(stream) == "sequence" and megatron_lm_packed_split(sft) == "document"
     assert megatron_lm_packed_split(SimpleNamespace()) == "document"
-    for types, pe, text in [(["M", "*", "M", "-"], "none", "hybrid layer\\(s\\) M"), (["G", "*"], "none", "layer\\(s\\) G"),
-                            (["*", "-"], "rope", "--position-embedding-type rope")]:
+    for types, pe, text in [(["M", "*", "M", "-"], "none", "hybrid layer\\(s\\) M"),
+                            (["G", "*"], "none", "layer\\(s\\) G"), (["*", "-"], "rope", "--position-embedding-type rope")]:
         with pytest.raises(TokenOrderError, match=text) as e:
             check_sequence_split(2, types, SimpleNamespace(**{**vars(stream), "position_embedding_type": pe}))
         assert "--sft" in str(e.value)
