@@ -14,6 +14,11 @@
 # megatron_ring.megatron.cpu) and the CPU flags. Needs: torch, megatron-core's dependencies and einops,
 # megatron_ring importable, and on CPU the checkout's dataset helper built (or copied from the
 # megatron-core 0.19 wheel: megatron/core/datasets/helpers_cpp*.so; docs/megatron-runs.md).
+#
+# PACKED=1: packed THD through stock get_batch (--mock-data --dataloader-inter-document-masking: documents
+# unpadded, the stream split over CP as one sequence) with --position-embedding-type none (Megatron's THD RoPE
+# cannot follow that split; the ring spec refuses it by name, as it refuses M/G layers there); the ring spec at
+# every CP, CP=1 included (Megatron's local attention refuses packed sequences).
 set -euo pipefail
 MLM=$(cd "$1" && pwd); CP=$2; shift 2
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -40,6 +45,10 @@ CPU=(--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulat
      --no-masked-softmax-fusion --no-bias-dropout-fusion --no-persist-layer-norm)
 SPEC=(--spec megatron_ring.megatron.spec.hybrid reference_hybrid_stack_spec)
 if [ "$CP" -gt 1 ] && [ -z "${CONTROL:-}" ]; then SPEC=(--spec megatron_ring.megatron.spec ring_hybrid_stack_spec); fi
+if [ -n "${PACKED:-}" ]; then
+  SPEC=(--spec megatron_ring.megatron.spec ring_hybrid_stack_spec --dataloader-inter-document-masking
+        --position-embedding-type "${POSITION_EMBEDDING:-none}")
+fi
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 cd "$MLM"
 export PYTHONPATH="$MLM:$HERE${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

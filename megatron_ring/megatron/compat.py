@@ -22,6 +22,10 @@ keyword arguments and feature detection (never version-number checks, never posi
   ``ssm/mamba_block.MambaStack`` and ``models/mamba`` (``mamba_stack_spec``) (``hybrid_stack_class``,
   ``megatron_hybrid_stack_spec``); whether TransformerEngine is installed (``has_transformer_engine``); the
   local norm and MoE specs that stand in for TE's (``local_norm_class``, ``local_moe_spec``).
+* How Megatron-LM's stock ``get_batch`` (``pretrain_gpt.py`` / ``pretrain_hybrid.py``, main and core_r0.19)
+  split a packed (THD) batch over CP (``megatron_lm_packed_split``): ``--dataloader-inter-document-masking``
+  without ``--sft`` passes ``use_per_sequence_balancing=True`` (one zigzag over the whole packed stream);
+  otherwise (``--sft``) every document is split zigzag on its own.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gp
            "is_gpt_model_config", "default_gpt_layer_spec", "MTP_BLOCK_BUILDERS", "loaded_mtp_block_builders",
            "MTP_ROLL_TENSOR_USERS", "THD_PARTITIONER_USERS", "install_tex_stand_in",
            "has_transformer_engine", "hybrid_stack_class", "megatron_hybrid_stack_spec",
-           "local_norm_class", "local_moe_spec"]
+           "local_norm_class", "local_moe_spec", "megatron_lm_args", "megatron_lm_packed_split"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,6 +122,26 @@ def has_megatron_training() -> bool:
     except Exception:  # ImportError, or its own import-time failures on a partial install
         return False
     return True
+
+
+def megatron_lm_args() -> Any:
+    """Megatron-LM's parsed arguments where a Megatron-LM script set them (``megatron.training``'s global
+    args), else None (Megatron-Core used directly, or no ``megatron.training``). Never imports it."""
+    gv = sys.modules.get("megatron.training.global_vars")
+    return getattr(gv, "_GLOBAL_ARGS", None) if gv is not None else None
+
+
+def megatron_lm_packed_split(args: Any = None) -> str:
+    """How the stock Megatron-LM ``get_batch`` split a packed (THD) batch over CP: ``"sequence"`` (one zigzag
+    of 2 x CP equal chunks over the whole flattened stream: ``--dataloader-inter-document-masking`` without
+    ``--sft``, main's and core_r0.19's ``use_per_sequence_balancing``) or ``"document"`` (each document split
+    zigzag on its own, TransformerEngine's ``thd_get_partitioned_indices``: ``--sft``, and every caller that
+    is not a Megatron-LM script). ``args``: Megatron-LM's arguments (default :func:`megatron_lm_args`)."""
+    args = megatron_lm_args() if args is None else args
+    if args is not None and getattr(args, "dataloader_inter_document_masking", False) \
+            and not getattr(args, "sft", False):
+        return "sequence"
+    return "document"
 
 
 def run_pretrain(pretrain: Callable, datasets_provider: Callable, model_provider: Callable, model_type: Any,

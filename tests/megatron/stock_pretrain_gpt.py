@@ -8,6 +8,8 @@ comes in only through ``--spec``. The data set is the examples' deterministic le
 CPU runs enter megatron_ring's scoped CPU opt-in (Megatron's loop assumes CUDA).
 
 Env: ``MEGATRON_RING_LOSS_LOG``: one line per micro-batch on rank 0, loss sum and token count over DP x CP.
+``MEGATRON_RING_GRAD_LOG``: rank 0 saves (``torch.save``) the first step's final gradients, ``{name: main_grad}``
+after Megatron's ``finalize_model_grads`` (reduced over DP x CP, scaled as the optimizer sees them).
 """
 from __future__ import annotations
 
@@ -67,9 +69,34 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def main(config_from_args=gpt_config_from_args) -> None:
+def log_first_step_grads(path: str) -> None:
+    """Wrap Megatron-LM's ``finalize_model_grads`` (installed as ``config.finalize_model_grads_func`` by
+    ``pretrain``'s setup) so that its first call also saves the final gradients on rank 0."""
+    import megatron.training.training as training
+
+    original, done = training.finalize_model_grads, []
+
+    def finalize_model_grads(model, *args, **kwargs):
+        out = original(model, *args, **kwargs)
+        if not done:
+            done.append(True)
+            if dist.get_rank() == 0:
+                torch.save({name: p.main_grad.detach().double().cpu().clone() for chunk in model
+                            for name, p in chunk.named_parameters() if getattr(p, "main_grad", None) is not None},
+                           path)
+        return out
+
+    training.finalize_model_grads = finalize_model_grads
+
+
+def main(config_from_args=gpt_config_from_args, forward=None, datasets=None) -> None:
     """``config_from_args``: Megatron-LM's model-config builder (``gpt_config_from_args`` for pretrain_gpt.py,
-    ``hybrid_config_from_args`` for pretrain_hybrid.py: tests/megatron/stock_pretrain_hybrid.py)."""
+    ``hybrid_config_from_args`` for pretrain_hybrid.py: tests/megatron/stock_pretrain_hybrid.py); ``forward`` /
+    ``datasets``: the forward step and data sets provider (default: this file's BSHD ones)."""
+    forward = forward or forward_step
+    datasets = datasets or datasets_provider
+    if os.environ.get("MEGATRON_RING_GRAD_LOG"):
+        log_first_step_grads(os.environ["MEGATRON_RING_GRAD_LOG"])
     cpu = contextlib.nullcontext()
     if not torch.cuda.is_available():
         from megatron_ring.megatron.cpu.training import megatron_training_cpu, training_cpu_enabled
@@ -79,8 +106,8 @@ def main(config_from_args=gpt_config_from_args) -> None:
     with cpu:
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
         model_cfg = config_from_args(args)  # imports --spec, as pretrain_gpt.py / pretrain_hybrid.py do
-        pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step)
+        pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets,
+                 ModelType.encoder_or_decoder, forward)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,16 @@ process. Per-iteration masked mean loss, fp32: CP=2 equals CP=1 within the model
 (tests/helpers/numerics.py; 4 layers, FFN 128, 4 x 64 tokens per iteration) (pattern ``M*M-``: Mamba
 layers through Megatron's own CP, the attention layer on the ring). The control (the reference spec at
 CP=2) is refused by Megatron; a ``D`` layer is refused by name.
+
+Packed THD (the mirror follows stock ``get_batch``'s packed path, ``--sft`` and
+``--dataloader-inter-document-masking``): the reference is the ring at CP=1 (one rank: the documents as a mask; Megatron's local attention refuses packed
+sequences). ``--sft`` (documents padded to 2 x CP, split per document; ``M*M-`` with RoPE: Mamba layers
+undo that order through Megatron's own CP; with ``--calculate-per-token-loss``: the loss-masked filler leaves the CP
+ranks different token counts, and Megatron's default divides each rank's loss by its own count, which no CP
+attention can make equal to CP=1, docs/doctor.md) and ``--dataloader-inter-document-masking`` (unpadded documents, the
+stream split as one sequence; ``*-*-`` without RoPE) at CP=2 equal CP=1 within the same bound. The negative
+control splits the ``--sft`` batch the other way (``MEGATRON_RING_TEST_MISSPLIT``): the comparison fails. The
+stream split with Mamba layers is refused by name at build time.
 """
 from __future__ import annotations
 
@@ -17,8 +27,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from tests.helpers.launch import free_port
-from tests.helpers.numerics import Checks, model_curve_tols
+from tests.helpers.numerics import Checks, add_model_grads, model_curve_tols
 from tests.megatron.pretrain_cli import CPU_FLAGS, MODEL_SIZES
 
 from megatron_ring.megatron.compat import has_megatron_training
@@ -45,10 +56,12 @@ REFERENCE = ["--spec", "megatron_ring.megatron.spec.hybrid", "reference_hybrid_s
 TIMEOUT = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
 
-def launch(tmp_path, name: str, nproc: int, pattern: str, *extra: str, ok: bool = True, model: list | None = None):
+def launch(tmp_path, name: str, nproc: int, pattern: str, *extra: str, ok: bool = True, model: list | None = None,
+           env_extra: dict | None = None):
     log = tmp_path / f"{name}.loss"
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keep where einops is
-    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=path)
+    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), MEGATRON_RING_GRAD_LOG=str(tmp_path / f"{name}.grads"),
+               OMP_NUM_THREADS="1", PYTHONPATH=path, **(env_extra or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *(MODEL if model is None else model),
            "--hybrid-layer-pattern", pattern,
@@ -71,11 +84,70 @@ def test_stock_pretrain_hybrid_cp2_equals_cp1(tmp_path):
     assert "ring attention in" not in out
     got, out = launch(tmp_path, "cp2", 2, "M*M-", *RING)
     assert "ring attention in layers 2 (*) of 4 (pattern M*M-)" in out, out[-3000:]
-    c = Checks("stock pretrain_hybrid CP=2 vs CP=1")
-    tols = model_curve_tols(ref, **dict(MODEL_SIZES, layers=len("M*M-")))  # one layer per pattern character
-    for i, (a, b, t) in enumerate(zip(got, ref, tols)):
+    compare("stock pretrain_hybrid CP=2 vs CP=1", got, ref, "M*M-", grads(tmp_path, "cp2"), grads(tmp_path, "cp1"))
+
+
+def grads(tmp_path, name: str) -> dict:
+    """The first step's final gradients the run saved (tests/megatron/stock_pretrain_gpt.py)."""
+    return torch.load(tmp_path / f"{name}.grads")
+
+
+def compare(name: str, got: list, ref: list, pattern: str, got_grads: dict | None = None,
+            ref_grads: dict | None = None) -> None:
+    """Loss per iteration, and where given the first step's gradients, against the model-level bounds."""
+    sizes = dict(MODEL_SIZES, layers=len(pattern))  # one layer per pattern character
+    c = Checks(name)
+    for i, (a, b, t) in enumerate(zip(got, ref, model_curve_tols(ref, **sizes))):
         c.add(f"iteration {i + 1}", abs(a - b), t)
-    c.check(min_rows=ITERS)
+    if ref_grads is not None:
+        add_model_grads(c, got_grads, ref_grads, label="step-1 grad", step=1, **sizes)
+    c.check(min_rows=ITERS + (len(ref_grads) if ref_grads else 0))
+
+
+#: packed THD: how stock get_batch splits (per document: --sft; one sequence: --dataloader-inter-document-masking)
+PACKED = {"sft": ("M*M-", ["--sft", "--calculate-per-token-loss"]),  # filler is loss-masked: see below
+          "inter-document": ("*-*-", ["--dataloader-inter-document-masking", "--position-embedding-type", "none"])}
+
+
+@pytest.fixture(scope="module")
+def packed_reference(tmp_path_factory):
+    """The CP=1 loss curve per packed mode (the ring on one rank), computed once per module."""
+    cache: dict = {}
+
+    def get(mode: str) -> tuple[list, dict]:
+        if mode not in cache:
+            pattern, flags = PACKED[mode]
+            where = tmp_path_factory.mktemp(f"ref-{mode}")
+            ref, _ = launch(where, "cp1", 1, pattern, *RING, *flags)
+            assert ref[-1] < ref[0], f"the reference must train: {ref}"
+            cache[mode] = (ref, grads(where, "cp1"))
+        return cache[mode]
+    return get
+
+
+@pytest.mark.parametrize("mode", sorted(PACKED))
+def test_stock_pretrain_hybrid_packed_thd_cp2_equals_cp1(tmp_path, packed_reference, mode):
+    pattern, flags = PACKED[mode]
+    ref, ref_grads = packed_reference(mode)
+    got, _ = launch(tmp_path, "cp2", 2, pattern, *RING, *flags)
+    compare(f"stock pretrain_hybrid packed THD ({mode}) CP=2 vs CP=1", got, ref, pattern, grads(tmp_path, "cp2"),
+            ref_grads)
+
+
+def test_stock_packed_thd_missplit_fails_the_comparison(tmp_path, packed_reference):
+    """Negative control: the --sft batch split as one sequence (tokens in another order than the arguments
+    announce) runs, but the comparison catches it."""
+    pattern, flags = PACKED["sft"]
+    got, _ = launch(tmp_path, "missplit", 2, pattern, *RING, *flags, env_extra={"MEGATRON_RING_TEST_MISSPLIT": "1"})
+    ref, ref_grads = packed_reference("sft")
+    with pytest.raises(AssertionError, match="step-1 grad"):
+        compare("mis-split", got, ref, pattern, grads(tmp_path, "missplit"), ref_grads)
+
+
+def test_stock_packed_stream_split_with_mamba_refused(tmp_path):
+    out = launch(tmp_path, "stream-mamba", 2, "M*M-", *RING, "--dataloader-inter-document-masking", ok=False)
+    assert "--dataloader-inter-document-masking at CP=2 with hybrid layer(s) M" in out, out[-3000:]
+    assert "--sft" in out
 
 
 def test_stock_control_and_dsa_refused(tmp_path):

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from megatron_ring import DocumentZigzag, get_layout, shard_sequence
-from megatron_ring.megatron.data.token_order import (TokenOrderError, attention_layout, data_layout,
-                                                     install_thd_partitioner, same_order,
-                                                     thd_get_partitioned_indices)
+from megatron_ring.megatron.data.token_order import (TokenOrderError, attention_layout, check_sequence_split,
+                                                     data_layout, install_thd_partitioner, megatron_thd_layout,
+                                                     same_order, thd_get_partitioned_indices)
 
 mcp = pytest.importorskip("megatron.core.ssm.mamba_context_parallel")
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
@@ -261,6 +261,80 @@ def test_stock_split_packed_batches_run_in_megatrons_order(run, world, comm_type
 
     for errs in run(TW.stock_packed_attention_worker, world, comm_type):  # error / derived bound, per window
         assert len(errs) == 2 and max(errs.values()) <= 1.0, errs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_stock_stream_split_packed_batches_run_in_megatrons_order(run, world):
+    """Megatron-LM's other THD split (``--dataloader-inter-document-masking``: ``use_per_sequence_balancing``, one
+    zigzag over the stream, unpadded odd-length documents), split by Megatron's own function and announced by
+    its arguments: the stock ``--spec`` core attention equals the float64 per-document reference (outputs and
+    gradients)."""
+    pytest.importorskip("megatron.training", reason="Megatron-LM's arguments (0.19 wheel)")
+    from tests.megatron import token_order_workers as TW
+
+    errs = run(TW.stock_stream_split_attention_worker, world, "inter-document")
+    assert max(errs) <= 1.0, errs
+
+
+@pytest.mark.slow
+def test_stream_split_announced_as_per_document_is_caught(run):
+    """Negative control of the test above: the same stream-split batch while the arguments announce the
+    per-document split (``--sft``): the ring runs the per-document order and the comparison fails."""
+    pytest.importorskip("megatron.training", reason="Megatron-LM's arguments (0.19 wheel)")
+    from tests.megatron import token_order_workers as TW
+
+    errs = run(TW.stock_stream_split_attention_worker, 2, "sft")
+    assert max(errs) > 1.0, errs
+
+
+def test_megatron_lms_stream_split_is_the_ring_zigzag(monkeypatch):
+    """Megatron's ``_get_batch_on_this_cp_rank_per_sequence_balancing`` (index tensors, P = 1..8) holds on rank r
+    exactly the ring's stream ``zigzag`` positions: what :func:`megatron_thd_layout` returns for that split."""
+    import inspect
+
+    import megatron.core.utils as mutils
+    import torch.distributed as dist
+
+    if "use_per_sequence_balancing" not in inspect.signature(mutils.get_batch_on_this_cp_rank).parameters:
+        pytest.skip("this Megatron has no stream-wide THD split (use_per_sequence_balancing)")
+    for world in WORLDS:
+        for rank in range(world):
+            monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+            monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+            T = 2 * world * 5
+            cu = torch.tensor([[0, 3, 11, T]], dtype=torch.int32)
+            batch = {"tokens": torch.arange(T)[None], "cu_seqlens": cu, "cu_seqlens_padded": None}
+            got = mutils.get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=object(),
+                                                   use_per_sequence_balancing=True)["tokens"][0]
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu[0], cu_seqlens_kv=cu[0])
+            lay = megatron_thd_layout(world, "zigzag", params, "sequence")
+            assert torch.equal(got, lay.positions(T, world, rank)), (world, rank)
+
+
+def test_stream_split_refusals_name_the_fix():
+    """What cannot follow the stream split at CP > 1 is refused by name; the per-document split and CP = 1 pass."""
+    from types import SimpleNamespace
+
+    from megatron_ring.megatron.compat import megatron_lm_packed_split
+
+    stream = SimpleNamespace(dataloader_inter_document_masking=True, sft=False, position_embedding_type="none")
+    sft = SimpleNamespace(dataloader_inter_document_masking=True, sft=True, position_embedding_type="rope")
+    assert megatron_lm_packed_split(stream) == "sequence" and megatron_lm_packed_split(sft) == "document"
+    assert megatron_lm_packed_split(SimpleNamespace()) == "document"
+    for types, pe, text in [(["M", "*", "M", "-"], "none", "hybrid layer\\(s\\) M"),
+                            (["G", "*"], "none", "layer\\(s\\) G"), (["*", "-"], "rope", "--position-embedding-type rope")]:
+        with pytest.raises(TokenOrderError, match=text) as e:
+            check_sequence_split(2, types, SimpleNamespace(**{**vars(stream), "position_embedding_type": pe}))
+        assert "--sft" in str(e.value)
+    check_sequence_split(2, ["*", "-", "E"], stream)  # attention, MLP, MoE: fine
+    check_sequence_split(1, ["M", "*"], stream)
+    check_sequence_split(4, ["M", "*"], sft)
+    cu = torch.tensor([0, 3, 8])
+    with pytest.raises(TokenOrderError, match="--cp-layout zigzag"):
+        megatron_thd_layout(2, "striped", PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu), "sequence")
+    assert isinstance(megatron_thd_layout(2, "zigzag", PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(
+        [0, 4, 8])), "document"), DocumentZigzag)
 
 
 def test_cpu_opt_in_installs_and_restores_the_partitioner():

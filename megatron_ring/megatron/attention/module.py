@@ -16,6 +16,7 @@ from megatron.core.utils import divide
 
 import megatron_ring
 
+from megatron_ring.megatron import compat
 from megatron_ring.megatron.attention import comm_types
 from megatron_ring.megatron.groups import resolve as groups
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
@@ -49,7 +50,9 @@ class RingDotProductAttention(MegatronModule):
     options (layout, wire dtype, comm type, timeout) come from the registered ring, else from the
     ``MEGATRON_RING_*`` environment variables (:mod:`megatron_ring.megatron.env`). ``batch_split="megatron"`` (set by
     :mod:`megatron_ring.megatron.spec`): the batch was split by stock Megatron, so packed THD batches at CP > 1 run
-    in Megatron's per-document zigzag (:class:`~megatron_ring.DocumentZigzag` of ``cu_seqlens_q_padded``; see
+    in the order it split them in: Megatron's per-document zigzag (:class:`~megatron_ring.DocumentZigzag` of
+    ``cu_seqlens_q_padded``; ``--sft``, Megatron-Core), or, where Megatron-LM's ``get_batch`` cut the stream as one
+    sequence (``--dataloader-inter-document-masking``), the stream's zigzag with the documents as a mask (see
     :mod:`megatron_ring.megatron.data.token_order`).
     Supported masks: ``causal`` and ``no_mask``; documents from ``packed_seq_params`` (THD, global
     ``cu_seqlens``) or, with ``causal``, from an ``attention_mask`` that is causal within documents
@@ -218,10 +221,11 @@ class RingDotProductAttention(MegatronModule):
         group, cfg, registered = self._ring(packed_seq_params)
         layout = cfg.layout
         if packed_seq_params is not None and self.batch_split == "megatron" and group is not None \
-                and group.size() > 1:  # Megatron split each (padded) document zigzag: run in that order
-            padded = packed_seq_params.cu_seqlens_q_padded
-            layout = token_order.attention_layout(
-                "thd", group.size(), cfg.layout, padded if padded is not None else packed_seq_params.cu_seqlens_q)
+                and group.size() > 1:  # run in the order stock Megatron split the packed batch in
+            split = compat.megatron_lm_packed_split()
+            if split == "sequence":
+                token_order.check_sequence_split(group.size())  # RoPE (GPT models; hybrids at build time)
+            layout = token_order.megatron_thd_layout(group.size(), cfg.layout, packed_seq_params, split)
         strategy = self._comm_type(group, registered, cfg)
         pieces = kv_pieces_from_env()
         run = lambda q, k, v, fmt, cu=None: megatron_ring.ring_attention(  # noqa: E731

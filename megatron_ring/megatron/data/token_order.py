@@ -15,6 +15,13 @@ attention's load balancing (``_undo_attention_load_balancing``):
   it; nothing is permuted per layer. A layout that cannot be made consistent raises
   :class:`TokenOrderError`.
 
+Megatron-LM's stock ``get_batch`` has a second THD split: ``--dataloader-inter-document-masking`` without
+``--sft`` (``use_per_sequence_balancing``) cuts the flattened packed stream as ONE sequence, zigzag over 2 x CP
+equal chunks, documents unpadded (``compat.megatron_lm_packed_split``). The ring serves that order exactly (the
+stream layout ``zigzag`` with the documents as a mask): :func:`megatron_thd_layout` picks it. Megatron's own
+THD RoPE and Mamba / GDN context parallelism assume the per-document order instead, so with that split at
+CP > 1 :func:`check_sequence_split` refuses those layers by name (at build time) instead of a silent mix.
+
 Without TransformerEngine, Megatron's THD branches assert (Mamba's undo/redo, its own THD batch split);
 :func:`install_thd_partitioner` puts :func:`thd_get_partitioned_indices` (pure torch, TransformerEngine's
 semantics) where those modules look it up, without editing Megatron's files (the CPU opt-in calls it).
@@ -35,6 +42,7 @@ from megatron_ring import DocumentZigzag, get_layout
 from megatron_ring.megatron import compat
 
 __all__ = ["TokenOrderError", "thd_get_partitioned_indices", "attention_layout", "data_layout",
+           "megatron_thd_layout", "check_sequence_split", "ROPE_TYPES",
            "same_order", "install_thd_partitioner", "PARTITION_MODES"]
 
 PARTITION_MODES = ("zigzag", "contiguous")
@@ -113,7 +121,8 @@ def attention_layout(qkv_format: str, cp_size: int, layout: str = "zigzag", cu_s
         raise TokenOrderError(
             f"packed (THD) batches with Mamba/GDN layers at CP={cp_size}: Megatron splits every document zigzag, "
             f"so each padded document length must be a multiple of 2 x CP = {2 * cp_size} (got {bad or cu}); pad "
-            f"each document to a multiple of {2 * cp_size} and pass cu_seqlens_q_padded")
+            f"each document to a multiple of {2 * cp_size} and pass cu_seqlens_q_padded (Megatron-LM: --sft "
+            "packs that way; --dataloader-inter-document-masking splits the stream as one sequence instead)")
     return DocumentZigzag(cu)
 
 
@@ -131,6 +140,56 @@ def data_layout(cp_partition_mode: str | None, qkv_format: str, cp_size: int, la
         raise TokenOrderError("cp_partition_mode='contiguous' is defined for packed (THD) batches only; BSHD "
                               "context parallelism is zigzag")
     return get_layout("contiguous")
+
+
+ROPE_TYPES = ("rope", "yarn", "mrope")  # Megatron position embeddings applied to Q/K per THD document
+
+
+def megatron_thd_layout(cp_size: int, layout: Any, packed_seq_params: Any, split: str):
+    """The ring layout of a packed (THD) batch that stock Megatron(-LM) split over ``cp_size`` ranks: ``split``
+    ``"sequence"`` (:func:`~megatron_ring.megatron.compat.megatron_lm_packed_split`: one zigzag over the whole
+    stream) -> the stream layout ``zigzag`` (the documents stay a mask: exact for any document lengths);
+    ``"document"`` -> :func:`attention_layout` of the padded boundaries (``cu_seqlens_q_padded``, else
+    ``cu_seqlens_q``). Another ``--cp-layout`` than zigzag raises :class:`TokenOrderError`."""
+    if split == "sequence":
+        name = getattr(layout, "name", layout)
+        if cp_size > 1 and name != "zigzag":
+            raise TokenOrderError(
+                f"--cp-layout {name} at CP={cp_size}: Megatron-LM's get_batch split this packed batch "
+                "(--dataloader-inter-document-masking) zigzag over the whole stream; use --cp-layout zigzag")
+        return get_layout("zigzag")
+    if split != "document":
+        raise ValueError(f"split must be 'sequence' or 'document', got {split!r}")
+    padded = packed_seq_params.cu_seqlens_q_padded
+    return attention_layout("thd", cp_size, layout, padded if padded is not None else packed_seq_params.cu_seqlens_q)
+
+
+def check_sequence_split(cp_size: int, layer_types: Any = (), args: Any = None) -> None:
+    """Refuse (:class:`TokenOrderError`) what cannot follow Megatron-LM's stream-wide THD split
+    (``--dataloader-inter-document-masking`` without ``--sft``) at ``cp_size`` > 1: Megatron's Mamba (``M``) /
+    GDN (``G``) context parallelism and its THD RoPE both place each rank's tokens per document zigzag
+    (``thd_get_partitioned_indices``, ``_apply_rotary_pos_emb_thd``), not in the stream's zigzag, and would mix
+    tokens silently. ``layer_types``: the hybrid layer symbols; ``args``: Megatron-LM's arguments (default: the
+    running script's). Nothing to check for the per-document split or at CP = 1."""
+    args = compat.megatron_lm_args() if args is None else args
+    if cp_size <= 1 or compat.megatron_lm_packed_split(args) != "sequence":
+        return
+    fix = ("or pack with --sft (every document padded to a multiple of 2 x CP and split zigzag on its own, the "
+           "order Megatron's layers use), or drop --dataloader-inter-document-masking (BSHD), or CP=1")
+    mixers = sorted({str(t) for t in (layer_types or ()) if str(t) in ("M", "G")})
+    if mixers:
+        raise TokenOrderError(
+            f"--dataloader-inter-document-masking at CP={cp_size} with hybrid layer(s) {', '.join(mixers)}: "
+            "Megatron-LM's get_batch splits the packed stream as one sequence (use_per_sequence_balancing), but "
+            "Megatron's context parallelism for Mamba/GDN layers undoes a per-document zigzag "
+            f"(thd_get_partitioned_indices): the token orders differ; {fix}")
+    pe = getattr(args, "position_embedding_type", None)
+    if pe in ROPE_TYPES:
+        raise TokenOrderError(
+            f"--dataloader-inter-document-masking at CP={cp_size} with --position-embedding-type {pe}: "
+            "Megatron-LM's get_batch splits the packed stream as one sequence (use_per_sequence_balancing), but "
+            "Megatron's THD RoPE (_apply_rotary_pos_emb_thd) rotates each rank's tokens as if every document were "
+            f"split zigzag on its own: wrong positions; use --position-embedding-type none or learned_absolute, {fix}")
 
 
 def same_order(layout_a: Any, layout_b: Any, seq_len: int, cp_size: int) -> bool:

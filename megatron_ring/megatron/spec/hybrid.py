@@ -40,6 +40,7 @@ from typing import Any
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ring.megatron import compat
+from megatron_ring.megatron.data import token_order
 from megatron_ring.megatron.spec.layers import with_ring_attention
 from megatron_ring.megatron.spec.stock import check_stock_layout, ring_core
 
@@ -203,6 +204,8 @@ class RingHybridStack:
                 where = [i + 1 + int(kwargs.get("pp_layer_offset", 0) or 0) for i, t in enumerate(types) if t == symbol]
                 raise NotImplementedError(f"ring_hybrid_stack_spec: hybrid layer '{symbol}' at layer(s) {where} "
                                           f"({why})")
+        if _ring and types is not None:  # Megatron-LM's stream-wide THD split: M/G, RoPE cannot follow it
+            token_order.check_sequence_split(int(getattr(config, "context_parallel_size", 1) or 1), types)
         local_norm = not compat.has_transformer_engine()
         want_norm = kwargs.get("post_layer_norm", True) and kwargs.get("post_process", True)
         if local_norm:  # the stack hard-codes TENorm as its final norm: build Megatron's local norm instead
