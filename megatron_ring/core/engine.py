@@ -362,10 +362,17 @@ class _Accumulators:
     def __init__(self, ring: Transport, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
         b, h_kv, s, self.dk = k.shape
         self.n, self.hj = n, h_kv // n
-        slots = n + 1 if ring.world > 1 else 1
-        self.all = k.new_zeros((slots, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
-        self.rot = Rotation(ring, list(self.all.unbind(0)), "bwd_dkv", start_for(n, ring.world)) \
-            if ring.world > 1 else None
+        if ring.world == 1:
+            self.all = k.new_zeros((1, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
+            self.rot = None
+        else:
+            self.all = k.new_empty((n + 1, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
+            self.rot = Rotation(ring, list(self.all.unbind(0)), "bwd_dkv", start_for(n, ring.world))
+            # the own block's pieces start at zero; the free slot is first written by a receive: not zeroed
+            spare = self.rot.spare
+            for part in (self.all[:spare], self.all[spare + 1:]):
+                if part.shape[0]:
+                    part.zero_()
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def views(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,16 +479,16 @@ class RingAttentionFunction(torch.autograd.Function):
         view nodes around the call (less host time per call)."""
         plan.checks.backward_follows = any(ctx.needs_input_grad[:3])  # where the status is read (core/status.py)
         ctx.perm = perm
-        inputs = (q, k, v)
         if perm is not None:
             q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
         out, lse = forward_by_heads(q, v, heads, lambda hs, qs: ring_forward(
             q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs)), sink)
-        if perm is not None:
-            out = out.permute(_inverse(perm))
-        ctx.save_for_backward(*inputs, out, lse, sink)  # the inputs and the output themselves (no aliases)
+        # the BHSD views are saved (views of the inputs, and the output's BHSD form, which shares its
+        # version counter: an in-place change of either is still detected), so the backward permutes
+        # none of them again
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan, ctx.heads = plan, heads
-        return out
+        return out if perm is None else out.permute(_inverse(perm))
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
@@ -490,8 +497,7 @@ class RingAttentionFunction(torch.autograd.Function):
         if perm is None:
             return RingAttentionFunction._backward(ctx, dout, q, k, v, out, lse, sink)
         inv = _inverse(perm)
-        dq, dk, dv, *extra = RingAttentionFunction._backward(
-            ctx, dout.permute(perm), q.permute(perm), k.permute(perm), v.permute(perm), out.permute(perm), lse, sink)
+        dq, dk, dv, *extra = RingAttentionFunction._backward(ctx, dout.permute(perm), q, k, v, out, lse, sink)
         return (dq.permute(inv), dk.permute(inv), dv.permute(inv), *extra)
 
     @staticmethod
@@ -518,10 +524,16 @@ class RingAttentionFunction(torch.autograd.Function):
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
     """The permutation that undoes ``perm``."""
+    got = _INVERSES.get(perm)
+    if got is not None:
+        return got
     inv = [0] * len(perm)
     for i, p in enumerate(perm):
         inv[p] = i
     return tuple(inv)
+
+
+_INVERSES = {(0, 2, 1, 3): (0, 2, 1, 3), (1, 2, 0, 3): (2, 0, 1, 3)}  # bshd, sbhd -> BHSD and back
 
 
 def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],
