@@ -169,3 +169,80 @@ def test_a_call_without_backward_reads_once_at_the_forward_end():
         assert run_threads(lambda r, ring: body(r, ring, "bf16", False), 3) == [0, 0, 0]
         results = run_threads(lambda r, ring: body(r, ring, "fp8", True), 3)
     assert all(isinstance(res, WireFiniteError) for res in results), results
+
+
+# --- the collective comm types (all_gather, a2a, a2a+p2p): their wire checks on the device too -------------
+
+COLLECTIVE_TYPES = ("all_gather", "a2a", "a2a+p2p")
+
+
+def _collective_worker(rank, world, wires, bad_rank=None, old_check=False):
+    """Per comm type and wire: the host reads per call of 3 forward+backward calls (fake CUDA device), or,
+    with ``bad_rank``, the error every rank raises when that rank's K holds an inf."""
+    from megatron_ring.strategies import make_hierarchical_groups
+
+    if old_check:  # what the collectives did before: the codec's host check at every encode
+        FP8Codec.encode_flagged = lambda self, k, v, out: self.encode(k, v, out)
+    hier = make_hierarchical_groups(2)
+    out = {}
+    for comm_type in COLLECTIVE_TYPES:
+        for wire in wires:
+            dev = FakeCuda()
+            per_call = []
+            with device.use("cpu", dev):
+                for call in range(3):
+                    g = torch.Generator().manual_seed(call)
+                    q, k, v = (torch.randn(2, 8, 4, 16, generator=g).requires_grad_(True) for _ in range(3))
+                    if bad_rank == rank:
+                        with torch.no_grad():
+                            k[0, 3, 1, 2] = float("inf")
+                    counter = HostReadCounter(dev)
+                    counter.taint(q, k, v)
+                    try:
+                        with counter:
+                            o = ring_attention(q, k, v, causal=True, comm_type=comm_type, comm_dtype=wire,
+                                               hierarchical_groups=hier if comm_type == "a2a+p2p" else None)
+                            o.float().square().sum().backward()
+                    except Exception as exc:  # noqa: BLE001 - the refusal: reported as its type and text
+                        per_call.append(f"{type(exc).__name__}: {exc}")
+                        break
+                    per_call.append(dict(counter.reads))
+            out[f"{comm_type}/{wire}"] = per_call
+    return out
+
+
+@pytest.mark.slow
+def test_collective_comm_types_make_no_host_sync_after_the_first_call():
+    """all_gather, a2a and a2a+p2p with the FP8 / fp16 / bf16 wires: 0 host reads per call after the first
+    (their codecs' value checks run on the device, the verdict joins the status the ranks all-gather, read
+    at the start of the backward on CUDA)."""
+    from tests.helpers.launch import run_distributed
+
+    for rank, res in enumerate(run_distributed(_collective_worker, 4, ("fp8", "fp16", "bf16"), timeout=300)):
+        for case, per_call in res.items():
+            assert per_call[1:] == [{}, {}], (rank, case, per_call)
+
+
+@pytest.mark.slow
+def test_the_collective_counter_sees_the_old_host_check():
+    """Not vacuous: with the FP8 codec's host check at every encode (as before), reads are counted."""
+    from tests.helpers.launch import run_distributed
+
+    for rank, res in enumerate(run_distributed(_collective_worker, 4, ("fp8",), None, True, timeout=300)):
+        for case, per_call in res.items():
+            assert all(n.get("aten::_local_scalar_dense", 0) > 0 for n in per_call[1:]), (rank, case, per_call)
+
+
+@pytest.mark.slow
+def test_a_device_side_refusal_of_a_collective_still_raises_on_every_rank():
+    """The verdict travels in the status the ranks all-gather: every rank raises WireFiniteError at the
+    start of the backward (CUDA's path), the refusing rank naming the element, the others naming it."""
+    from tests.helpers.launch import run_distributed
+
+    for rank, res in enumerate(run_distributed(_collective_worker, 4, ("fp8",), 1, timeout=300)):
+        for case, per_call in res.items():
+            assert len(per_call) == 1 and per_call[0].startswith("WireFiniteError"), (rank, case, per_call)
+            if rank == 1:
+                assert "inf/NaN at [b, h, group]" in per_call[0], (rank, case, per_call)
+            else:
+                assert "global rank(s) 1" in per_call[0], (rank, case, per_call)
