@@ -246,3 +246,99 @@ def test_a_device_side_refusal_of_a_collective_still_raises_on_every_rank():
                 assert "inf/NaN at [b, h, group]" in per_call[0], (rank, case, per_call)
             else:
                 assert "global rank(s) 1" in per_call[0], (rank, case, per_call)
+
+
+# --- under CUDA-graph capture (the device seam's ``capturing``): no host read, no event, the codes asserted --
+
+def test_under_capture_the_status_is_asserted_on_the_device_not_read():
+    """While the stream is captured: no host read, no host copy of the codes, no event recorded or queried
+    by the status (a query invalidates a capture; what the host decided would not replay); the codes are
+    checked by a device-side assert instead, once per forward ring. Eagerly: one host copy per ring, no
+    assert."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Asserts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._assert_async.msg or func is torch.ops.aten._assert_async.default:
+                Asserts.n += 1
+            return func(*args, **(kwargs or {}))
+
+    for capturing, wire in ((True, "fp8"), (True, None), (False, "fp8")):
+        dev = FakeCuda(capturing=capturing)
+        case = SyncCase(P=4, heads=(4, 2), head_chunks=2, wire=wire)
+        Asserts.n = 0
+        with device.use("cpu", dev), Asserts():
+            for _ in range(2):
+                counter = HostReadCounter(dev)
+                _call(case, counter)
+                assert dict(counter.reads) == {}, (capturing, counter.reads)
+        if capturing:
+            assert dev.log["to_host"] == 0 and dev.log["event_query"] == 0, dev.log
+            assert Asserts.n == 2 * case.head_chunks, Asserts.n
+        else:
+            assert dev.log["to_host"] == 2 * case.head_chunks and Asserts.n == 0, (dev.log, Asserts.n)
+
+
+def test_under_capture_a_refusal_stops_every_rank_at_the_device_assert():
+    """A rank whose K/V the FP8 wire refuses, under capture: its code travels the ring as usual and every
+    rank's device-side assert fails (on a GPU: the replay stops; here, CPU tensors, it raises at once)."""
+    from tests.helpers.ring_fakes import run_threads
+
+    def body(rank, ring):
+        k = torch.randn(1, 8, 2, 8)
+        if rank == 1:
+            k[0, 3, 1, 2] = float("inf")
+        ring_attention(k.clone().requires_grad_(), k.requires_grad_(), k.detach().clone().requires_grad_(),
+                       ring=ring, comm_dtype="fp8")
+
+    with device.use("cpu", FakeCuda(capturing=True)):
+        results = run_threads(body, 3)
+    assert all(isinstance(r, RuntimeError) and "refused its input" in str(r) for r in results), results
+
+
+def test_under_capture_the_exchange_deadline_is_not_watched(monkeypatch):
+    """The exchange's deadline (an event per launch, watched by a thread that queries it) is skipped while
+    capturing: a query during capture would invalidate it. Eagerly the launch is watched."""
+    from tests.helpers.ring_fakes import NcclLikeWork, ring_as
+    import torch.distributed as dist
+    from megatron_ring.transport.deadline import watchdog
+
+    watched = []
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [NcclLikeWork()])
+    monkeypatch.setattr(watchdog, "watch", lambda *a, **kw: watched.append(a))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for capturing in (True, False):
+            dev = FakeCuda(capturing=capturing)
+            with device.use("cpu", dev):
+                ring = ring_as(2, 4, coalesced=True, timeout_s=30)
+                ring.watchdog_deadline = True
+                ring.exchange(torch.zeros(4), torch.empty(4), "fwd_kv", 0)
+            assert (len(watched), dev.log["record_event"]) == ((0, 0) if capturing else (1, 1)), (watched, dev.log)
+            watched.clear()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cuda_status_copies_reuse_their_pinned_buffers(monkeypatch):
+    """CudaOps.to_host: a pinned host buffer per forward ring is taken from those given back after their
+    read (PendingChecks.check), not allocated per call (torch.empty(pin_memory=True) counted here, on CPU)."""
+    made = []
+    real_empty = torch.empty
+
+    def empty(*shape, pin_memory=False, **kw):
+        t = real_empty(*shape, **kw)
+        made.append(pin_memory)
+        return t
+
+    ops = device.CudaOps()
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(device.CudaOps, "record_event", lambda self, stream=None: None)
+    codes = torch.zeros(4)
+    first, _ = ops.to_host(codes)
+    ops.give_host(first)
+    again, _ = ops.to_host(codes)
+    held, _ = ops.to_host(codes)  # the first is in use: a second buffer
+    assert again is first and held is not first and made == [True, True], made

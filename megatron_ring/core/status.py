@@ -105,7 +105,9 @@ class PendingChecks:
         for host, event, ops, ring, codec, explain in items:
             if not ops.event_done(event):
                 ops.wait_event_host(event)  # the one possible sync: the forward ring's end not reached yet
-            raise_for(host.tolist(), ring, codec, explain)
+            codes = host.tolist()
+            ops.give_host(host)
+            raise_for(codes, ring, codec, explain)
 
 
 class RingStatus:
@@ -203,6 +205,13 @@ class RingStatus:
         if self.local_error is not None:
             raise self.local_error
         explain = self.explain if self._checked else None
+        if self.ops.capturing(self.codes.device):
+            # CUDA-graph capture: no host read, no event (what the host decided would not replay); every
+            # replay checks the codes on the device instead: a failing rank stops it with a device-side assert
+            torch._assert_async(torch.all(self.codes == OK),
+                                "megatron_ring: a rank of the ring refused its input (its K/V cannot go on this "
+                                "wire, or a rank-local input error); rerun eagerly to get the named error")
+            return
         if self.read_in_forward:
             raise_for(self.codes.tolist(), self.ring, self.codec, explain)
             return
