@@ -342,3 +342,27 @@ def test_cuda_status_copies_reuse_their_pinned_buffers(monkeypatch):
     again, _ = ops.to_host(codes)
     held, _ = ops.to_host(codes)  # the first is in use: a second buffer
     assert again is first and held is not first and made == [True, True], made
+
+
+def test_a_device_cu_seqlens_is_read_once_per_tensor_and_version():
+    """``cu_seqlens`` as a device tensor: read on the host to plan the schedule, ONCE per tensor object and
+    version (every layer of a step passes the same tensor): 1 read at the first call, 0 after; an in-place
+    change (version bump) or a new tensor reads again."""
+    dev = FakeCuda()
+    cu = torch.tensor([0, 5, 29])
+    reads = []
+    with device.use("cpu", dev):
+        for step in range(5):
+            if step == 3:
+                cu[1] = 7  # in place: the version counter moves, the values are read again
+            if step == 4:
+                cu = torch.tensor([0, 9, 29])  # a new batch's tensor
+            q, k, v = (torch.randn(16, 2, 8, requires_grad=True) for _ in range(3))
+            counter = HostReadCounter(dev)
+            counter.taint(q, k, v, cu)
+            with counter:
+                out = ring_attention(q, k, v, ring=LoopbackRing(2, 1, q.device), causal=True, qkv_format="thd",
+                                     cu_seqlens=cu)
+                out.sum().backward()
+            reads.append(counter.total())
+    assert reads == [1, 0, 0, 1, 1], reads
