@@ -76,6 +76,8 @@ OUTPUT_CASES = [
     dict(causal=True, head_chunks=2), dict(causal=True, comm_dtype="bf16"), dict(causal=True, comm_dtype="fp8"),
     dict(causal=False, comm_dtype="fp16", kv_pieces=2), dict(causal=True, window=(40, -1)),
     dict(causal=True, thd=[0, 50, 130, 200]), dict(causal=True, sink=True), dict(causal=True, dropout_p=0.25),
+    dict(causal=True, comm_type="all_gather"), dict(causal=True, comm_type="all_gather", comm_dtype="fp8"),
+    dict(causal=False, comm_type="a2a", comm_dtype="fp8"), dict(causal=True, comm_type="a2a", gqa=2),
 ]
 
 OUTPUT_WORKER = r"""
