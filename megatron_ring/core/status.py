@@ -6,7 +6,8 @@ code: 0 = fine, 1 = K/V the wire codec refuses (:class:`~megatron_ring.wire.code
 or beyond the fp16 range), 2 = any other input error this rank detected (after the cross-rank check, e.g.
 a kernel that does not run on this rank's device). The code is written once by the block's owner and
 forwarded unchanged with the block, so after a full forward ring (P steps) every rank has seen every rank's
-code. A ring that a window shortens to ``steps < P`` steps carries each block only ``steps - 1`` hops; it
+code. The backward ring sends the same K/V again with the element unwritten (nothing reads it: the forward
+ring has judged these K/V). A ring that a window shortens to ``steps < P`` steps carries each block only ``steps - 1`` hops; it
 then carries the codes (one small fp32 vector of P codes, merged by maximum at every rank) the remaining
 ``P - steps`` hops (:meth:`RingStatus.spread`, channel ``fwd_status``), so every rank has seen every rank's
 code there too: one small exchange per dropped step, launched only by windowed calls whose ring is shortened.
