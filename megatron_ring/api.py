@@ -146,11 +146,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     call.codec, call.pieces = codec, _pieces(kv_pieces, q, k, call.s_dim)
     call.refusing(check_inputs, q, k, v, call.qkv_format)
     lay, mask, scale = call.checked_schedule(q, softmax_scale)
-    qh, kh, vh = call.bhsd(q), call.bhsd(k), call.bhsd(v)
+    qh = call.bhsd(q)
     block_kernel = call.refusing(select_kernel, qh, kernel)
-    plan = call.plan(lay, mask, scale, block_kernel, qh, vh,
+    plan = call.plan(lay, mask, scale, block_kernel, qh, v,
                      _dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world))
-    return call.repack(_dispatch(call, q, k, v, qh, kh, vh, plan, _sink(softmax_offset, qh)))
+    return call.repack(_dispatch(call, q, k, v, qh, plan, _sink(softmax_offset, qh)))
 
 
 #: ``ring_attention`` as torch.compile sees it: never traced (its exchanges wait on the host, its status is
@@ -235,9 +235,9 @@ class _Call:
         return lay, self.schedule(s_local)[1], float(scale)
 
     def plan(self, lay: Layout, mask: AttentionMask, scale: float, kernel: BlockKernel, qh: torch.Tensor,
-             vh: torch.Tensor, dropout: DropoutSpec | None) -> RingPlan:
-        """The engine's plan."""
-        if vh.shape[-1] != qh.shape[-1] and kernel.name not in NATIVE_HEAD_DIM_KERNELS:
+             v: torch.Tensor, dropout: DropoutSpec | None) -> RingPlan:
+        """The engine's plan (``v``: in any format; only its head dim is read)."""
+        if v.shape[-1] != qh.shape[-1] and kernel.name not in NATIVE_HEAD_DIM_KERNELS:
             kernel = HeadDimPadKernel(kernel)  # MLA: exact zero padding of the kernel's operands
         plan = RingPlan(ring=self.ring, layout=lay, causal=self.causal, scale=scale, kernel=kernel,
                         codec=self.codec, mask=None if mask.plain else mask, dropout=dropout, pieces=self.pieces)
@@ -317,13 +317,15 @@ def _codec(comm_dtype: Any, dtype: torch.dtype) -> KVCodec:
     return codec
 
 
-def _dispatch(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor,
-              vh: torch.Tensor, plan: RingPlan, sink: torch.Tensor | None) -> torch.Tensor:
+def _dispatch(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qh: torch.Tensor,
+              plan: RingPlan, sink: torch.Tensor | None) -> torch.Tensor:
     """The exchange: the ring itself, or another comm type (same plan and schedule; sinks, dropout too).
-    ``q, k, v`` in the call's format, ``qh, kh, vh`` their BHSD views; returns the output in the call's
-    format (the ring takes the call's format itself: no autograd view nodes around it)."""
+    ``q, k, v`` in the call's format, ``qh`` q's BHSD view; returns the output in the call's format (the
+    ring takes the call's format itself: no autograd view nodes around it, and no BHSD views of k, v made
+    here; heads are dim 2 in both bshd and sbhd)."""
     if call.comm_type == "p2p":
-        return RingAttentionFunction.apply(q, k, v, plan, head_groups(kh.shape[1], call.head_chunks), sink, call.perm)
+        return RingAttentionFunction.apply(q, k, v, plan, head_groups(k.shape[2], call.head_chunks), sink, call.perm)
+    kh, vh = call.bhsd(k), call.bhsd(v)
     return call.from_bhsd(run_strategy(call.comm_type, qh, kh, vh, plan, head_chunks=call.head_chunks,
                                        hierarchical_groups=call.hierarchical_groups, sink=sink))
 

@@ -61,11 +61,20 @@ class DeviceOps:
     def wait_event_host(self, event: Any) -> None:
         """Block the host until the device has passed ``event``: a device-to-host synchronisation."""
 
+    def capturing(self, device: torch.device) -> bool:
+        """Whether the current stream of ``device`` is being captured into a graph (CUDA graphs): work is
+        recorded for replay, so the host must not read device values, query or wait for events, or decide
+        from them (what it decides runs at capture only, never on replay)."""
+        return False
+
     # ----- host memory and queries ------------------------------------------------------------
     def to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Start copying ``x`` to host memory without blocking the host: ``(host tensor, event)``; the
         host tensor may be read once :meth:`event_done` (or :meth:`wait_event_host`) says so."""
         return x.detach().clone(), None
+
+    def give_host(self, host: torch.Tensor) -> None:
+        """``host`` (from :meth:`to_host`) has been read: the device may reuse it for a later copy."""
 
     def capability(self, device: torch.device) -> tuple[int, int] | None:
         """The compute architecture ``(major, minor)`` (None: not a GPU)."""
@@ -77,10 +86,16 @@ class DeviceOps:
 
 
 class CudaOps(DeviceOps):
-    """CUDA through ``torch.cuda`` (called only when a CUDA device is used)."""
+    """CUDA through ``torch.cuda`` (called only when a CUDA device is used). Pinned host buffers of
+    :meth:`to_host` are reused once given back (:meth:`give_host`): no host allocation per call."""
 
     has_streams = True
     host_reads_free = False
+    #: pinned buffers kept per (shape, dtype): one per layer whose forward ran and backward has not yet
+    PINNED_PER_SHAPE = 256
+
+    def __init__(self) -> None:
+        self._pinned: dict[tuple, list[torch.Tensor]] = {}  # plain dict: no CUDA call until first used
 
     def new_stream(self, device):
         return torch.cuda.Stream(device=device)
@@ -108,10 +123,20 @@ class CudaOps(DeviceOps):
     def wait_event_host(self, event):
         event.synchronize()
 
+    def capturing(self, device):
+        return torch.cuda.is_current_stream_capturing()
+
     def to_host(self, x):
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        key = (tuple(x.shape), x.dtype)
+        free = self._pinned.get(key)
+        host = free.pop() if free else torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         host.copy_(x, non_blocking=True)
         return host, self.record_event()
+
+    def give_host(self, host):
+        free = self._pinned.setdefault((tuple(host.shape), host.dtype), [])
+        if len(free) < self.PINNED_PER_SHAPE:
+            free.append(host)
 
     def capability(self, device):
         return torch.cuda.get_device_capability(device)

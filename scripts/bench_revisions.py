@@ -16,6 +16,14 @@ which is the noise to compare against. Uses only ``ring_attention``, whose signa
 ``ring_attention``, ``LoopbackRing`` and ``BlockKernel``, which older revisions have too) against its own
 library, order alternating; printed per causal: each revision's median fitted host time per ring step and
 fixed per call, and the medians over rounds of the within-round ratios B/A with their spread.
+
+    .venv/bin/python scripts/bench_revisions.py aa3e893 HEAD --outputs
+
+``--outputs``: no timing; checks that the two revisions compute bit-identical results. Per world size
+(``--world-sizes``, gloo processes) each revision runs one forward+backward of every case of
+:data:`OUTPUT_CASES` (layouts, formats, causal, documents, windows, GQA, wire dtypes, K/V pieces, head
+chunks, sinks, dropout) and hashes the bytes of the output and of dq, dk, dv (and the sink gradient) on
+every rank; printed: the cases whose hashes differ (none: "bit-identical").
 """
 from __future__ import annotations
 
@@ -57,6 +65,103 @@ dist.barrier()
 # which takes the GIL, and a thread taking the GIL during finalisation aborts the process
 os._exit(0)
 """
+
+
+#: ``--outputs``: the cases every revision runs (keyword arguments of ``ring_attention``; ``thd``: packed
+#: documents with these global boundaries; ``gqa``: K/V heads; ``sink``: a learnable softmax offset)
+OUTPUT_CASES = [
+    dict(causal=False), dict(causal=True), dict(causal=True, layout="striped"),
+    dict(causal=True, layout="contiguous"), dict(causal=True, qkv_format="sbhd"),
+    dict(causal=True, gqa=2), dict(causal=True, kv_pieces=2), dict(causal=False, kv_pieces=4, gqa=4),
+    dict(causal=True, head_chunks=2), dict(causal=True, comm_dtype="bf16"), dict(causal=True, comm_dtype="fp8"),
+    dict(causal=False, comm_dtype="fp16", kv_pieces=2), dict(causal=True, window=(40, -1)),
+    dict(causal=True, thd=[0, 50, 130, 200]), dict(causal=True, sink=True), dict(causal=True, dropout_p=0.25),
+    dict(causal=True, comm_type="all_gather"), dict(causal=True, comm_type="all_gather", comm_dtype="fp8"),
+    dict(causal=False, comm_type="a2a", comm_dtype="fp8"), dict(causal=True, comm_type="a2a", gqa=2),
+]
+
+OUTPUT_WORKER = r"""
+import hashlib, json, os, sys
+import torch, torch.distributed as dist
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+cases = json.loads(sys.argv[4])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+from megatron_ring import ring_attention, shard_sequence
+out = []
+S, H, D = 240 * world // 2 * 2, 4, 16
+for i, case in enumerate(cases):
+    case = dict(case)
+    g = torch.Generator().manual_seed(i)
+    hk = case.pop("gqa", H)
+    thd, sink = case.pop("thd", None), case.pop("sink", False)
+    fmt = case.get("qkv_format", "bshd")
+    layout = case.get("layout", "zigzag")
+    def make(h):
+        x = torch.randn(1, S, h, D, generator=g)
+        x = shard_sequence(x, dim=1, layout=layout)
+        if thd is not None:
+            x = x[0]
+        elif fmt == "sbhd":
+            x = x.transpose(0, 1).contiguous()
+        return x.clone().requires_grad_(True)
+    q, k, v = make(H), make(hk), make(hk)
+    kw = dict(case)
+    if thd is not None:
+        kw.update(qkv_format="thd", cu_seqlens=torch.tensor(thd))
+    if kw.get("dropout_p"):
+        kw["dropout_seed"] = 1234
+    if kw.get("comm_dtype") == "bf16":
+        kw["comm_dtype"] = torch.bfloat16
+    if kw.get("comm_dtype") == "fp16":
+        kw["comm_dtype"] = torch.float16
+    off = torch.randn(H, generator=g).requires_grad_(True) if sink else None
+    o = ring_attention(q, k, v, softmax_offset=off, **kw)
+    o.backward(torch.randn(o.shape, generator=g))
+    h = hashlib.sha256()
+    for t in (o, q.grad, k.grad, v.grad) + ((off.grad,) if sink else ()):
+        h.update(t.detach().contiguous().numpy().tobytes())
+    out.append(h.hexdigest())
+print("RESULT " + json.dumps(out), flush=True)
+dist.barrier()
+os._exit(0)
+"""
+
+
+def _outputs(tree: str, world: int, timeout: float) -> list[list[str]]:
+    """Per rank, the hash of each case's results (:data:`OUTPUT_CASES`) computed by the library in ``tree``."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", OUTPUT_WORKER, str(r), str(world), str(port),
+                               json.dumps(OUTPUT_CASES)], env=env, cwd=tree, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            p.kill()
+    got = []
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode:
+            raise RuntimeError(f"output worker failed in {tree}:\n{err[-2000:]}")
+        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+        got.append(json.loads(line[len("RESULT "):]))
+    return got
+
+
+def _output_rows(trees: list[str], a) -> list[dict]:
+    rows = []
+    for world in a.world_sizes:
+        ha, hb = _outputs(trees[0], world, a.timeout), _outputs(trees[1], world, a.timeout)
+        differ = [OUTPUT_CASES[i] for i in range(len(OUTPUT_CASES))
+                  if any(ha[r][i] != hb[r][i] for r in range(world))]
+        rows.append(dict(P=world, cases=len(OUTPUT_CASES), differ=differ))
+        print(f"P={world}: {len(OUTPUT_CASES)} cases, " + (f"DIFFERENT results in {differ}" if differ else
+                                                          "bit-identical outputs and gradients on every rank"),
+              flush=True)
+    return rows
 
 
 def _free_port() -> int:
@@ -142,6 +247,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json")
     ap.add_argument("--host-time", action="store_true", help="compare the engine's host time per ring step and "
                     "per call instead (megatron_ring/tools/bench/host_time.py; --iters calls per P, default 200)")
+    ap.add_argument("--outputs", action="store_true", help="check that the two revisions' outputs and gradients "
+                    "are bit-identical (OUTPUT_CASES) instead of timing")
     a = ap.parse_args(argv)
     if a.host_time and a.iters == 3:
         a.iters = 200
@@ -153,8 +260,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             subprocess.check_call(["git", "-C", repo, "worktree", "add", "-q", "--detach", path, rev])
             trees.append(path)
         try:
-            rows = _host_time_rows(trees, a) if a.host_time else []
-            for world in ([] if a.host_time else a.world_sizes):
+            rows = _host_time_rows(trees, a) if a.host_time else _output_rows(trees, a) if a.outputs else []
+            for world in ([] if a.host_time or a.outputs else a.world_sizes):
                 for causal in (True, False):
                     cfg = dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, iters=a.iters, causal=causal)
                     t = {0: [], 1: []}

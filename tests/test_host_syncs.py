@@ -169,3 +169,200 @@ def test_a_call_without_backward_reads_once_at_the_forward_end():
         assert run_threads(lambda r, ring: body(r, ring, "bf16", False), 3) == [0, 0, 0]
         results = run_threads(lambda r, ring: body(r, ring, "fp8", True), 3)
     assert all(isinstance(res, WireFiniteError) for res in results), results
+
+
+# --- the collective comm types (all_gather, a2a, a2a+p2p): their wire checks on the device too -------------
+
+COLLECTIVE_TYPES = ("all_gather", "a2a", "a2a+p2p")
+
+
+def _collective_worker(rank, world, wires, bad_rank=None, old_check=False):
+    """Per comm type and wire: the host reads per call of 3 forward+backward calls (fake CUDA device), or,
+    with ``bad_rank``, the error every rank raises when that rank's K holds an inf."""
+    from megatron_ring.strategies import make_hierarchical_groups
+
+    if old_check:  # what the collectives did before: the codec's host check at every encode
+        FP8Codec.encode_flagged = lambda self, k, v, out: self.encode(k, v, out)
+    hier = make_hierarchical_groups(2)
+    out = {}
+    for comm_type in COLLECTIVE_TYPES:
+        for wire in wires:
+            dev = FakeCuda()
+            per_call = []
+            with device.use("cpu", dev):
+                for call in range(3):
+                    g = torch.Generator().manual_seed(call)
+                    q, k, v = (torch.randn(2, 8, 4, 16, generator=g).requires_grad_(True) for _ in range(3))
+                    if bad_rank == rank:
+                        with torch.no_grad():
+                            k[0, 3, 1, 2] = float("inf")
+                    counter = HostReadCounter(dev)
+                    counter.taint(q, k, v)
+                    try:
+                        with counter:
+                            o = ring_attention(q, k, v, causal=True, comm_type=comm_type, comm_dtype=wire,
+                                               hierarchical_groups=hier if comm_type == "a2a+p2p" else None)
+                            o.float().square().sum().backward()
+                    except Exception as exc:  # noqa: BLE001 - the refusal: reported as its type and text
+                        per_call.append(f"{type(exc).__name__}: {exc}")
+                        break
+                    per_call.append(dict(counter.reads))
+            out[f"{comm_type}/{wire}"] = per_call
+    return out
+
+
+@pytest.mark.slow
+def test_collective_comm_types_make_no_host_sync_after_the_first_call():
+    """all_gather, a2a and a2a+p2p with the FP8 / fp16 / bf16 wires: 0 host reads per call after the first
+    (their codecs' value checks run on the device, the verdict joins the status the ranks all-gather, read
+    at the start of the backward on CUDA)."""
+    from tests.helpers.launch import run_distributed
+
+    for rank, res in enumerate(run_distributed(_collective_worker, 4, ("fp8", "fp16", "bf16"), timeout=300)):
+        for case, per_call in res.items():
+            assert per_call[1:] == [{}, {}], (rank, case, per_call)
+
+
+@pytest.mark.slow
+def test_the_collective_counter_sees_the_old_host_check():
+    """Not vacuous: with the FP8 codec's host check at every encode (as before), reads are counted."""
+    from tests.helpers.launch import run_distributed
+
+    for rank, res in enumerate(run_distributed(_collective_worker, 4, ("fp8",), None, True, timeout=300)):
+        for case, per_call in res.items():
+            assert all(n.get("aten::_local_scalar_dense", 0) > 0 for n in per_call[1:]), (rank, case, per_call)
+
+
+@pytest.mark.slow
+def test_a_device_side_refusal_of_a_collective_still_raises_on_every_rank():
+    """The verdict travels in the status the ranks all-gather: every rank raises WireFiniteError at the
+    start of the backward (CUDA's path), the refusing rank naming the element, the others naming it."""
+    from tests.helpers.launch import run_distributed
+
+    for rank, res in enumerate(run_distributed(_collective_worker, 4, ("fp8",), 1, timeout=300)):
+        for case, per_call in res.items():
+            assert len(per_call) == 1 and per_call[0].startswith("WireFiniteError"), (rank, case, per_call)
+            if rank == 1:
+                assert "inf/NaN at [b, h, group]" in per_call[0], (rank, case, per_call)
+            else:
+                assert "global rank(s) 1" in per_call[0], (rank, case, per_call)
+
+
+# --- under CUDA-graph capture (the device seam's ``capturing``): no host read, no event, the codes asserted --
+
+def test_under_capture_the_status_is_asserted_on_the_device_not_read():
+    """While the stream is captured: no host read, no host copy of the codes, no event recorded or queried
+    by the status (a query invalidates a capture; what the host decided would not replay); the codes are
+    checked by a device-side assert instead, once per forward ring. Eagerly: one host copy per ring, no
+    assert."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Asserts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._assert_async.msg or func is torch.ops.aten._assert_async.default:
+                Asserts.n += 1
+            return func(*args, **(kwargs or {}))
+
+    for capturing, wire in ((True, "fp8"), (True, None), (False, "fp8")):
+        dev = FakeCuda(capturing=capturing)
+        case = SyncCase(P=4, heads=(4, 2), head_chunks=2, wire=wire)
+        Asserts.n = 0
+        with device.use("cpu", dev), Asserts():
+            for _ in range(2):
+                counter = HostReadCounter(dev)
+                _call(case, counter)
+                assert dict(counter.reads) == {}, (capturing, counter.reads)
+        if capturing:
+            assert dev.log["to_host"] == 0 and dev.log["event_query"] == 0, dev.log
+            assert Asserts.n == 2 * case.head_chunks, Asserts.n
+        else:
+            assert dev.log["to_host"] == 2 * case.head_chunks and Asserts.n == 0, (dev.log, Asserts.n)
+
+
+def test_under_capture_a_refusal_stops_every_rank_at_the_device_assert():
+    """A rank whose K/V the FP8 wire refuses, under capture: its code travels the ring as usual and every
+    rank's device-side assert fails (on a GPU: the replay stops; here, CPU tensors, it raises at once)."""
+    from tests.helpers.ring_fakes import run_threads
+
+    def body(rank, ring):
+        k = torch.randn(1, 8, 2, 8)
+        if rank == 1:
+            k[0, 3, 1, 2] = float("inf")
+        ring_attention(k.clone().requires_grad_(), k.requires_grad_(), k.detach().clone().requires_grad_(),
+                       ring=ring, comm_dtype="fp8")
+
+    with device.use("cpu", FakeCuda(capturing=True)):
+        results = run_threads(body, 3)
+    assert all(isinstance(r, RuntimeError) and "refused its input" in str(r) for r in results), results
+
+
+def test_under_capture_the_exchange_deadline_is_not_watched(monkeypatch):
+    """The exchange's deadline (an event per launch, watched by a thread that queries it) is skipped while
+    capturing: a query during capture would invalidate it. Eagerly the launch is watched."""
+    from tests.helpers.ring_fakes import NcclLikeWork, ring_as
+    import torch.distributed as dist
+    from megatron_ring.transport.deadline import watchdog
+
+    watched = []
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [NcclLikeWork()])
+    monkeypatch.setattr(watchdog, "watch", lambda *a, **kw: watched.append(a))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for capturing in (True, False):
+            dev = FakeCuda(capturing=capturing)
+            with device.use("cpu", dev):
+                ring = ring_as(2, 4, coalesced=True, timeout_s=30)
+                ring.watchdog_deadline = True
+                ring.exchange(torch.zeros(4), torch.empty(4), "fwd_kv", 0)
+            assert (len(watched), dev.log["record_event"]) == ((0, 0) if capturing else (1, 1)), (watched, dev.log)
+            watched.clear()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cuda_status_copies_reuse_their_pinned_buffers(monkeypatch):
+    """CudaOps.to_host: a pinned host buffer per forward ring is taken from those given back after their
+    read (PendingChecks.check), not allocated per call (torch.empty(pin_memory=True) counted here, on CPU)."""
+    made = []
+    real_empty = torch.empty
+
+    def empty(*shape, pin_memory=False, **kw):
+        t = real_empty(*shape, **kw)
+        made.append(pin_memory)
+        return t
+
+    ops = device.CudaOps()
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(device.CudaOps, "record_event", lambda self, stream=None: None)
+    codes = torch.zeros(4)
+    first, _ = ops.to_host(codes)
+    ops.give_host(first)
+    again, _ = ops.to_host(codes)
+    held, _ = ops.to_host(codes)  # the first is in use: a second buffer
+    assert again is first and held is not first and made == [True, True], made
+
+
+def test_a_device_cu_seqlens_is_read_once_per_tensor_and_version():
+    """``cu_seqlens`` as a device tensor: read on the host to plan the schedule, ONCE per tensor object and
+    version (every layer of a step passes the same tensor): 1 read at the first call, 0 after; an in-place
+    change (version bump) or a new tensor reads again."""
+    dev = FakeCuda()
+    cu = torch.tensor([0, 5, 29])
+    reads = []
+    with device.use("cpu", dev):
+        for step in range(5):
+            if step == 3:
+                cu[1] = 7  # in place: the version counter moves, the values are read again
+            if step == 4:
+                cu = torch.tensor([0, 9, 29])  # a new batch's tensor
+            q, k, v = (torch.randn(16, 2, 8, requires_grad=True) for _ in range(3))
+            counter = HostReadCounter(dev)
+            counter.taint(q, k, v, cu)
+            with counter:
+                out = ring_attention(q, k, v, ring=LoopbackRing(2, 1, q.device), causal=True, qkv_format="thd",
+                                     cu_seqlens=cu)
+                out.sum().backward()
+            reads.append(counter.total())
+    assert reads == [1, 0, 0, 1, 1], reads

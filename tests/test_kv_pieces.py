@@ -155,15 +155,15 @@ def test_returned_dk_dv_are_views_of_the_accumulator():
 
 def test_piece_count_rules(monkeypatch):
     monkeypatch.delenv("MEGATRON_RING_KV_PIECES", raising=False)
-    big = (2048, 128, "cpu")  # s, d: 32 * 2048^2 * 128 = 2^34 work, room for 64 pieces
+    big = (4096, 128, "cpu")  # s, d: 32 * 4096^2 * 128 = 2^36 work, room for 16 pieces
     assert piece_count(1, 32, 8, *big) == min(8, AUTO_PIECES_CPU)
     assert piece_count(1, 32, 16, *big) == AUTO_PIECES_CPU
     assert piece_count(1, 8, 1, *big) == 1  # MQA: one K/V head, one piece
     # CPU: at least CPU_MIN_PIECE_WORK per piece (small problems: the rendezvous per piece would show)
-    assert piece_count(1, 8, 8, 2048, 64, "cpu") == 8 * 2048 ** 2 * 64 // CPU_MIN_PIECE_WORK == 8
-    assert piece_count(1, 8, 8, 1024, 64, "cpu") == 2
-    assert piece_count(1, 8, 8, 256, 64, "cpu") == 1
-    assert piece_count(2, 8, 8, 1024, 64, "cpu") == 4  # batch rows are work too
+    assert piece_count(1, 8, 8, 8192, 64, "cpu") == 8 * 8192 ** 2 * 64 // CPU_MIN_PIECE_WORK == 8
+    assert piece_count(1, 8, 8, 4096, 64, "cpu") == 2
+    assert piece_count(1, 8, 8, 2048, 64, "cpu") == 1  # S=8192 at P=4: whole blocks
+    assert piece_count(2, 8, 8, 4096, 64, "cpu") == 4  # batch rows are work too
     # CUDA: at least CUDA_MIN_TILES (query head x 128 rows) tiles per piece
     assert piece_count(1, 32, 8, 2048, 128, "cuda") == 1  # 32 * 16 = 512 tiles: one piece
     assert piece_count(1, 32, 8, 16384, 128, "cuda") == (32 * 128) // CUDA_MIN_TILES

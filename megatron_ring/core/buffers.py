@@ -8,6 +8,10 @@ about streams, so the pool stays out of the way there (``take`` allocates, ``giv
 
 A buffer is given back only after every exchange that touches it has been waited for, and never while
 a caller can still see it (the dK/dV buffer that becomes the returned gradient is not given back).
+
+A ring's K/V slots are taken and given back as ONE :class:`SlotSet` (keyed by the ring's wire signature),
+which keeps what the engine derives from its buffers (the decoded K/V views of each slot), so a later ring
+of the same signature (the backward of a call, the next layer, the next step) makes none of them again.
 """
 from __future__ import annotations
 
@@ -15,7 +19,17 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["BufferPool", "POOL"]
+__all__ = ["BufferPool", "POOL", "SlotSet"]
+
+
+class SlotSet:
+    """A ring's wire slots (``buffers``) and what is derived from them once (``views``: slot index ->
+    anything made from that slot's buffer, e.g. its decoded K, V views). Taken and given back whole."""
+
+    __slots__ = ("key", "buffers", "views")
+
+    def __init__(self, key: tuple, buffers: list[torch.Tensor]) -> None:
+        self.key, self.buffers, self.views = key, buffers, {}
 
 
 class BufferPool:
@@ -41,13 +55,34 @@ class BufferPool:
         for t in tensors:
             if t.device.type != "cpu":
                 continue
-            key = (t.numel(), t.dtype, t.device)
-            free = self._free.setdefault(key, [])
-            self._free.move_to_end(key)
-            if len(free) < self.per_key:
-                free.append(t)
-            while len(self._free) > self.keys:
-                self._free.popitem(last=False)
+            self._keep((t.numel(), t.dtype, t.device), t)
+
+    def take_set(self, key: tuple, count: int, numel: int, dtype: torch.dtype, device: torch.device) -> SlotSet:
+        """A :class:`SlotSet` of ``count`` 1-D buffers of ``numel`` elements (undefined contents) for the
+        signature ``key``: one given back with that key (its derived views kept), else fresh buffers."""
+        full = ("set", key, count, int(numel), dtype, torch.device(device))
+        free = self._free.get(full)
+        if free:
+            try:  # another thread (the tests' thread ring) may have taken the last one since
+                return free.pop()
+            except IndexError:
+                pass
+        return SlotSet(full, [torch.empty(int(numel), dtype=dtype, device=device) for _ in range(count)])
+
+    def give_set(self, slots: SlotSet) -> None:
+        """Return a set obtained from :meth:`take_set` (no one may use its buffers or views afterwards);
+        kept on CPU only, as :meth:`give`."""
+        if slots.buffers and slots.buffers[0].device.type != "cpu":
+            return
+        self._keep(slots.key, slots, max(1, self.per_key // len(slots.buffers)))  # per_key buffers at most
+
+    def _keep(self, key: tuple, item, limit: int | None = None) -> None:
+        free = self._free.setdefault(key, [])
+        self._free.move_to_end(key)
+        if len(free) < (self.per_key if limit is None else limit):
+            free.append(item)
+        while len(self._free) > self.keys:
+            self._free.popitem(last=False)
 
     def clear(self) -> None:
         self._free.clear()

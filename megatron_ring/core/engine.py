@@ -120,28 +120,62 @@ class _KVStream:
     (:class:`~megatron_ring.core.rotation.Rotation`: ``n + 1`` piece slots instead of two whole blocks).
 
     ``refusal``: this rank's input was refused; its pieces go out marked with a failing status
-    (:class:`~megatron_ring.core.status.RingStatus`), the same messages in the same order."""
+    (:class:`~megatron_ring.core.status.RingStatus`), the same messages in the same order.
+    ``status``: whether this stream carries the ranks' status codes (the forward ring); the backward
+    ring's K/V are the ones its forward ring checked, so it sends them without (its status elements are
+    never read).
+
+    The slots are one :class:`~megatron_ring.core.buffers.SlotSet` from the pool: the views made of a slot
+    (decoded K, V where decoding makes views; the status element) are made once per set, not per ring."""
 
     def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str, n: int,
-                 steps: int, refusal: BaseException | None = None) -> None:
+                 steps: int, refusal: BaseException | None = None, status: bool = True) -> None:
         self.plan, self.k, self.v, self.steps = plan, k, v, steps
         self.heads = head_groups(k.shape[1], n)
         b, h_kv, s, d = k.shape
         hj = h_kv // n
         self.spec = KVSpec((b, hj, s, d), (b, hj, s, v.shape[-1]), k.dtype, k.device)
-        self.status = RingStatus(plan.ring, plan.codec, k.device, refusal=refusal,
-                                 backward_follows=plan.checks.backward_follows)
-        self.rot: Rotation | None = None
-        if plan.ring.world > 1:
-            self.rot = Rotation(plan.ring, status_buffers(plan.codec, self.spec, n + 1), channel)
-            # an error is raised after the ring, on every rank
-            self.status.encode_pieces([(k[:, hs], v[:, hs]) for hs in self.heads],
-                                      [self.rot.piece(j) for j in range(n)])
-        #: the local block's pieces (step 0), and per slot its decoded K, V where decoding only makes views
-        #: of the slot (the identity wire): made once per ring, not once per step
+        #: the local block's pieces (step 0)
         self.local = [(k, v) if _covers(hs, h_kv) else (k[:, hs], v[:, hs]) for hs in self.heads]
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._exact = self.rot is not None and _decodes_to_views(plan.codec, self.spec)
+        self.rot: Rotation | None = None
+        self.status: RingStatus | None = None
+        self._exact = False
+        if plan.ring.world > 1:
+            self.slots = status_buffers(plan.codec, self.spec, n + 1)
+            self._views = self.slots.views
+            self.rot = Rotation(plan.ring, self.slots.buffers, channel)
+            # decoding makes views of the slot (the identity wire): they follow its contents, made once per set
+            self._exact = _decodes_to_views(plan.codec, self.spec)
+            cur = self.rot.cur[:n]
+            writes = [functools.partial(self._write, slot) for slot in cur] \
+                if self._exact and not plan.codec.checks_values else [None] * n
+            raws = [self.rot.slots[slot] for slot in cur]
+            if status:
+                self.status = RingStatus(plan.ring, plan.codec, k.device, refusal=refusal,
+                                         backward_follows=plan.checks.backward_follows)
+                # an error is raised after the ring, on every rank
+                self.status.encode_pieces(self.local, raws, writes, [self._elem(slot) for slot in cur])
+            else:
+                for (kj, vj), raw, w in zip(self.local, raws, writes):
+                    if w is None:
+                        plan.codec.encode_flagged(kj, vj, raw[:-1])  # checked by the forward: verdict unused
+                    else:
+                        w(kj, vj)
+
+    def _write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode ``k``, ``v`` into ``slot`` where the wire is the identity: a copy into its decoded views
+        (the bytes :meth:`KVCodec.encode` writes, through views made once)."""
+        kd, vd = self._decoded(0, slot)
+        kd.copy_(k)
+        vd.copy_(v)
+
+    def _elem(self, slot: int) -> torch.Tensor:
+        """The status element of ``slot`` (its last element; a view made once per set)."""
+        key = ("status", slot)
+        got = self._views.get(key)
+        if got is None:
+            got = self._views[key] = self.rot.slots[slot][-1:]
+        return got
 
     def block(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Piece ``j`` of the K, V visiting at ``step`` (local tensors at step 0, decoded wire data after).
@@ -153,29 +187,25 @@ class _KVStream:
             # the local piece: as encoded in its slot where that is exact (a view of the slot: the identity
             # wire), as the kernels prefer (dense [b, h, s, d]; a [b, s, h, d] caller's K/V are strided:
             # ~3% slower per CPU flash call, measured), else the caller's K/V
-            if self.rot is not None:
-                got = self._decoded(step, self.rot.cur[j])
-                if got is not None:
-                    return got
+            if self._exact:
+                return self._decoded(step, self.rot.cur[j])
             return self.local[j]
         self.rot.arrived(j, step)
         slot = self.rot.cur[j]
-        self.status.received((self.plan.ring.rank - step) % self.plan.ring.world, self.rot.slots[slot])
-        return self._decoded(step, slot, exact_only=False)
+        if self.status is not None:
+            self.status.received((self.plan.ring.rank - step) % self.plan.ring.world, self._elem(slot))
+        return self._decoded(step, slot)
 
-    def _decoded(self, step: int, slot: int, exact_only: bool = True):
-        """K, V decoded from ``slot``; made once per slot where decoding makes views of it (the identity
-        wire: they follow its contents). ``exact_only``: None unless decoding makes such views."""
+    def _decoded(self, step: int, slot: int):
+        """K, V decoded from ``slot``; made once per set where decoding makes views of it (the identity
+        wire: they follow its contents)."""
         got = self._views.get(slot)
         if got is not None:
             return got
-        views = self._exact
-        if exact_only and not views:
-            return None
         buf = self.rot.slots[slot]
         with breakdown.timed(step, "decode"):
             got = self.plan.codec.decode(buf[:-1], self.spec)
-        if views:
+        if self._exact:
             self._views[slot] = got
         return got
 
@@ -188,7 +218,7 @@ class _KVStream:
         """Wait for what is in flight, then give the slots back to the pool."""
         if self.rot is not None:
             self.rot.drain(step)
-            POOL.give(*self.rot.slots)
+            POOL.give_set(self.slots)
             self.rot = None
 
 
@@ -295,7 +325,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     n = _pieces(plan, k)
     steps = plan.steps(s)
     with breakdown.timed(0, "copies"):
-        kv = _KVStream(plan, k, v, "bwd_kv", n, steps)
+        kv = _KVStream(plan, k, v, "bwd_kv", n, steps, status=False)
         dkv = _Accumulators(plan.ring, k, v, n)
     dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
     pieces = _piece_plans(plan, kv.heads, q.shape[1] // k.shape[1])
@@ -332,10 +362,17 @@ class _Accumulators:
     def __init__(self, ring: Transport, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
         b, h_kv, s, self.dk = k.shape
         self.n, self.hj = n, h_kv // n
-        slots = n + 1 if ring.world > 1 else 1
-        self.all = k.new_zeros((slots, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
-        self.rot = Rotation(ring, list(self.all.unbind(0)), "bwd_dkv", start_for(n, ring.world)) \
-            if ring.world > 1 else None
+        if ring.world == 1:
+            self.all = k.new_zeros((1, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
+            self.rot = None
+        else:
+            self.all = k.new_empty((n + 1, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
+            self.rot = Rotation(ring, list(self.all.unbind(0)), "bwd_dkv", start_for(n, ring.world))
+            # the own block's pieces start at zero; the free slot is first written by a receive: not zeroed
+            spare = self.rot.spare
+            for part in (self.all[:spare], self.all[spare + 1:]):
+                if part.shape[0]:
+                    part.zero_()
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def views(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,16 +479,16 @@ class RingAttentionFunction(torch.autograd.Function):
         view nodes around the call (less host time per call)."""
         plan.checks.backward_follows = any(ctx.needs_input_grad[:3])  # where the status is read (core/status.py)
         ctx.perm = perm
-        inputs = (q, k, v)
         if perm is not None:
             q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
         out, lse = forward_by_heads(q, v, heads, lambda hs, qs: ring_forward(
             q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs)), sink)
-        if perm is not None:
-            out = out.permute(_inverse(perm))
-        ctx.save_for_backward(*inputs, out, lse, sink)  # the inputs and the output themselves (no aliases)
+        # the BHSD views are saved (views of the inputs, and the output's BHSD form, which shares its
+        # version counter: an in-place change of either is still detected), so the backward permutes
+        # none of them again
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan, ctx.heads = plan, heads
-        return out
+        return out if perm is None else out.permute(_inverse(perm))
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
@@ -460,8 +497,7 @@ class RingAttentionFunction(torch.autograd.Function):
         if perm is None:
             return RingAttentionFunction._backward(ctx, dout, q, k, v, out, lse, sink)
         inv = _inverse(perm)
-        dq, dk, dv, *extra = RingAttentionFunction._backward(
-            ctx, dout.permute(perm), q.permute(perm), k.permute(perm), v.permute(perm), out.permute(perm), lse, sink)
+        dq, dk, dv, *extra = RingAttentionFunction._backward(ctx, dout.permute(perm), q, k, v, out, lse, sink)
         return (dq.permute(inv), dk.permute(inv), dv.permute(inv), *extra)
 
     @staticmethod
@@ -488,10 +524,16 @@ class RingAttentionFunction(torch.autograd.Function):
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
     """The permutation that undoes ``perm``."""
+    got = _INVERSES.get(perm)
+    if got is not None:
+        return got
     inv = [0] * len(perm)
     for i, p in enumerate(perm):
         inv[p] = i
     return tuple(inv)
+
+
+_INVERSES = {(0, 2, 1, 3): (0, 2, 1, 3), (1, 2, 0, 3): (2, 0, 1, 3)}  # bshd, sbhd -> BHSD and back
 
 
 def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],

@@ -27,9 +27,12 @@ __all__ = ["Rotation", "start_for", "piece_count", "AUTO_PIECES_CPU", "CPU_MIN_P
 #: automatic pieces on CPU: at most this many
 AUTO_PIECES_CPU = 8
 #: on CPU a piece keeps at least this much work per ring step (batch x query heads x local length^2 x
-#: head dim; about 20 ms forward + 45 ms backward on one core of the CI machine): every piece costs a
-#: rendezvous with both neighbours (about 2 ms on gloo over loopback, measured), small pieces show it
-CPU_MIN_PIECE_WORK = 2**28
+#: head dim; about 0.3 s forward + 0.7 s backward on one core of the CI machine): every piece costs three
+#: exchanges per step (K/V forward; K/V and dK/dV backward), each a rendezvous with both neighbours that
+#: costs 2-3 ms of the rank's CPU on gloo (measured: S=8192 causal, 8 pieces against 1 took 1.18x the CPU
+#: at P=4 (2^28 work per piece), 1.06x at P=2 (2^30)), which the compute sharing that core cannot hide;
+#: 2^32 keeps it under 1% (docs/performance.md)
+CPU_MIN_PIECE_WORK = 2**32
 #: on CUDA a piece keeps at least this many (query head x 128-row) kernel tiles (about four waves
 #: of a 132-SM GPU), so pieces never starve the device
 CUDA_MIN_TILES = 528

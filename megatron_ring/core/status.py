@@ -6,7 +6,8 @@ code: 0 = fine, 1 = K/V the wire codec refuses (:class:`~megatron_ring.wire.code
 or beyond the fp16 range), 2 = any other input error this rank detected (after the cross-rank check, e.g.
 a kernel that does not run on this rank's device). The code is written once by the block's owner and
 forwarded unchanged with the block, so after a full forward ring (P steps) every rank has seen every rank's
-code. A ring that a window shortens to ``steps < P`` steps carries each block only ``steps - 1`` hops; it
+code. The backward ring sends the same K/V again with the element unwritten (nothing reads it: the forward
+ring has judged these K/V). A ring that a window shortens to ``steps < P`` steps carries each block only ``steps - 1`` hops; it
 then carries the codes (one small fp32 vector of P codes, merged by maximum at every rank) the remaining
 ``P - steps`` hops (:meth:`RingStatus.spread`, channel ``fwd_status``), so every rank has seen every rank's
 code there too: one small exchange per dropped step, launched only by windowed calls whose ring is shortened.
@@ -47,7 +48,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from megatron_ring.device import DeviceOps, ops_for
-from megatron_ring.core.buffers import POOL
+from megatron_ring.core.buffers import POOL, SlotSet
 from megatron_ring.wire.codecs import KVCodec, KVSpec
 from megatron_ring.errors import WireFiniteError
 from megatron_ring.errors import RingInputError
@@ -58,10 +59,12 @@ OK, BAD_VALUES, BAD_INPUT = 0, 1, 2
 
 
 
-def status_buffers(codec: KVCodec, spec: KVSpec, count: int) -> list[torch.Tensor]:
-    """``count`` wire buffers with one status element after the codec's payload."""
+def status_buffers(codec: KVCodec, spec: KVSpec, count: int) -> SlotSet:
+    """``count`` wire buffers with one status element after the codec's payload, as one set from the pool
+    (give it back with ``POOL.give_set``; keyed by ``(codec, spec)``, so views derived from a slot stay
+    valid for as long as the set lives)."""
     numel, dtype = _wire_layout(codec, spec)
-    return [POOL.take(numel + 1, dtype, spec.device) for _ in range(count)]
+    return POOL.take_set((codec, spec), count, numel + 1, dtype, spec.device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -103,7 +106,9 @@ class PendingChecks:
         for host, event, ops, ring, codec, explain in items:
             if not ops.event_done(event):
                 ops.wait_event_host(event)  # the one possible sync: the forward ring's end not reached yet
-            raise_for(host.tolist(), ring, codec, explain)
+            codes = host.tolist()
+            ops.give_host(host)
+            raise_for(codes, ring, codec, explain)
 
 
 class RingStatus:
@@ -120,15 +125,19 @@ class RingStatus:
         self.refusal = refusal
         self.local_error: BaseException | None = refusal
         self.codes = torch.zeros(ring.world, dtype=torch.float32, device=device)
+        self._mine = self.codes[ring.rank:ring.rank + 1]
         self.read_in_forward = self.ops.host_reads_free or (codec.checks_values and not backward_follows)
         self._checked: list[tuple[torch.Tensor, torch.Tensor]] = []  # pieces whose values the device checked
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, raw: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """Encode the local block into ``raw``'s payload; remember a host-side error instead of raising.
+    def encode(self, k: torch.Tensor, v: torch.Tensor, raw: torch.Tensor,
+               write: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+               ) -> tuple[int, torch.Tensor | None]:
+        """Encode the local block into ``raw``'s payload (``write(k, v)`` where given: the same bytes, written
+        through views made once); remember a host-side error instead of raising.
         Returns the status code and the codec's device verdict on the values (None: not checked)."""
         code, flag = (OK if self.refusal is None else BAD_INPUT), None
         try:
-            flag = self.codec.encode_flagged(k, v, raw[:-1])
+            flag = self.codec.encode_flagged(k, v, raw[:-1]) if write is None else write(k, v)
         except WireFiniteError as exc:
             self.local_error, code = exc, BAD_VALUES
         except (ValueError, RuntimeError) as exc:
@@ -137,31 +146,36 @@ class RingStatus:
             self._checked.append((k, v))
         return code, flag
 
-    def encode_pieces(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], raws: list[torch.Tensor]) -> None:
+    def encode_pieces(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], raws: list[torch.Tensor],
+                      writes: list | None = None, elems: list[torch.Tensor] | None = None) -> None:
         """Encode the local block's pieces; every piece carries the worst code of them all. A value the
-        codec refuses on the device makes the code :data:`BAD_VALUES` there, without a host read."""
-        results = [self.encode(k, v, raw) for (k, v), raw in zip(blocks, raws)]
+        codec refuses on the device makes the code :data:`BAD_VALUES` there, without a host read.
+        ``writes``: per piece, a writer for :meth:`encode`; ``elems``: per piece, its status element
+        (``raw[-1:]``, a view made once by the caller)."""
+        writes = writes or [None] * len(raws)
+        results = [self.encode(k, v, raw, w) for (k, v), raw, w in zip(blocks, raws, writes)]
         worst = max(code for code, _ in results)
         flags = [flag for _, flag in results if flag is not None]
         bad = None
         if flags and worst == OK:
             bad = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-        for raw in raws:
-            self.mark(raw, worst, bad)
+        for elem in (elems or [raw[-1:] for raw in raws]):
+            self.mark(elem, worst, bad)
 
-    def mark(self, raw: torch.Tensor, code: int, bad: torch.Tensor | None = None) -> None:
-        """Write ``code`` (or :data:`BAD_VALUES` where the device verdict ``bad`` is true) as ``raw``'s
-        status and this rank's."""
-        raw[-1:].fill_(code)
-        mine = self.codes[self.ring.rank:self.ring.rank + 1]
+    def mark(self, elem: torch.Tensor, code: int, bad: torch.Tensor | None = None) -> None:
+        """Write ``code`` (or :data:`BAD_VALUES` where the device verdict ``bad`` is true) into the status
+        element ``elem`` (a wire buffer's ``raw[-1:]``) and as this rank's."""
+        elem.fill_(code)
+        mine = self._mine
         mine.fill_(code)
         if bad is not None:
-            raw[-1:].masked_fill_(bad, BAD_VALUES)
+            elem.masked_fill_(bad, BAD_VALUES)
             mine.masked_fill_(bad, BAD_VALUES)
 
-    def received(self, src: int, raw: torch.Tensor) -> None:
-        """Record the status of the block that came from group rank ``src`` (a device copy, no sync)."""
-        self.codes[src:src + 1].copy_(raw[-1:])
+    def received(self, src: int, elem: torch.Tensor) -> None:
+        """Record the status element ``elem`` (``raw[-1:]``) of the block that came from group rank ``src``
+        (a device copy, no sync)."""
+        self.codes[src:src + 1].copy_(elem)
 
     def explain(self) -> None:
         """On the failure path only: this rank's own K/V were refused by the device check; raise the
@@ -192,6 +206,13 @@ class RingStatus:
         if self.local_error is not None:
             raise self.local_error
         explain = self.explain if self._checked else None
+        if self.ops.capturing(self.codes.device):
+            # CUDA-graph capture: no host read, no event (what the host decided would not replay); every
+            # replay checks the codes on the device instead: a failing rank stops it with a device-side assert
+            torch._assert_async(torch.all(self.codes == OK),
+                                "megatron_ring: a rank of the ring refused its input (its K/V cannot go on this "
+                                "wire, or a rank-local input error); rerun eagerly to get the named error")
+            return
         if self.read_in_forward:
             raise_for(self.codes.tolist(), self.ring, self.codec, explain)
             return

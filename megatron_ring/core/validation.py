@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import datetime
 import struct
+import weakref
 import zlib
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_ring.device import ops_for
 from megatron_ring.transport.groups import PerGroup
 
 __all__ = ["FORMATS", "check_inputs", "call_signature", "check_same_across_ranks", "check_cu_seqlens",
-           "check_window"]
+           "check_window", "host_values"]
 
 FORMATS = ("bshd", "sbhd")  # plus "thd" (packed documents), turned into bshd with b=1 by the api
 
@@ -58,7 +61,33 @@ def call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
 def _listed(x: Any) -> Any:
     """Tensors as lists, so the code depends on the values only."""
-    return x.tolist() if isinstance(x, torch.Tensor) else (list(x) if isinstance(x, (tuple, list)) else x)
+    return list(host_values(x)) if isinstance(x, torch.Tensor) else (list(x) if isinstance(x, (tuple, list)) else x)
+
+
+#: id -> (weak reference, version, values) of the device tensors read by :func:`host_values` (the newest 64)
+_read: "OrderedDict[int, tuple[weakref.ref, int, tuple]]" = OrderedDict()
+
+
+def host_values(t: torch.Tensor) -> tuple:
+    """``t.tolist()`` as a tuple. A tensor on a device whose host reads are not free (CUDA) is read ONCE per
+    (tensor object, version): the same ``cu_seqlens`` tensor passed to every layer of a step costs one
+    device-to-host read per step, not one per layer and call. The version counter is the one autograd uses to
+    detect in-place changes: every in-place torch op on the tensor (``copy_``, ``fill_``, an indexed write)
+    bumps it and the next call reads again. Not seen: writes that bypass it (through ``.data``, DLPack or raw
+    pointers); pass a new tensor (or a list) after such a write. Inference-mode tensors (no version counter)
+    are read every call."""
+    if ops_for(t.device).host_reads_free or t.is_inference():
+        return tuple(t.tolist())
+    key, version = id(t), t._version
+    got = _read.get(key)
+    if got is not None and got[0]() is t and got[1] == version:
+        return got[2]
+    values = tuple(t.tolist())  # the one read
+    _read[key] = (weakref.ref(t), version, values)
+    _read.move_to_end(key)
+    while len(_read) > 64:
+        _read.popitem(last=False)
+    return values
 
 
 _checked = PerGroup()  # group -> signatures already agreed on (held weakly: see transport/groups.py)
@@ -167,7 +196,8 @@ def check_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D [n_docs + 1] (global cumulative document lengths), got shape "
                          f"{tuple(cu_seqlens.shape)}; for one batch row per sequence use qkv_format='bshd'")
-    return _check_boundaries(tuple(int(x) for x in cu_seqlens.tolist()), total)  # a device tensor: one read
+    # a device tensor: one read per tensor and version (host_values)
+    return _check_boundaries(tuple(int(x) for x in host_values(cu_seqlens)), total)
 
 
 def _check_boundaries(cu: tuple[int, ...], total: int) -> tuple[int, ...]:

@@ -14,15 +14,18 @@ of several ranks' heads. They share one rule instead:
   the forward already waits for a collective) and every rank raises the same error type naming the
   failing global rank(s); the failing rank raises its own detailed error.
 
-On CPU and with a value-checking wire codec the codes are read at once (the host waits there anyway).
-On CUDA otherwise the gather is waited for at the start of the layer's backward (a pass-through autograd
-node), so the forward adds no host synchronisation; as with the ring, a forward-only (inference) call on
-CUDA then leaves the check undone.
+A value-checking wire codec (FP8 with ``check_finite``, fp16) judges the values ON THE DEVICE
+(``KVCodec.encode_flagged``): its verdict joins this rank's code on the device, the refused values travel
+as NaN, and only on the failure path does the refusing rank run the host check that names the element.
+On CPU the codes are read at once (the host waits there anyway). On CUDA the gather is waited for at the
+start of the layer's backward (a pass-through autograd node), so the forward adds no host
+synchronisation; a call whose output needs no gradient reads at the forward's end where the codec checks
+values (one read per call, as the ring), and otherwise leaves the check undone (as the ring does).
 
 a2a+p2p quantises on the outer ring the super-blocks that mix the heads of several inner ranks, so a rank
 whose own K/V its checking codec would refuse is found before the inner all-to-all (one extra encode of
-the local K/V, only with checking codecs) and sends zeros instead: the error names the rank the bad
-values came from.
+the local K/V, only with checking codecs; the verdict selects zeros on the device) and sends zeros
+instead: the error names the rank the bad values came from.
 """
 from __future__ import annotations
 
@@ -43,35 +46,55 @@ __all__ = ["StrategyStatus", "encode_or_record", "outer_ring", "precheck_kv", "s
 
 
 class StrategyStatus:
-    """This rank's status during one strategy call, and the end-of-forward agreement on it."""
+    """This rank's status during one strategy call, and the end-of-forward agreement on it.
+
+    ``checked``: the pieces a value-checking codec judged on the device (verdict, codec, K, V): the
+    verdicts join this rank's code on the device, never read on the host unless some rank failed."""
 
     def __init__(self, plan: RingPlan, refusal: BaseException | None = None) -> None:
         self.plan = plan
         self.error: BaseException | None = refusal
         self.code = OK if refusal is None else BAD_INPUT
+        self.checked: list[tuple[torch.Tensor, KVCodec, torch.Tensor, torch.Tensor]] = []
         self.open = True  # recording until the forward's end (:meth:`settle`); the backward raises as usual
 
     def record(self, exc: BaseException) -> None:
         if self.error is None:
             self.error, self.code = exc, (BAD_VALUES if isinstance(exc, WireFiniteError) else BAD_INPUT)
 
+    def flag(self, verdict: torch.Tensor, codec: KVCodec, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A codec's device verdict on ``k``, ``v`` (True: refused; they travel as NaN)."""
+        self.checked.append((verdict, codec, k, v))
+
     def settle(self, out: torch.Tensor) -> torch.Tensor:
         """All-gather the codes (P numbers); raise on every rank if any is bad (see the module doc)."""
         self.open = False
         ring = self.plan.ring
         mine = torch.full((1,), float(self.code), dtype=torch.float32, device=out.device)
+        if self.checked and self.code == OK:  # the device verdicts: BAD_VALUES where any piece was refused
+            verdicts = [c[0] for c in self.checked]
+            mine.masked_fill_(verdicts[0] if len(verdicts) == 1 else torch.stack(verdicts).any(), BAD_VALUES)
         codes = mine.new_empty(ring.world)
         pending = all_gather(codes, mine, ring.group, timeout_seconds(ring), "all-gather of the input status")
-        if ops_for(out.device).host_reads_free or self.plan.codec.checks_values or self.error is not None:
+        # read now where reads are free, where this rank already knows it failed, or where no backward will
+        # read it (a value-checking wire in a call without autograd: one read per call, as the ring does)
+        if (ops_for(out.device).host_reads_free or self.error is not None
+                or (self.plan.codec.checks_values and not out.requires_grad)):
             pending.wait()
             self._raise(codes)
             return out
         return _CheckInBackward.apply(out, (self, pending, codes))
 
+    def _explain(self) -> None:
+        """The failure path only: this rank's own K/V were refused on the device; raise the codec's
+        host-side error naming the first bad element."""
+        for _, codec, k, v in self.checked:
+            codec.check_values(k, v)
+
     def _raise(self, codes: torch.Tensor) -> None:
         if self.error is not None:
             raise self.error
-        raise_for(codes.tolist(), self.plan.ring, self.plan.codec)
+        raise_for(codes.tolist(), self.plan.ring, self.plan.codec, self._explain if self.checked else None)
 
 
 class _CheckInBackward(torch.autograd.Function):
@@ -99,31 +122,45 @@ def status_of(plan: RingPlan | None) -> StrategyStatus | None:
 
 def encode_or_record(plan: RingPlan | None, codec: KVCodec, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor) -> None:
-    """``codec.encode``; in a strategy call a refusal is recorded (raised on every rank after the forward)."""
+    """Encode ``k``, ``v`` into ``out``. In a strategy call's forward a refusal is recorded (raised on every
+    rank after the forward), and a value-checking codec's verdict stays on the device (no host read); in
+    its backward the K/V are the ones the forward checked (encoded without a check); outside a strategy
+    call (``plan`` None) ``codec.encode`` checks on the host."""
     status = status_of(plan)
     if status is None:
-        codec.encode(k, v, out)
+        if plan is not None and plan.strategy_status is not None:  # the backward: checked by the forward
+            codec.encode_flagged(k, v, out)
+        else:
+            codec.encode(k, v, out)
         return
     try:
-        codec.encode(k, v, out)
+        verdict = codec.encode_flagged(k, v, out)
     except (ValueError, RuntimeError) as exc:
         status.record(exc)
+        return
+    if verdict is not None:
+        status.flag(verdict, codec, k, v)
 
 
 def precheck_kv(plan: RingPlan, codec: KVCodec, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """a2a+p2p: K/V, or zeros when this rank's checking ``codec`` refuses them (recorded; see module doc)."""
+    """a2a+p2p: K/V, or zeros when this rank's checking ``codec`` refuses them (decided on the device, no host
+    read; recorded, see module doc)."""
     status = status_of(plan)
     if status is None or not codec.checks_values:
         return k, v
     from megatron_ring.wire.codecs import KVSpec  # noqa: PLC0415
 
-    before = status.error
+    before, seen = status.error, len(status.checked)
     with torch.no_grad():
         encode_or_record(plan, codec, k, v, codec.new_buffer(KVSpec(tuple(k.shape), tuple(v.shape), k.dtype,
                                                                      k.device)))
     if status.error is not before:
         return torch.zeros_like(k), torch.zeros_like(v)
-    return k, v
+    if len(status.checked) == seen:
+        return k, v
+    refused = status.checked[-1][0]
+    zero = k.new_zeros(())
+    return torch.where(refused, zero, k), torch.where(refused, zero, v)
 
 
 def outer_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, heads: list[slice],

@@ -185,14 +185,18 @@ class Ring(Transport):
                    else [((send_role,), [send_op]), ((recv_role,), [recv_op])])
         pending: list[tuple[tuple[Role, ...], list[Any]]] = []
         self.raise_if_failed()
+        # the deadline's watch (an event per launch, queried by the watchdog thread) is left out while the
+        # stream is captured into a CUDA graph: a query during capture invalidates it, and replays have no
+        # Work objects to watch (NCCL's own watchdog keeps the time-out there)
+        watched = self.watchdog_deadline and self.timeout is not None and not self.stream.capturing()
         with breakdown.timed(step, "launch"), self.stream.launch(send, recv):
-            started = self.stream.marker() if self.watchdog_deadline else None
+            started = self.stream.marker() if watched else None
             for roles, ops in batches:
                 try:
                     pending.append((roles, list(dist.batch_isend_irecv(ops))))
                 except Exception as exc:  # noqa: BLE001 - e.g. gloo: the peer's connection already closed
                     raise self.peer_error(roles, channel, step, exc=exc, at_launch=True) from exc
-        if self.watchdog_deadline and self.timeout is not None:
+        if watched:
             for roles, works in pending:
                 watchdog.watch(self, roles, works, channel, step, started)
         self.bytes_sent[channel] += send.numel() * send.element_size()

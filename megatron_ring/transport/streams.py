@@ -52,6 +52,10 @@ class SideStream:
         for buf in buffers:
             ops.record_stream(buf, stream)
 
+    def capturing(self) -> bool:
+        """Whether the device's current stream is being captured into a graph (see ``DeviceOps.capturing``)."""
+        return ops_for(self.device).capturing(self.device)
+
     def marker(self) -> Callable[[], bool] | None:
         """Inside :meth:`launch`: a callable telling whether the device has reached this point of the side
         stream (a recorded event; None on devices without streams: reached at once)."""

@@ -52,7 +52,7 @@ class FakeCuda(DeviceOps):
     has_streams = True
     host_reads_free = False
 
-    def __init__(self, capability=(9, 0), events_done: bool = True) -> None:
+    def __init__(self, capability=(9, 0), events_done: bool = True, capturing: bool = False) -> None:
         self.compute = FakeStream("compute")
         self.current = self.compute
         self.streams = [self.compute]
@@ -60,6 +60,7 @@ class FakeCuda(DeviceOps):
         self.events_done = events_done
         self.log: Counter[str] = Counter()
         self.host_waits = 0
+        self.capture = capturing  # models a stream being captured into a CUDA graph
 
     def new_stream(self, device):
         s = FakeStream(f"side{len(self.streams)}")
@@ -91,7 +92,11 @@ class FakeCuda(DeviceOps):
         return FakeEvent(stream or self.current, self.events_done)
 
     def event_done(self, event):
+        self.log["event_query"] += 1
         return event.done
+
+    def capturing(self, device):
+        return self.capture
 
     def wait_event_host(self, event):
         self.host_waits += 1
