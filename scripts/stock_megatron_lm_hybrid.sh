@@ -70,7 +70,8 @@ if [ -n "${PACKED:-}" ]; then
 fi
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 cd "$MLM"
-export PYTHONPATH="$MLM:$HERE${PYTHONPATH:+:$PYTHONPATH}${SFT_DEPS:+:$SFT_DEPS}" CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PYTHONPATH="$MLM:$HERE${PYTHONPATH:+:$PYTHONPATH}${SFT_DEPS:+:$SFT_DEPS}"
+export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$PY" -m torch.distributed.run --nproc-per-node "$CP" --master-addr 127.0.0.1 --master-port "$PORT" \
   -m megatron_ring.megatron.cpu "$SCRIPT" "${MODEL[@]}" "${CPU[@]}" \
   --context-parallel-size "$CP" "${SPEC[@]}" "$@"
