@@ -7,11 +7,12 @@ per character, plus the special tokens of Megatron-LM's ``nemotron-h-aligned`` S
 ``<SPECIAL_11>``, pad ``<SPECIAL_233>``, and ``</s>`` as end of document) and ``OUT_DIR/sft.jsonl`` (``--lines``
 lines, each a ``{"messages": [...]}`` list of 1 to 4 packed conversations, system / user / assistant). The text
 is learnable (the assistant continues the user's count, step given by the system line), and the conversations
-have varied token counts (odd and even; with the defaults 500 conversations of 41 to 68 tokens of text, 125 odd). ``--pad-to N`` (default 8) ends each assistant
-reply with loss-masked pad tokens (``<SPECIAL_233>``, before the template's closing newline) so that every
-conversation is a multiple of N tokens long: then ``SFTDataset``'s own padding to a multiple of 2 x CP adds nothing
-at CP = 1, 2 or 4 (N = 8), the packed stream is the same at every CP, and CP = 1 is a reference for CP = 2 and 4.
-``--pad-to 1`` leaves the text unpadded (SFTDataset then pads per CP, so each CP packs different samples).
+have varied token counts (odd and even; with the defaults 500 conversations of 41 to 68 tokens of text, 125
+odd). ``--pad-to N`` (default 8) ends each assistant reply with loss-masked pad tokens (``<SPECIAL_233>``, before
+the template's closing newline) so that every conversation is a multiple of N tokens long: then ``SFTDataset``'s
+own padding to a multiple of 2 x CP adds nothing at CP = 1, 2 or 4 (N = 8) and the packed stream is the same at
+every CP. ``--pad-to 1`` leaves the text unpadded (``SFTDataset`` then pads at CP > 1 itself, so the packed layout,
+and with it the positions the ring's attention dropout is keyed on, differ between CP sizes).
 
 Built locally from the generated text: nothing is downloaded. Needs ``tokenizers`` and ``transformers`` only
 when run (the pins are in docs/megatron-runs.md); nothing in the package or the tests imports this file.
