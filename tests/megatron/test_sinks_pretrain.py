@@ -16,6 +16,9 @@ must agree) are compared exactly:
 3. resumed at TP = 1 x CP = 2 (torch_dist reshards; no extra flag needed): every head on every rank, exactly;
    the curve within the same bound (TP = 1 sums in another order).
 
+4. a checkpoint written by Megatron's own ``DotProductAttention`` (TP = 2, CP = 1, no ``--spec``) loads into
+   the ring model at TP = 1 x CP = 2, every head exact: the ring's sharding is Megatron's, key and axis.
+
 Negative control: with ``RingDotProductAttention`` checkpointed by ``MegatronModule``'s default
 ``sharded_state_dict`` (the offset taken as replicated over TP), a TP = 2 run saved and resumed the same way
 (CP = 1, world 2, to keep the time down) gives TP rank 1 TP rank 0's heads: the check of step 2 fails.
@@ -36,19 +39,20 @@ pytestmark = PRETRAIN_MARKS
 WORKER = os.path.join(ROOT, "tests", "megatron", "sinks_pretrain_worker.py")
 ITERS, SAVE_AT, MICRO = 4, 2, 2  # MICRO: micro-batches per iteration (global batch 4 / micro 2 / DP 1)
 HEADS, LAYERS = 4, 2  # MODEL_FLAGS: 4 attention heads, 2 layers
-ARGS = gpt_args(ITERS, extra="--ckpt-format torch_dist") + CPU_FLAGS + [
-    "--softmax-type", "learnable", "--spec", "megatron_ring.megatron.spec", "ring_layer_spec"]
+ARGS = gpt_args(ITERS, extra="--ckpt-format torch_dist") + CPU_FLAGS + ["--softmax-type", "learnable"]
+SPEC = ["--spec", "megatron_ring.megatron.spec", "ring_layer_spec"]
 
 
-def launch(tmp_path, name: str, tp: int, cp: int, *extra: str, replicated: bool = False):
-    """One torchrun job: (per-iteration masked mean losses, TP-gathered offsets per iteration, stdout)."""
+def launch(tmp_path, name: str, tp: int, cp: int, *extra: str, replicated: bool = False, ring: bool = True):
+    """One torchrun job: (per-iteration masked mean losses, TP-gathered offsets per iteration, stdout).
+    ``ring=False``: Megatron's own core attention (no ``--spec``; CP = 1 only)."""
     log = tmp_path / f"{name}.sinks"
     env = {"MEGATRON_RING_LOSS_LOG": str(tmp_path / f"{name}.loss"), "MEGATRON_RING_SINKS_LOG": str(log)}
     if replicated:
         env["MEGATRON_RING_TEST_REPLICATED_SINKS"] = "1"
-    p = torchrun(WORKER, tp * cp, *ARGS, "--tensor-model-parallel-size", str(tp), "--context-parallel-size",
-                 str(cp), *extra, env=env, name=name)
-    assert "core attention of the layer spec: RingDotProductAttention" in p.stdout, p.stdout[-3000:]
+    p = torchrun(WORKER, tp * cp, *ARGS, *(SPEC if ring else []), "--tensor-model-parallel-size", str(tp),
+                 "--context-parallel-size", str(cp), *extra, env=env, name=name)
+    assert ("core attention of the layer spec: RingDotProductAttention" in p.stdout) == ring, p.stdout[-3000:]
     return masked_mean_losses(tmp_path / f"{name}.loss", MICRO), gathered_offsets(log, tp * cp, tp), p.stdout
 
 
@@ -129,3 +133,15 @@ def test_replicated_sinks_lose_heads_through_pretrain(tmp_path):
     assert all(heads[half:] == heads[:half] for heads in loaded[0]), loaded[0]  # TP rank 0's heads, twice
     lost = max(abs(a - b) for g, w in zip(loaded[0], offsets[SAVE_AT]) for a, b in zip(g[half:], w[half:]))
     print(f"default sharded_state_dict: TP rank 1's heads lost (max |loaded - saved| {lost:.3g})")
+
+
+def test_megatron_native_checkpoint_loads_into_ring(tmp_path):
+    """The ring's sharding is Megatron's: a checkpoint written by Megatron's own DotProductAttention (TP = 2,
+    CP = 1, no ring) loads into the ring model at TP = 1 x CP = 2 with every head's offset exact."""
+    ckpt = tmp_path / "ckpt"
+    _, offsets, _ = launch(tmp_path, "native", 2, 1, "--train-iters", str(SAVE_AT + 1), "--save", str(ckpt),
+                           "--save-interval", str(SAVE_AT), ring=False)
+    assert all(heads[:HEADS // 2] != heads[HEADS // 2:] for heads in offsets[SAVE_AT]), offsets[SAVE_AT]
+    _, loaded, _ = launch(tmp_path, "ring", 1, 2, "--train-iters", str(SAVE_AT + 1), "--load", str(ckpt),
+                          "--ckpt-step", str(SAVE_AT), "--exit-on-missing-checkpoint")
+    check_intact(loaded[0], offsets[SAVE_AT])
