@@ -5,6 +5,10 @@
 #   bash scripts/numerics_matrix.sh            the numerics test files, every configuration
 #   bash scripts/numerics_matrix.sh --fast     the fast tier of them (-m "not slow") and the MLA / sinks / dropout
 #                                              matrix at P = 1..4 (CP=P vs CP=1 with dropout); a CI step of scripts/test.sh
+#   bash scripts/numerics_matrix.sh --slow     the slow tiers of scripts/test.sh (the model-level tests): $PYTHON -m slow
+#                                              tests/, then, where $PYTHON312 (else .venv312/bin/python) exists, tests/megatron
+#                                              on it, and where .bridge312 exists the Bridge tests; by hand (about an hour per
+#                                              configuration on 2 cores), not a CI step
 # Extra arguments go to pytest. Configurations: each capability from /proc/cpuinfo (default always; avx2 with
 # avx2+fma; avx512 with avx512f/bw/vl/dq), then the highest one with MKL limited to AVX2
 # (MKL_ENABLE_INSTRUCTIONS=AVX2). Each run checks that torch really took the capability, and prints the worst
@@ -18,10 +22,17 @@ FILES=(tests/test_kernel_contract.py tests/test_merge_and_kernels.py tests/test_
        tests/test_codec.py tests/test_ring_attention.py tests/test_strategies.py tests/test_documents.py
        tests/test_kv_pieces.py tests/test_model_features.py tests/test_strategy_features.py tests/test_wire_accuracy.py
        tests/test_cost_model.py tests/test_dynamic_cp.py tests/test_document_zigzag.py tests/test_ulysses_heads.py)
-MARK=(); EXTRA=()
+MARK=(); EXTRA=(); SLOW=0
 if [ "${1:-}" = "--fast" ]; then
   MARK=(-m "not slow"); EXTRA=(tests/test_model_features.py::test_mla_sinks_dropout_match_reference); shift
+elif [ "${1:-}" = "--slow" ]; then
+  SLOW=1; shift
 fi
+PY312="${PYTHON312:-.venv312/bin/python}"
+BRIDGE=(tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py)
+# one pytest run under the configuration's environment (env_, report): extra pytest arguments first
+pyt() { local py="$1"; shift; env "${env_[@]}" MEGATRON_RING_NUMERICS_REPORT="$report" "$py" -m pytest -q -p no:cacheprovider "$@"
+  local r=$?; [ "$r" -eq 5 ] && r=0; return "$r"; }
 flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
 has() { for f in "$@"; do [[ " $flags " == *" $f "* ]] || return 1; done; }
 caps=(default)
@@ -43,11 +54,21 @@ for cfg in "${configs[@]}"; do
   echo "[numerics] === $label"
   : > "$report"
   t0=$(date +%s)
-  env "${env_[@]}" MEGATRON_RING_NUMERICS_REPORT="$report" "$PY" -m pytest -q -p no:cacheprovider "${MARK[@]}" "$@" "${FILES[@]}"
-  rc=$?; [ "$rc" -eq 5 ] && rc=0
-  if [ "${#EXTRA[@]}" -gt 0 ]; then
-    env "${env_[@]}" MEGATRON_RING_NUMERICS_REPORT="$report" "$PY" -m pytest -q -p no:cacheprovider "$@" "${EXTRA[@]}"
-    rc2=$?; [ "$rc2" -eq 5 ] && rc2=0; [ "$rc" -eq 0 ] && rc=$rc2
+  if [ "$SLOW" = 1 ]; then
+    pyt "$PY" -m slow "$@" tests; rc=$?
+    if [ -x "$PY312" ]; then
+      pyt "$PY312" "$@" tests/megatron tests/fake_cuda --ignore="${BRIDGE[0]}" --ignore="${BRIDGE[1]}"
+      rc2=$?; [ "$rc" -eq 0 ] && rc=$rc2
+      if [ -d .bridge312 ]; then
+        PYTHONPATH="$PWD/.bridge312:$PYTHONPATH" pyt "$PY312" "$@" "${BRIDGE[@]}"
+        rc2=$?; [ "$rc" -eq 0 ] && rc=$rc2
+      fi
+    fi
+  else
+    pyt "$PY" "${MARK[@]}" "$@" "${FILES[@]}"; rc=$?
+    if [ "${#EXTRA[@]}" -gt 0 ]; then
+      pyt "$PY" "$@" "${EXTRA[@]}"; rc2=$?; [ "$rc" -eq 0 ] && rc=$rc2
+    fi
   fi
   worst=$("$PY" - "$report" <<'PYEOF'
 import json, sys

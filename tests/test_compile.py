@@ -6,6 +6,7 @@ the ring runs eagerly between them, forward and backward. The counting test (fas
 and its reason; the inductor test (slow: inductor's C++ compile takes about a minute on this CPU) checks
 that the compiled model equals the eager one, output and gradients."""
 import math
+import os
 
 import pytest
 import torch
@@ -30,6 +31,19 @@ class _Attn(torch.nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, HEADS, HEAD_DIM).unbind(2)
         out = ring_attention(q, k, v, causal=True, ring=self.ring)
         return torch.nn.functional.gelu(self.proj(out.reshape(b, t, HEADS * HEAD_DIM)))
+
+
+@pytest.fixture(autouse=True)
+def _inductor_cache_per_capability(monkeypatch):
+    """One inductor cache per forced ``ATEN_CPU_CAPABILITY`` (scripts/numerics_matrix.sh): torch 2.13's inductor
+    caches do not key on the vector ISA that variable selects, so a graph cached under another capability comes
+    back with that ISA's C++ (``at::vec::Vectorized<float>`` of 16 lanes under ``default``: "'at::vec' has not
+    been declared"; with the caches off, or this, it compiles)."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY")
+    if cap:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), f"aten-cpu-capability-{cap}"))
 
 
 def _ring(world: int):
