@@ -58,8 +58,7 @@ for i in range(cfg["iters"] + 1):
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if i:
         times.append(float(t))
-if rank == 0:
-    print("RESULT " + json.dumps(times), flush=True)
+print("RESULT " + json.dumps(times), flush=True)  # every rank: the times are the max over ranks already
 dist.barrier()
 # leave without interpreter finalisation: a gloo thread may still drop its last all-reduce Work object,
 # which takes the GIL, and a thread taking the GIL during finalisation aborts the process
@@ -130,25 +129,7 @@ os._exit(0)
 
 def _outputs(tree: str, world: int, timeout: float) -> list[list[str]]:
     """Per rank, the hash of each case's results (:data:`OUTPUT_CASES`) computed by the library in ``tree``."""
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", OUTPUT_WORKER, str(r), str(world), str(port),
-                               json.dumps(OUTPUT_CASES)], env=env, cwd=tree, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    finally:
-        for p in procs:
-            p.kill()
-    got = []
-    for p, (out, err) in zip(procs, outs):
-        if p.returncode:
-            raise RuntimeError(f"output worker failed in {tree}:\n{err[-2000:]}")
-        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-        got.append(json.loads(line[len("RESULT "):]))
-    return got
+    return _spawn(tree, world, OUTPUT_WORKER, OUTPUT_CASES, timeout)
 
 
 def _output_rows(trees: list[str], a) -> list[dict]:
@@ -171,9 +152,15 @@ def _free_port() -> int:
 
 
 def _run(tree: str, world: int, cfg: dict, timeout: float) -> float:
+    return statistics.median(_spawn(tree, world, WORKER, cfg, timeout)[0])
+
+
+def _spawn(tree: str, world: int, worker: str, payload, timeout: float) -> list:
+    """``world`` processes running ``worker`` (source) with the library in ``tree`` on a free port (each wait
+    bounded by ``timeout``); per rank, the JSON after its ``RESULT`` line."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), json.dumps(cfg)],
+    procs = [subprocess.Popen([sys.executable, "-c", worker, str(r), str(world), str(port), json.dumps(payload)],
                               env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     outs = []
@@ -183,11 +170,13 @@ def _run(tree: str, world: int, cfg: dict, timeout: float) -> float:
     finally:
         for p in procs:
             p.kill()
+    got = []
     for p, (out, err) in zip(procs, outs):
         if p.returncode:
             raise RuntimeError(f"worker failed in {tree}:\n{err[-2000:]}")
-    line = next(ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT "))
-    return statistics.median(json.loads(line[len("RESULT "):]))
+        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+        got.append(json.loads(line[len("RESULT "):]))
+    return got
 
 
 HOST_TIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "megatron_ring", "tools", "bench",

@@ -22,8 +22,9 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from tests.helpers.cp_step import reduce_over_cp
 
 MODEL = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab=128, seq=64, micro_batch=2,
              seed=1234, data_seed=11, lr=3e-3, mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
@@ -90,12 +91,7 @@ def mamba_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, steps
                 tok = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
                 local = (tok * mine["loss_mask"]).sum()
                 (local / total).backward()
-                rep = local.detach().clone()
-                if world > 1:
-                    dist.all_reduce(rep, group=cp_group)
-                    for p in model.parameters():
-                        if p.grad is not None:
-                            dist.all_reduce(p.grad, group=cp_group)
+                rep = reduce_over_cp(local, model, cp_group, world)
                 losses.append(float(rep / total))
                 if step == 0:
                     grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
