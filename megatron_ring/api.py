@@ -57,7 +57,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    head_chunks: int = 1, ring: Transport | None = None, cu_seqlens: Any = None,
                    window: tuple[int, int] | None = None, comm_type: str = "p2p",
                    hierarchical_groups: Any = None, softmax_offset: Any = None,
-                   dropout_p: float = 0.0, dropout_seed: int | None = None,
+                   dropout_p: float = 0.0, dropout_seed: int | torch.Tensor | None = None,
                    kv_pieces: int | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -103,7 +103,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             hash of ``(dropout_seed, batch row * h + head, GLOBAL query position, GLOBAL key position)``:
             the same in forward and backward (and any recompute with the same seed), and independent
             of the CP size and layout. Uses an fp32 matmul block kernel (slower than flash).
-        dropout_seed: int, required when ``dropout_p > 0``; the same on every rank of the group.
+        dropout_seed: int, or a one-element integer tensor (a device seed, e.g. drawn on the GPU: never
+            read on the host, so no sync and a CUDA graph replays with the tensor's current value),
+            required when ``dropout_p > 0``; the same on every rank of the group (an int seed is
+            compared across ranks with each new call signature; a tensor seed is not).
         v: may have a different head dim than q/k (multi-latent attention); the output has v's.
         kv_pieces: each ring step streams the visiting K/V block (and, in backward, its dK/dV
             accumulator) in this many pieces of K/V heads through ``kv_pieces + 1`` piece buffers, so a
@@ -367,9 +370,12 @@ def _dropout_spec(p: Any, seed: Any, qh: torch.Tensor, seq_len: int) -> DropoutS
         raise ValueError(f"dropout_p must be a float in [0, 1), got {p!r}")
     if p == 0.0:
         return None
+    if isinstance(seed, torch.Tensor) and seed.numel() == 1 and not seed.is_floating_point() \
+            and not seed.is_complex() and seed.dtype != torch.bool:
+        return DropoutSpec(float(p), seed, heads=qh.shape[1], seq_len=seq_len)  # a device seed: not read here
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"dropout_p={p} needs dropout_seed (an int, the same on every rank of the group; "
-                         f"vary it per step and layer), got {seed!r}")
+        raise ValueError(f"dropout_p={p} needs dropout_seed (an int, or a one-element integer tensor, the same "
+                         f"on every rank of the group; vary it per step and layer), got {seed!r}")
     return DropoutSpec(float(p), int(seed), heads=qh.shape[1], seq_len=seq_len)
 
 

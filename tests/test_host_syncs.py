@@ -40,6 +40,7 @@ class SyncCase:
     window: tuple[int, int] | None = None
     sink: bool = False
     dropout: float = 0.0
+    device_seed: bool = False  # the dropout seed as a one-element tensor (derived from device data)
     dims: tuple[int, int] = (16, 16)
 
     @property
@@ -56,7 +57,9 @@ def _sync_cases() -> list[SyncCase]:
     out += [SyncCase(P=4, fmt="sbhd", wire="fp8"), SyncCase(P=4, fmt="thd", wire="fp8"),
             SyncCase(P=4, heads=(8, 1), wire="fp8"), SyncCase(P=4, dims=(24, 16), wire="fp8"),
             SyncCase(P=4, window=(20, 0), wire="fp8"), SyncCase(P=4, sink=True, wire="fp8"),
-            SyncCase(P=4, dropout=0.1, wire="fp8"), SyncCase(P=4, heads=(8, 4), kv_pieces=4, wire="fp8"),
+            SyncCase(P=4, dropout=0.1, wire="fp8"), SyncCase(P=4, dropout=0.1, device_seed=True),
+            SyncCase(P=4, dropout=0.1, device_seed=True, wire="fp8"),
+            SyncCase(P=4, heads=(8, 4), kv_pieces=4, wire="fp8"),
             SyncCase(P=4, heads=(8, 4), head_chunks=2, kv_pieces=2, wire="fp8"),
             SyncCase(P=2, heads=(8, 4), head_chunks=4, wire="fp16")]
     return out
@@ -80,7 +83,11 @@ def _call(case: SyncCase, counter: HostReadCounter) -> None:
     if case.sink:
         kw["softmax_offset"] = torch.zeros(h, requires_grad=True)
     if case.dropout:
-        kw.update(dropout_p=case.dropout, dropout_seed=7)
+        seed = 7
+        if case.device_seed:
+            seed = torch.tensor(7)
+            counter.taint(seed)
+        kw.update(dropout_p=case.dropout, dropout_seed=seed)
     with counter:
         out = ring_attention(q, k, v, ring=LoopbackRing(case.P, case.P // 2, q.device), **kw)
         out.float().square().sum().backward()
@@ -366,3 +373,11 @@ def test_a_device_cu_seqlens_is_read_once_per_tensor_and_version():
                 out.sum().backward()
             reads.append(counter.total())
     assert reads == [1, 0, 0, 1, 1], reads
+
+
+def test_a_device_dropout_seed_is_never_read_on_the_host():
+    """A tensor seed (as the Megatron glue draws it on the device) costs no read, the first call included,
+    beyond what the same call with an int seed costs there (the once-per-signature cross-rank check)."""
+    with_int = count_syncs(SyncCase(P=4, dropout=0.1), calls=2)
+    with_tensor = count_syncs(SyncCase(P=4, dropout=0.1, device_seed=True), calls=2)
+    assert with_tensor == with_int, (with_tensor, with_int)

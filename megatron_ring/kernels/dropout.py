@@ -26,21 +26,33 @@ def _fmix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def keep_mask(seed: int, rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, p: float) -> torch.Tensor:
+def keep_mask(seed: int | torch.Tensor, rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
+              p: float) -> torch.Tensor:
     """Bool ``[len(rows), len(qpos), len(kpos)]``: True where the pair is kept.
 
     ``rows`` are global (batch row * heads + head) ids; positions are GLOBAL token positions. Drop
-    iff the 24-bit hash falls below ``round(p * 2^24)``: the drop rate is that over 2^24.
+    iff the 24-bit hash falls below ``round(p * 2^24)``: the drop rate is that over 2^24. ``seed`` is an
+    int or a one-element int64 tensor (on any device: it is never read on the host, so a CUDA graph
+    replays with whatever the tensor holds); both give the same mask for the same 64-bit value.
     """
     dev = qpos.device
-    s = int(seed) & ((1 << 64) - 1)
-    s32 = (s ^ (s >> 32)) & _M32
+    s32 = _seed32(seed, dev)
     r = _fmix((torch.as_tensor(rows, dtype=torch.int64, device=dev) * 0x9E3779B1 + s32) & _M32)
     hq = _fmix(r[:, None] ^ (qpos.to(torch.int64)[None, :] & _M32))            # [rows, sq]
     hk = _fmix((kpos.to(torch.int64) * 0x27D4EB2F + 0x165667B1) & _M32)          # [sk]
     h = torch.bitwise_xor(hq[:, :, None], hk[None, None, :])
     _fmix_(h, torch.empty_like(h))  # the [rows, sq, sk] pass: in place, one scratch buffer
     return h.bitwise_right_shift_(8) >= int(round(p * (1 << 24)))
+
+
+def _seed32(seed: int | torch.Tensor, dev: torch.device) -> int | torch.Tensor:
+    """The seed folded to 32 bits: (low word) xor (high word) of its 64-bit two's-complement value. On an
+    int64 tensor the arithmetic shift's sign bits fall outside the low word, so both paths agree."""
+    if isinstance(seed, torch.Tensor):
+        s = seed.reshape(()).to(device=dev, dtype=torch.int64)
+        return (s ^ (s >> 32)) & _M32
+    s = int(seed) & ((1 << 64) - 1)
+    return (s ^ (s >> 32)) & _M32
 
 
 def _fmix_(x: torch.Tensor, t: torch.Tensor) -> None:
@@ -56,7 +68,7 @@ class DropoutSpec:
     """Attention dropout: probability, seed, and this call's place in the global head numbering."""
 
     p: float
-    seed: int
+    seed: int | torch.Tensor  # an int, or a one-element int64 tensor (a device seed: never read on the host)
     heads: int          # query heads of the whole call (row id = batch row * heads + head)
     seq_len: int        # global sequence (stream) length
     head_offset: int = 0  # first query head of the tensors the engine sees (head_chunks)

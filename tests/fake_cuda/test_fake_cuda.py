@@ -169,7 +169,10 @@ def _inputs(case: Case):
         kw["softmax_offset"] = torch.zeros(h, device="cuda", requires_grad=True)
         leaves.append(kw["softmax_offset"])
     if case.dropout:
-        kw.update(dropout_p=case.dropout, dropout_seed=1234)
+        # P > 1: the seed as a CUDA tensor (as the Megatron glue draws it): FakeTensorMode refuses any host
+        # read of it, so the case also checks that the seed stays on the device
+        seed = torch.tensor(1234, device="cuda") if case.P > 1 else 1234
+        kw.update(dropout_p=case.dropout, dropout_seed=seed)
     return q, k, v, kw, leaves
 
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dropout_seed"]
+__all__ = ["dropout_seed", "row_seed"]
 
 _MIX = 0x9E3779B97F4A7C15
+_M63, _M62 = (1 << 63) - 1, (1 << 62) - 1
 
 
-def dropout_seed(layer_number: int, device: torch.device) -> int:
-    """A dropout seed from Megatron's model-parallel RNG state and the layer number (see module doc)."""
+def dropout_seed(layer_number: int, device: torch.device) -> torch.Tensor:
+    """A dropout seed from Megatron's model-parallel RNG state and the layer number (see module doc): a
+    one-element int64 tensor on ``device``, never read on the host (no device sync per layer call; under a
+    CUDA graph the draw is part of the graph and advances with each replay)."""
     from megatron.core import tensor_parallel
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -27,4 +30,13 @@ def dropout_seed(layer_number: int, device: torch.device) -> int:
         raise RuntimeError("attention dropout in ring attention draws its seed from Megatron's model-parallel "
                            "RNG tracker; call megatron.core.tensor_parallel.model_parallel_cuda_manual_seed(seed) "
                            f"first ({exc})") from exc
-    return (int(draw.item()) ^ (int(layer_number) * _MIX)) & ((1 << 63) - 1)
+    return (draw.reshape(()) ^ ((int(layer_number) * _MIX) & _M63)) & _M63  # draw < 2^62: no sign bit
+
+
+def row_seed(base: torch.Tensor, row: int) -> torch.Tensor:
+    """``(base + MIX * (row + 1)) mod 2^63`` on the device without int64 overflow (``base`` in [0, 2^63)):
+    one seed per packed batch row, from the layer's seed."""
+    c = (_MIX * (row + 1)) & _M63
+    lo = (base & _M62) + (c & _M62)  # < 2^63
+    top = ((base >> 62) + (c >> 62) + (lo >> 62)) & 1
+    return (lo & _M62) | (top << 62)

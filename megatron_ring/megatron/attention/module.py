@@ -21,7 +21,7 @@ from megatron_ring.megatron.attention import comm_types
 from megatron_ring.megatron.groups import resolve as groups
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
 from megatron_ring.megatron.data.documents import DocumentsFromMask, packed_cu_seqlens
-from megatron_ring.megatron.attention.dropout import dropout_seed
+from megatron_ring.megatron.attention.dropout import dropout_seed, row_seed
 from megatron_ring.megatron.env import kv_pieces_from_env, ring_config_from_env
 from megatron_ring.megatron.attention.sinks import make_softmax_offset, ring_softmax_offset, sharded_sinks
 from megatron_ring.megatron.groups.provider import get_ring_state, is_context_parallel_initialized
@@ -253,7 +253,7 @@ class RingDotProductAttention(MegatronModule):
         else:
             rows = []
             for i, cu in enumerate(docs):  # one packed stream per batch row: its own dropout seed
-                seed = None if p_drop == 0.0 else (dropout_seed_base + 0x9E3779B97F4A7C15 * (i + 1)) % (1 << 63)
+                seed = None if p_drop == 0.0 else row_seed(dropout_seed_base, i)
                 rows.append(run(query[:, i], key[:, i], value[:, i], "thd", torch.tensor(cu)))
             out = torch.stack(rows, 1)
         return out.view(out.size(0), out.size(1), self.hidden_size_per_partition)
