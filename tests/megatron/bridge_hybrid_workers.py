@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests.helpers.cp_step import reduce_over_cp
 from tests.megatron import hybrid_workers as HW
 
 
@@ -54,12 +54,7 @@ def bridge_hybrid_worker(rank: int, world: int, pattern: str, ring: bool) -> dic
             local = (tok * mine["loss_mask"]).sum()
             total = full["loss_mask"].sum()
             (local / total).backward()
-            rep = local.detach().clone()
-            if world > 1:
-                dist.all_reduce(rep, group=cp_group)
-                for prm in model.parameters():
-                    if prm.grad is not None:
-                        dist.all_reduce(prm.grad, group=cp_group)
+            rep = reduce_over_cp(local, model, cp_group, world)
             grads = {n: prm.grad.detach().clone() for n, prm in model.named_parameters() if prm.grad is not None}
             return dict(loss=float(rep / total), grads=grads if rank == 0 else None)
         finally:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.cp_step import reduce_over_cp
+from tests.megatron.hybrid_workers import make_batch  # the same deterministic batch (no Megatron import)
 
 MODEL = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab=128, seq=64, micro_batch=2,
              seed=1234, data_seed=11, lr=3e-3, mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
@@ -56,15 +57,6 @@ def build(m: dict, pattern: str, cp: int, ring: bool):
                       reference_hybrid_stack_spec, vocab_size=m["vocab"], max_sequence_length=m["seq"],
                       hybrid_override_pattern=pattern, position_embedding_type="rope",
                       share_embeddings_and_output_weights=False)
-
-
-def make_batch(m: dict, step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(m["data_seed"] * 1000 + step)
-    b, s = m["micro_batch"], m["seq"]
-    data = torch.randint(0, m["vocab"], (b, s + 1), generator=g)
-    return dict(tokens=data[:, :-1].contiguous(), labels=data[:, 1:].contiguous(),
-                loss_mask=(torch.rand(b, s, generator=g) > 0.25).float(),
-                position_ids=torch.arange(s).unsqueeze(0).expand(b, s).contiguous())
 
 
 def mamba_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, steps: int) -> dict[str, Any]:
