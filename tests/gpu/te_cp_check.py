@@ -17,32 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+from tests.gpu.timing import timed_ms  # noqa: E402
 from tests.helpers.reference import attention_reference  # noqa: E402
 
 from megatron_ring import gather_sequence, ring_attention, shard_sequence  # noqa: E402
-
-
-def _timed(step, dev) -> float:
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize()
-        dist.barrier()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        step()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    t = torch.tensor([statistics.median(times[1:])], device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return round(t.item(), 2)
 
 
 def main() -> int:
@@ -84,7 +68,7 @@ def main() -> int:
                 o.backward(d_local)
                 box[:] = [o]
 
-            row[f"{who}_ms"] = _timed(step, dev)
+            row[f"{who}_ms"], _ = timed_ms(step, dev)
             got = [gather_sequence(x.detach(), 1) for x in (box[0], *[t.grad for t in local])]
             if rank == 0:
                 row[f"{who}_err"] = max((x.double() - r).abs().max().item() for x, r in zip(got, ref))

@@ -192,3 +192,17 @@ def import_bridge(*modules: str) -> list[types.ModuleType]:
         sys.meta_path.remove(finder)
     check_no_transformer_engine()
     return out
+
+
+def skip_without_bridge() -> None:
+    """Skip the calling test module where Megatron-Bridge is not installed (pinned install:
+    requirements/bridge-py312.txt, see docs/megatron-runs.md 'Megatron-Bridge')."""
+    import pytest
+
+    try:
+        found = importlib.util.find_spec("megatron.bridge") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        pytest.skip("megatron-bridge is not installed (pinned install: requirements/bridge-py312.txt, see "
+                    "docs/megatron-runs.md 'Megatron-Bridge')", allow_module_level=True)

@@ -20,24 +20,15 @@ Multi-token prediction is not covered here: Bridge 0.6.2 builds the MTP block wi
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
+from tests.megatron.bridge_import import skip_without_bridge
 
 pytestmark = pytest.mark.slow
 
 
-def _bridge_installed() -> bool:
-    try:
-        return importlib.util.find_spec("megatron.bridge") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-if not _bridge_installed():
-    pytest.skip("megatron-bridge is not installed (pinned install: requirements/bridge-py312.txt, see "
-                "docs/megatron-runs.md 'Megatron-Bridge')", allow_module_level=True)
+skip_without_bridge()
 
 from tests.helpers.numerics import Checks, add_model_grads, model_loss_tol  # noqa: E402
 from tests.megatron import bridge_workers as W  # noqa: E402

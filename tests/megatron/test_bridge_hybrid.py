@@ -9,23 +9,14 @@ not installed) and einops.
 """
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
+from tests.megatron.bridge_import import skip_without_bridge
 
 pytestmark = pytest.mark.slow
 
 
-def _bridge_installed() -> bool:
-    try:
-        return importlib.util.find_spec("megatron.bridge") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-if not _bridge_installed():
-    pytest.skip("megatron-bridge is not installed (pinned install: requirements/bridge-py312.txt)",
-                allow_module_level=True)
+skip_without_bridge()
 pytest.importorskip("megatron.core.models.hybrid", reason="HybridModel ships with megatron-core >= 0.19")
 pytest.importorskip("einops", reason="Megatron's Mamba layers import einops (pinned; scripts/setup_env.sh)")
 
