@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.numerics import F64_REL
@@ -167,6 +167,9 @@ def test_errors_name_the_fix():
 @given(lens=st.lists(st.integers(0, 20000), min_size=1, max_size=30), world=st.integers(1, 6),
        seed=st.integers(0, 3), layout=st.sampled_from(["zigzag", "striped", "contiguous"]),
        machine=st.sampled_from([GPU, CPU]))
+# found by the property in CI: a baseline 2.6e-12 faster than the dynamic schedule was not taken (the old 1e-9
+# margin on baselines); the scheduler now takes a baseline whenever it is faster
+@example(lens=[2, 10033, 10032, 1], world=1, seed=0, layout="zigzag", machine=CPU)
 def test_property_random_length_mixes(lens, world, seed, layout, machine):
     pb = Problem(batch=1, seq=0, heads=4, kv_heads=2, head_dim=32, layout=layout)
     cap = 20000 + 64
