@@ -59,7 +59,7 @@ from megatron.training.arguments import core_transformer_config_from_args  # noq
 from megatron_ring.megatron import (add_context_parallel_args, config_from_args, get_batch_on_this_cp_rank, get_hybrid_cp_batch, get_gpt_layer_ring_spec, initialize_context_parallel, is_context_parallel_initialized, use_layout_rope)  # noqa: E402
 from megatron_ring.megatron import compat  # noqa: E402
 from megatron_ring.megatron.spec.megatron_lm import check_attention_backend, uses_ring_attention  # noqa: E402
-from megatron_ring.megatron.cpu.training import megatron_training_cpu  # noqa: E402
+from megatron_ring_lab.cpu.training import megatron_training_cpu  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pattern_data import PatternDataset  # noqa: E402
@@ -298,7 +298,7 @@ def plan_dynamic_cp(args) -> None:
     the file (cut into global batches of --global-batch-size documents) or the seeded mix."""
     if not getattr(args, "dynamic_cp", False) or dist.get_rank() != 0:
         return
-    from megatron_ring.tools import dynamic_plan as dp
+    from megatron_ring_lab import dynamic_plan as dp
 
     world = dist.get_world_size() // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     cap = getattr(args, "max_seqlen_per_dp_cp_rank", None) or args.seq_length

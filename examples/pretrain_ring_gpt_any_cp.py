@@ -35,7 +35,7 @@ from megatron.training import pretrain  # noqa: E402
 
 from megatron_ring.megatron import add_context_parallel_args  # noqa: E402
 from megatron_ring.megatron import compat  # noqa: E402
-from megatron_ring.megatron.cpu.training import megatron_training_cpu  # noqa: E402
+from megatron_ring_lab.cpu.training import megatron_training_cpu  # noqa: E402
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ring import gather_sequence, ring_attention, shard_sequence
-from megatron_ring.tools.launch import run_on_ranks
+from megatron_ring_lab.launch import run_on_ranks
 
 
 def full_attention_fp64(q, k, v, causal):
@@ -48,8 +48,8 @@ def main() -> None:
     for layout, causal, err in rows:
         print(f"{layout:>10} | {str(causal):>6} | {err:.2e}")
     assert max(e for *_, e in rows) < 1e-4, "ring attention disagrees with full attention"
-    print("\ntiming (python -m megatron_ring.benchmark):")
-    from megatron_ring.tools.bench.main import main as bench
+    print("\ntiming (python -m megatron_ring_lab.benchmark):")
+    from megatron_ring_lab.bench.main import main as bench
 
     bench(["--world-sizes", "1", "2", str(a.world_size), "--seq", str(a.bench_seq), "--iters", "3"])
 

@@ -38,7 +38,8 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron_ring.megatron import (add_context_parallel_args, allreduce_gradients, config_from_args, get_batch_on_this_cp_rank, get_gpt_layer_ring_spec, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp, use_layout_rope)  # noqa: E402
+from megatron_ring.megatron import (add_context_parallel_args, allreduce_gradients, config_from_args, get_batch_on_this_cp_rank, get_gpt_layer_ring_spec, initialize_context_parallel, reduce_loss_over_cp, use_layout_rope)  # noqa: E402
+from megatron_ring_lab.cpu import megatron_cpu
 from megatron_ring.megatron.data.documents import packed_batch  # noqa: E402
 
 VOCAB = 256  # bytes

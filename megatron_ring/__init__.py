@@ -2,8 +2,8 @@
 
 Public face (no Megatron import): :func:`ring_attention`, :func:`shard_sequence`, :func:`gather_sequence`,
 the layouts, the errors a caller may catch, and the tables of accepted comm types and wire dtypes.
-Megatron-Core glue lives in :mod:`megatron_ring.megatron`; tools (benchmark, planner, launcher) in
-:mod:`megatron_ring.tools`.
+Megatron-Core glue lives in :mod:`megatron_ring.megatron`. The lab (CPU harness, CP doctor, benchmark, planner,
+launcher) is a distribution of its own, ``megatron_ring_lab`` (``lab/`` in a checkout); nothing here imports it.
 """
 from megatron_ring.api import ring_attention
 from megatron_ring.errors import HeadSplitError, RingInputError, RingPeerError, WireFiniteError

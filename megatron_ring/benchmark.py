@@ -1,5 +1,6 @@
-"""``python -m megatron_ring.benchmark``: the benchmark CLI (implemented in :mod:`megatron_ring.tools.bench.main`)."""
-from megatron_ring.tools.bench.main import main
+"""Deprecated spelling of ``python -m megatron_ring_lab.benchmark``: ``python -m megatron_ring.benchmark`` still runs it, with a warning
+(:mod:`megatron_ring._moved`)."""
+from megatron_ring._moved import run_moved
 
 if __name__ == "__main__":
-    main()
+    run_moved(__spec__.name)

@@ -1,5 +1,6 @@
-"""``python -m megatron_ring.plan``: the planner CLI (implemented in :mod:`megatron_ring.tools.planner`)."""
-from megatron_ring.tools.planner import main
+"""Deprecated spelling of ``python -m megatron_ring_lab.plan``: ``python -m megatron_ring.plan`` still runs it, with a warning
+(:mod:`megatron_ring._moved`)."""
+from megatron_ring._moved import run_moved
 
 if __name__ == "__main__":
-    main()
+    run_moved(__spec__.name)

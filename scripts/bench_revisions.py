@@ -11,7 +11,7 @@ which is the noise to compare against. Uses only ``ring_attention``, whose signa
 
     .venv/bin/python scripts/bench_revisions.py 76eb4bf HEAD --host-time --rounds 5
 
-``--host-time``: per round each revision runs THIS checkout's ``megatron_ring/tools/bench/host_time.py``
+``--host-time``: per round each revision runs THIS checkout's ``lab/megatron_ring_lab/bench/host_time.py``
 (the engine's own host time: loopback ring, instant kernel, P = 2..8, one process, one thread; it uses only
 ``ring_attention``, ``LoopbackRing`` and ``BlockKernel``, which older revisions have too) against its own
 library, order alternating; printed per causal: each revision's median fitted host time per ring step and
@@ -179,7 +179,7 @@ def _spawn(tree: str, world: int, worker: str, payload, timeout: float) -> list:
     return got
 
 
-HOST_TIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "megatron_ring", "tools", "bench",
+HOST_TIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "lab", "megatron_ring_lab", "bench",
                          "host_time.py")
 
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json")
     ap.add_argument("--host-time", action="store_true", help="compare the engine's host time per ring step and "
-                    "per call instead (megatron_ring/tools/bench/host_time.py; --iters calls per P, default 200)")
+                    "per call instead (lab/megatron_ring_lab/bench/host_time.py; --iters calls per P, default 200)")
     ap.add_argument("--outputs", action="store_true", help="check that the two revisions' outputs and gradients "
                     "are bit-identical (OUTPUT_CASES) instead of timing")
     a = ap.parse_args(argv)

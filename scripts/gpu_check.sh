@@ -12,6 +12,8 @@
 # Env: MEGATRON_RING_VENV (default .venv), GPU_CHECK_SEQ (default 8192).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# the library and the lab from this checkout, whatever Python runs them (a venv or a system Python)
+export PYTHONPATH="$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH}"
 PY="${MEGATRON_RING_VENV:-.venv}/bin/python"
 [ -x "$PY" ] || PY="$(command -v python3)"
 SEQ="${GPU_CHECK_SEQ:-8192}"
@@ -39,7 +41,7 @@ if [ "$HAVE_TE" = 1 ] && [ "$NGPU" -ge 2 ]; then
     --master-port "$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')" \
     tests/gpu/te_cp_check.py --seq "$SEQ" > "$OUT/te.txt" 2>&1; rc_te=$?
 fi
-timeout 240 "$PY" -m megatron_ring.benchmark --gpu-row --world-sizes 2 4 8 --seq "$SEQ" --heads 16 --kv-heads 4 \
+timeout 240 "$PY" -m megatron_ring_lab.benchmark --gpu-row --world-sizes 2 4 8 --seq "$SEQ" --heads 16 --kv-heads 4 \
   --head-dim 128 --dtype bf16 --causal --iters 5 > "$OUT/bench.json" 2> "$OUT/bench.err"; rc_bench=$?
 "$PY" - "$OUT" "$NGPU" "$rc_tests" "$rc_nccl" "$rc_bench" "$HAVE_TE" "$rc_te" <<'PYEOF'
 import json, os, re, sys

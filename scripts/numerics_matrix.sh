@@ -17,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONPATH="$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH}"
 FILES=(tests/test_kernel_contract.py tests/test_merge_and_kernels.py tests/test_validation.py tests/test_properties.py
        tests/test_codec.py tests/test_ring_attention.py tests/test_strategies.py tests/test_documents.py
        tests/test_kv_pieces.py tests/test_model_features.py tests/test_strategy_features.py tests/test_wire_accuracy.py

@@ -6,7 +6,8 @@
 #     serves for Python 3.11 (it runs on CPU too; on a machine with NVIDIA GPUs it also runs tests/gpu);
 #   MEGATRON_RING_FLAVOR=py312: .venv312, Python 3.12 (pyenv 3.12.1), torch==2.13.0 (the registry's CUDA build,
 #     the only cp312 build; it runs on CPU) + megatron-core 0.19.2, pinned by requirements/constraints-py312.txt.
-#   torch goes in first and alone; then this package with its extras, every version pinned.
+#   torch goes in first and alone; then this package with its extras, every version pinned; then the lab
+#   (lab/pyproject.toml, editable, no dependencies of its own beyond the test extra's).
 # Usage: scripts/setup_env.sh [extras]   (default extras: test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,10 +21,10 @@ else
   CONSTRAINTS=requirements/constraints.txt
   PY="${PYTHON:-python3}"
 fi
-want="$(cat "$CONSTRAINTS" setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)-$EXTRAS"
+want="$(cat "$CONSTRAINTS" setup.cfg pyproject.toml lab/pyproject.toml | sha256sum | cut -d' ' -f1)-$EXTRAS"
 stamp="$VENV/.megatron_ring_stamp"
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-   && (cd / && "$VENV/bin/python" -c "import megatron_ring" 2>/dev/null); then
+   && (cd / && "$VENV/bin/python" -c "import megatron_ring, megatron_ring_lab" 2>/dev/null); then
   exit 0
 fi
 echo "[setup] preparing $VENV (extras: $EXTRAS, constraints: $CONSTRAINTS)" >&2
@@ -40,8 +41,9 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
   fi
 fi
 "${PIP[@]}" -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+"${PIP[@]}" -c "$CONSTRAINTS" --no-deps -e ./lab   # the lab (CPU harness, doctor, benchmark): its own distribution
 (cd / && "$VENV/bin/python" -c "
-import torch, megatron_ring
+import torch, megatron_ring, megatron_ring_lab
 assert torch.__version__.split('+')[0] == '${torch_pin#torch==}', f'torch {torch.__version__} is not the pinned ${torch_pin}'
 build = f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU'
 gpu = torch.cuda.is_available()

@@ -6,7 +6,7 @@
 # CP = 1 runs Megatron's own attention (no --spec: the reference); CP > 1 adds
 # --spec megatron_ring.megatron.spec ring_layer_spec. MEGATRON_RING_* variables (docs/megatron-runs.md) pass
 # through, e.g. MEGATRON_RING_COMM_DTYPE=bf16. Where CUDA is available, drop the CPU opt-in (the module
-# megatron_ring.megatron.cpu.training) and the CPU flags. Needs: torch, megatron-core's dependencies,
+# megatron_ring_lab.cpu.training) and the CPU flags. Needs: torch, megatron-core's dependencies,
 # megatron_ring importable (pip install -e . or PYTHONPATH), and on CPU the checkout's dataset helper built
 # (or copied from the megatron-core 0.19 wheel: megatron/core/datasets/helpers_cpp*.so). Works for main,
 # core_r0.19.0 and core_v0.16.1 checkouts; core_v0.16.1's megatron/training also needs triton, six, regex,
@@ -31,7 +31,7 @@ SPEC=()
 if [ "$CP" -gt 1 ]; then SPEC=(--spec megatron_ring.megatron.spec ring_layer_spec); fi
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 cd "$MLM"
-export PYTHONPATH="$MLM:$HERE${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PYTHONPATH="$MLM:$HERE:$HERE/lab${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$PY" -m torch.distributed.run --nproc-per-node "$CP" --master-addr 127.0.0.1 --master-port "$PORT" \
-  -m megatron_ring.megatron.cpu pretrain_gpt.py "${MODEL[@]}" "${CPU[@]}" \
+  -m megatron_ring_lab.cpu pretrain_gpt.py "${MODEL[@]}" "${CPU[@]}" \
   --context-parallel-size "$CP" "${SPEC[@]}" "$@"

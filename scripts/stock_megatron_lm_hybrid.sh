@@ -11,7 +11,7 @@
 # local equivalents, exactly as ring_hybrid_stack_spec builds it); CP > 1 adds
 # --spec megatron_ring.megatron.spec ring_hybrid_stack_spec. CONTROL=1 keeps the reference spec at CP > 1
 # (Megatron's local attention refuses CP > 1). Where CUDA is available, drop the CPU opt-in (the module
-# megatron_ring.megatron.cpu) and the CPU flags. Needs: torch, megatron-core's dependencies and einops,
+# megatron_ring_lab.cpu) and the CPU flags. Needs: torch, megatron-core's dependencies and einops,
 # megatron_ring importable, and on CPU the checkout's dataset helper built (or copied from the
 # megatron-core 0.19 wheel: megatron/core/datasets/helpers_cpp*.so; docs/megatron-runs.md).
 #
@@ -70,8 +70,8 @@ if [ -n "${PACKED:-}" ]; then
 fi
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 cd "$MLM"
-export PYTHONPATH="$MLM:$HERE${PYTHONPATH:+:$PYTHONPATH}${SFT_DEPS:+:$SFT_DEPS}"
+export PYTHONPATH="$MLM:$HERE:$HERE/lab${PYTHONPATH:+:$PYTHONPATH}${SFT_DEPS:+:$SFT_DEPS}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$PY" -m torch.distributed.run --nproc-per-node "$CP" --master-addr 127.0.0.1 --master-port "$PORT" \
-  -m megatron_ring.megatron.cpu "$SCRIPT" "${MODEL[@]}" "${CPU[@]}" \
+  -m megatron_ring_lab.cpu "$SCRIPT" "${MODEL[@]}" "${CPU[@]}" \
   --context-parallel-size "$CP" "${SPEC[@]}" "$@"

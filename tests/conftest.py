@@ -1,14 +1,22 @@
 """Suite-wide settings.
 
-Multi-process tests start their workers from megatron_ring.tools.launch's fork server (torch imported once
+Multi-process tests start their workers from megatron_ring_lab.launch's fork server (torch imported once
 instead of once per worker); on a machine without CUDA it also imports Megatron-Core and the glue once,
 so the Megatron tests' workers start in milliseconds too (a module that is not installed is skipped by
 the server). With CUDA only torch is preloaded: a module that touched CUDA at import would leave the
 server's forked workers unable to use it.
 """
 import os
+import pathlib
+import sys
 
 import torch
+
+# The lab (lab/megatron_ring_lab: launcher, CPU harness, doctor, benchmark) from this checkout, also where it is
+# not installed (scripts/setup_env.sh installs it editable into the test venvs).
+_LAB = str(pathlib.Path(__file__).resolve().parents[1] / "lab")
+if _LAB not in sys.path:
+    sys.path.insert(1, _LAB)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("MEGATRON_RING_PRELOAD", "megatron.core.models.gpt,"
@@ -21,8 +29,6 @@ if not torch.cuda.is_available():
 # test (its fixtures' setup included); a test that started any and is not marked `slow` errors at teardown.
 import multiprocessing.process  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
-
 import pytest  # noqa: E402
 
 _STARTS = [0]

@@ -2,7 +2,7 @@
 the breakdown per piece count. Times mean nothing here (speed claims live in the CLI's output)."""
 import pytest
 
-from megatron_ring.tools.bench import main as benchmark
+from megatron_ring_lab.bench import main as benchmark
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def test_breakdown_one_table_per_piece_count():
 
 
 def test_host_time_row_fits_per_step_and_fixed():
-    from megatron_ring.tools.bench import host_time
+    from megatron_ring_lab.bench import host_time
 
     rows = benchmark.main(["--host-time", "--world-sizes", "2", "3", "--block-len", "8", "--heads", "2",
                            "--head-dim", "8", "--iters", "3"])
@@ -58,7 +58,7 @@ def test_instant_kernel_leaves_the_engine_running_unchanged():
     import torch
 
     from megatron_ring import ring_attention
-    from megatron_ring.tools.bench.host_time import InstantKernel
+    from megatron_ring_lab.bench.host_time import InstantKernel
     from megatron_ring.transport.ring import LoopbackRing
 
     ring = LoopbackRing(4, 1, torch.device("cpu"))

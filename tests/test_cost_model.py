@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers.launch import run_distributed
 from tests.helpers.numerics import F64_REL
-from megatron_ring.tools import planner as plan
+from megatron_ring_lab import planner as plan
 from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, predict, predict_all, smallest_cp,
                                                  workspace_bytes)
 
@@ -182,7 +182,7 @@ def test_machine_presets_fill_the_planner(capsys):
     an unknown name or a missing number without a preset names the fix."""
     import pytest
 
-    from megatron_ring.tools.machines import KERNEL_FRACTION, MACHINES, machine
+    from megatron_ring_lab.machines import KERNEL_FRACTION, MACHINES, machine
 
     assert set(MACHINES) == {"h100-sxm", "h800", "a100", "b200", "gb200-nvl72"}
     assert machine("H100 SXM") is machine("h100") is MACHINES["h100-sxm"]

@@ -193,7 +193,7 @@ def test_aligned_pow2_groups_are_megatrons_hybrid_groups():
 
 
 def test_length_mixes_are_seeded_and_shaped():
-    from megatron_ring.tools.dynamic_plan import doc_lengths
+    from megatron_ring_lab.dynamic_plan import doc_lengths
 
     a = doc_lengths("long-tail", 100, seed=1)
     assert a == doc_lengths("long-tail", 100, seed=1) and a != doc_lengths("long-tail", 100, seed=2)
@@ -207,7 +207,7 @@ def test_length_mixes_are_seeded_and_shaped():
 def test_planner_dynamic_cp_subcommand(tmp_path, capsys):
     import json
 
-    from megatron_ring.tools import planner
+    from megatron_ring_lab import planner
 
     lens = tmp_path / "lens.txt"
     lens.write_text("# a global batch\n30000, 28000\n" + " ".join(["900"] * 40) + "\n")
@@ -226,7 +226,7 @@ def test_planner_dynamic_cp_subcommand(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_benchmark_dynamic_cp_runs_at_two_ranks():
-    from megatron_ring.tools.bench.dynamic_cp import format_dynamic, run_dynamic_cp
+    from megatron_ring_lab.bench.dynamic_cp import format_dynamic, run_dynamic_cp
 
     res = run_dynamic_cp(dict(world=2, mix="long-tail", num_docs=8, seed=0, scale=64, heads=2, kv_heads=1,
                               head_dim=16, layout="zigzag", iters=1, timeout=240, gpu_worlds=(8,)))

@@ -15,7 +15,7 @@ from tests.helpers.launch import run_distributed
 from tests.helpers.ring_fakes import DoneWork, one_rank_group, ring_as  # noqa: F401 - one_rank_group is a fixture
 from megatron_ring import RingPeerError, ring_attention
 from megatron_ring.transport.failure_notes import who_is_lost
-from megatron_ring.tools.launch import WorkerError
+from megatron_ring_lab.launch import WorkerError
 
 # Upper bounds on the failure-note walk (megatron_ring.transport.failure_notes.who_is_lost defaults): a rank that
 # raises spends at most NOTE_JOIN_S in it; its chain waits at most NOTE_WAIT_S for a missing note.

@@ -1,15 +1,18 @@
 """The package's import rules (docs/design.md, "Package layout"), checked on the source text.
 
-Every ``import`` of a ``megatron_ring`` module, at module level or inside a function, counts. The rules:
+Two trees: the library ``megatron_ring/`` (what ``pip install megatron_ring`` ships) and the lab
+``lab/megatron_ring_lab/`` (CPU harness, CP doctor, benchmark and planner CLIs, launcher; a second
+distribution). Every ``import`` of a ``megatron_ring`` or ``megatron_ring_lab`` module, at module level or inside
+a function, counts. The rules:
 - no import circles between modules;
-- each part imports only the parts below it (``ALLOWED``): leaves (errors, breakdown, timing) import nothing of
-  the package; transport, wire, kernels and schedules only leaves and themselves; the core engine those;
-  strategies the core; the public face (api, sequence, ``__init__``) the strategies;
+- each part of the library imports only the parts below it (``ALLOWED``): leaves (errors, breakdown, timing,
+  device) import nothing of the package; transport, wire, kernels and schedules only leaves and themselves; the
+  core engine those; strategies the core; the public face (api, sequence, ``__init__``) the strategies;
 - the Megatron glue imports only the package's public face (``import megatron_ring`` /
   ``from megatron_ring import ...``) and itself;
-- no part of the library imports a tool (``megatron_ring.tools``), and only the glue imports Megatron;
-- the CP doctor (``megatron_ring.doctor``, a tool that runs Megatron-LM's loop) may import the face, the tools,
-  the glue and Megatron; nothing imports it.
+- the library never imports the lab (``megatron_ring_lab``), not even by a module name in a string, except the
+  deprecated command spellings of ``megatron_ring/_moved.py``; only the glue imports Megatron;
+- inside the lab, nothing imports the CP doctor but the doctor itself.
 """
 from __future__ import annotations
 
@@ -18,7 +21,16 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "megatron_ring"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ROOT = REPO / "megatron_ring"
+LAB_ROOT = REPO / "lab" / "megatron_ring_lab"
+# the deprecated command spellings (python -m megatron_ring.doctor, ...): the only library modules that name the
+# lab, as a string handed to runpy, never as an import
+MOVED_SHIMS = {"megatron_ring._moved"}
+# the modules at the old spellings, which only call megatron_ring._moved
+SHIM_MODULES = MOVED_SHIMS | {"megatron_ring.benchmark", "megatron_ring.plan", "megatron_ring.doctor",
+                              "megatron_ring.doctor.__main__", "megatron_ring.megatron.cpu",
+                              "megatron_ring.megatron.cpu.__main__", "megatron_ring.megatron.training_cpu"}
 
 LEAVES = {"errors", "breakdown", "timing", "device"}
 # part -> the parts it may import (besides itself and the leaves)
@@ -28,16 +40,13 @@ ALLOWED = {
     "strategies": {"core", "transport", "wire", "kernels", "schedules"},
     "face": {"strategies", "core", "transport", "wire", "kernels", "schedules"},
     "megatron": {"__face__"},
-    "tools": {"face", "strategies", "core", "transport", "wire", "kernels", "schedules"},
-    "cli": {"tools"},
-    "doctor": {"face", "tools", "megatron"},
+    "moved": set(),
 }
 FACE_MODULES = {"__init__", "api", "sequence"}
-CLI_MODULES = {"benchmark", "plan"}
 
 
 def _module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+    rel = path.relative_to((LAB_ROOT if path.is_relative_to(LAB_ROOT) else ROOT).parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -46,15 +55,19 @@ def _module_name(path: pathlib.Path) -> str:
 
 def _part(module: str) -> str:
     parts = module.split(".")
+    if parts == ["megatron_ring_lab"]:
+        return "lab"
     if len(parts) == 1:
         return "face"  # megatron_ring itself (its __init__)
+    if parts[0] == "megatron_ring_lab":
+        return "doctor" if parts[1] == "doctor" else "lab"
+    if module in SHIM_MODULES:
+        return "moved"
     head = parts[1]
     if head in LEAVES:
         return "leaf"
     if head in FACE_MODULES:
         return "face"
-    if head in CLI_MODULES:
-        return "cli"
     return head
 
 
@@ -79,7 +92,8 @@ def _imports(path: pathlib.Path) -> list[tuple[str, int, bool]]:
                 continue
             # from megatron_ring.x import y: y is a name of module x, or the submodule x.y
             for a in node.names:
-                sub = ROOT.parent.joinpath(*mod.split("."), a.name)
+                base_dir = LAB_ROOT.parent if mod.startswith("megatron_ring_lab") else ROOT.parent
+                sub = base_dir.joinpath(*mod.split("."), a.name)
                 if sub.is_dir() or sub.with_suffix(".py").exists():
                     out.append((f"{mod}.{a.name}", node.lineno, False))
                 else:
@@ -87,13 +101,17 @@ def _imports(path: pathlib.Path) -> list[tuple[str, int, bool]]:
     return out
 
 
-def _sources():
-    return sorted(p for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts)
+def _sources(*roots: pathlib.Path):
+    return sorted(p for r in (roots or (ROOT,)) for p in r.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _all_sources():
+    return _sources(ROOT, LAB_ROOT)
 
 
 def _edges():
     edges = {}
-    for path in _sources():
+    for path in _all_sources():
         me = _module_name(path)
         for mod, line, face in _imports(path):
             if mod.startswith("megatron_ring") and mod != me:
@@ -102,7 +120,7 @@ def _edges():
 
 
 def test_no_import_circles():
-    modules = {_module_name(p) for p in _sources()}
+    modules = {_module_name(p) for p in _all_sources()}
     graph = {m: set() for m in modules}
     for me, targets in _edges().items():
         for mod, *_ in targets:
@@ -137,12 +155,16 @@ def test_each_part_imports_only_the_parts_below_it():
         mine = _part(me)
         for mod, line, face, path in targets:
             theirs = _part(mod)
-            if theirs == "leaf" and mine != "megatron":
+            if (theirs == "leaf" and mine != "megatron") or theirs == "moved":
                 continue
-            if mine == "leaf":
+            if mine in ("lab", "doctor"):
+                if theirs == "doctor" and mine != "doctor":
+                    bad.append(f"{path}:{line}: the lab's {me} imports the doctor ({mod}); nothing may")
+                continue  # the lab may use any part of the library
+            if theirs in ("lab", "doctor"):
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line}: the library imports the lab ({mod})")
+            elif mine == "leaf":
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line}: a leaf module imports {mod}")
-            elif theirs == "doctor" and mine != "doctor":
-                bad.append(f"{path.relative_to(ROOT.parent)}:{line}: {mine} imports the doctor ({mod}); nothing may")
             elif mine == "megatron":
                 if not (face or theirs == "megatron"):
                     bad.append(f"{path.relative_to(ROOT.parent)}:{line}: the Megatron glue imports {mod}; "
@@ -152,12 +174,11 @@ def test_each_part_imports_only_the_parts_below_it():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("forbidden", ["megatron_ring.tools", "megatron"])
-def test_the_library_imports_no_tool_and_no_megatron(forbidden):
+@pytest.mark.parametrize("forbidden", ["megatron_ring_lab", "megatron"])
+def test_the_library_imports_no_lab_and_no_megatron(forbidden):
     bad = []
-    for path in _sources():
-        part = _part(_module_name(path))
-        if part in ("tools", "cli", "doctor") or (forbidden == "megatron" and part == "megatron"):
+    for path in _sources(ROOT):
+        if forbidden == "megatron" and _part(_module_name(path)) == "megatron":
             continue
         for mod, line, _ in _imports(path):
             if mod == forbidden or mod.startswith(forbidden + "."):
@@ -165,12 +186,37 @@ def test_the_library_imports_no_tool_and_no_megatron(forbidden):
     assert not bad, "\n".join(bad)
 
 
+def _lab_module_strings(path: pathlib.Path) -> list[tuple[int, str]]:
+    """String constants that name a lab module (what runpy / importlib would load)."""
+    return [(n.lineno, n.value) for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and (n.value == "megatron_ring_lab" or n.value.startswith("megatron_ring_lab."))]
+
+
+def test_the_library_names_no_lab_module_but_the_moved_commands():
+    bad = [f"{p.relative_to(ROOT.parent)}:{line}: {value!r}" for p in _sources(ROOT)
+           if _module_name(p) not in MOVED_SHIMS for line, value in _lab_module_strings(p)]
+    assert not bad, "the library loads a lab module by name:\n" + "\n".join(bad)
+    shims = [p for p in _sources(ROOT) if _module_name(p) in MOVED_SHIMS]
+    assert shims and all(_lab_module_strings(p) for p in shims), "the check finds the shims' lab names"
+
+
+def test_the_lab_is_not_shipped_with_the_library():
+    """setup.cfg's package list is the library alone; the lab is its own distribution (lab/pyproject.toml)."""
+    cfg = (REPO / "setup.cfg").read_text()
+    include = cfg.split("[options.packages.find]", 1)[1].split("[", 1)[0]
+    assert "megatron_ring_lab" not in include and "megatron_ring*" not in include, include
+    assert not (ROOT / "tools").exists() and not (ROOT / "doctor" / "cli.py").exists()
+    assert 'name = "megatron-ring-lab"' in (REPO / "lab" / "pyproject.toml").read_text()
+
+
 def test_the_rules_see_the_package():
     """The checks above are not vacuous: they find the engine's imports and classify every file."""
     edges = _edges()
     assert ("megatron_ring.schedules.layouts" in {m for m, *_ in edges["megatron_ring.core.engine"]})
-    parts = {_part(_module_name(p)) for p in _sources()}
-    assert parts <= set(ALLOWED) | {"leaf"}, parts
+    parts = {_part(_module_name(p)) for p in _all_sources()}
+    assert parts <= set(ALLOWED) | {"leaf", "lab", "doctor"}, parts
+    assert {"lab", "doctor"} <= parts, "the lab's files are read too"
 
 
 # The glue's own layout (docs/design.md, "The Megatron glue"): subpackage -> the glue parts it may import.
@@ -181,7 +227,8 @@ GLUE_ALLOWED = {
     "data": {"base", "groups"},
     "attention": {"base", "groups", "data"},
     "spec": {"base", "groups", "data", "attention"},
-    "cpu": {"base", "data"},  # the harness installs data/token_order's pure-torch THD partitioner
+    # the deprecated spellings python -m megatron_ring.megatron.cpu / .training_cpu (megatron_ring/_moved.py)
+    "cpu": set(), "training_cpu": set(),
 }
 GLUE_BASE = {"compat", "config", "arguments", "env"}
 

@@ -1,6 +1,6 @@
-"""``python -m megatron_ring.doctor [--cp 2,4] [--iters N] [--json FILE] [--static] -- SCRIPT ARGS...``"""
-import sys
+"""Deprecated spelling of ``python -m megatron_ring_lab.doctor``: ``python -m megatron_ring.doctor`` still runs it, with a warning
+(:mod:`megatron_ring._moved`)."""
+from megatron_ring._moved import run_moved
 
-from megatron_ring.doctor.cli import main
-
-sys.exit(main())
+if __name__ == "__main__":
+    run_moved(__spec__.name)

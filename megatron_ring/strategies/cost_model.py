@@ -1,7 +1,7 @@
 """Cost model: predicted forward+backward time, bytes and memory per rank for every comm type.
 
 Inputs are plain numbers, so the same model serves ``comm_type="auto"`` (with probed or configured
-machine numbers) and the planner CLI (``python -m megatron_ring.plan``).
+machine numbers) and the planner CLI (``python -m megatron_ring_lab.plan``).
 
 Machine (:class:`Machine`): ``flops`` = attention forward rate F (flop/s per rank), ``bwd_flops`` = its
 backward rate, ``bw_intra`` / ``bw_inter`` = link bandwidth B (bytes/s per rank, inside / across

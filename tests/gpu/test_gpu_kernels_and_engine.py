@@ -95,7 +95,7 @@ def test_codecs_on_cuda(comm_dtype):
 
 
 def test_gpu_benchmark_row():
-    from megatron_ring.tools.bench.gpu import gpu_row
+    from megatron_ring_lab.bench.gpu import gpu_row
     row = gpu_row(2, 2048, 8, 8, 64, torch.bfloat16, iters=3)
     print(row)
     assert row["efficiency"] > 0

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_ring.tools.launch import WorkerError, run_on_ranks
+from megatron_ring_lab.launch import WorkerError, run_on_ranks
 
 ROOT = str(Path(__file__).resolve().parents[2])
 #: the bound on one multi-process run or torchrun job (seconds)

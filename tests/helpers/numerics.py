@@ -144,14 +144,14 @@ class Checks:
 
 # ---- model level: whole Megatron models (losses, gradients, training curves), fp32 --------------------------
 # One rule for every model-level comparison in tests/megatron (docs/numerics.md, "Model-level tolerances"),
-# the CP doctor's (megatron_ring/doctor/compare.py ``bounds``; docs/doctor.md "How the bounds are derived"):
+# the CP doctor's (lab/megatron_ring_lab/doctor/compare.py ``bounds``; docs/doctor.md "How the bounds are derived"):
 # two runs that differ only in the order of fp32 sums (CP size, layout, comm type, resume point) differ by
 #   loss (a mean of per-token values), after ``step`` optimizer updates (step = 1: the first forward):
 #       |d| <= step * rel_fwd * max(|loss|, 1),      rel_fwd  = 4 eps sqrt(n_red) depth
 #   a gradient tensor (sums over the iteration's n_tok tokens too), of iteration ``step``:
 #       max |d| <= step * rel_grad * max |g_ref|,   rel_grad = 4 eps sqrt(n_red n_tok) depth
 # eps = 2^-23 (fp32), n_red = max(seq, hidden, ffn), n_tok = tokens of one iteration, depth = layers + 2.
-from megatron_ring.doctor.compare import bounds as _doctor_bounds  # noqa: E402  (a tool; tests may import it)
+from megatron_ring_lab.doctor.compare import bounds as _doctor_bounds  # noqa: E402  (a tool; tests may import it)
 
 
 def model_bounds(*, seq: int, hidden: int, layers: int, tokens: int, ffn: int | None = None) -> dict:

@@ -23,7 +23,7 @@ def bridge_hybrid_worker(rank: int, world: int, pattern: str, ring: bool) -> dic
     from megatron.core import tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_ring.megatron import megatron_cpu
+    from megatron_ring_lab.cpu import megatron_cpu
     from megatron_ring.megatron.spec import ring_hybrid_stack_spec
     from megatron_ring.megatron.spec.hybrid import reference_hybrid_stack_spec
 

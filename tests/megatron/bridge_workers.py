@@ -127,7 +127,7 @@ def _bridge_worker(rank: int, world: int, cp: int, ring: bool, decentralized: bo
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ring.megatron.spec import ring_spec
-    from megatron_ring.megatron.cpu.training import megatron_training_cpu
+    from megatron_ring_lab.cpu.training import megatron_training_cpu
 
     m = MODEL
     with megatron_training_cpu():

@@ -39,7 +39,7 @@ def reference_worker(rank: int, world: int, m: dict, steps: int) -> dict[str, An
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import megatron_cpu
+    from megatron_ring_lab.cpu import megatron_cpu
 
     with megatron_cpu():
         ps.initialize_model_parallel(1, 1)
@@ -93,7 +93,8 @@ def ring_configs_worker(rank: int, world: int, m: dict, configs: list[tuple[int,
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp)
+    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, reduce_loss_over_cp)
+    from megatron_ring_lab.cpu import megatron_cpu
     from megatron_ring.megatron.data.documents import packed_batch
 
     def reduce(tok, loss_mask):
@@ -135,7 +136,8 @@ def packed_attention_worker(rank: int, world: int, layout: str) -> dict:
 
     from tests.helpers.reference import doc_attention_reference, documents_and_filler
     from megatron_ring import shard_sequence
-    from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel, initialize_context_parallel, megatron_cpu)
+    from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel, initialize_context_parallel)
+    from megatron_ring_lab.cpu import megatron_cpu
     from tests.helpers.numerics import max_err, score_bound, tol
     from tests.helpers.reference import outputs_and_grads
 

@@ -123,7 +123,7 @@ def forward_step(data_iterator, model):
 
 
 def main() -> None:
-    from megatron_ring.megatron.cpu.training import megatron_training_cpu, training_cpu_enabled
+    from megatron_ring_lab.cpu.training import megatron_training_cpu, training_cpu_enabled
 
     cpu = contextlib.nullcontext() if torch.cuda.is_available() or training_cpu_enabled() else megatron_training_cpu()
     with cpu:

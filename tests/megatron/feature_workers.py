@@ -105,7 +105,7 @@ def reference_worker(rank: int, world: int, steps: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import megatron_cpu
+    from megatron_ring_lab.cpu import megatron_cpu
 
     out = {}
     with megatron_cpu():
@@ -147,7 +147,8 @@ def ring_worker(rank: int, world: int, layouts: list[str], steps: int, cases=CAS
     torch.set_num_threads(1)
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp)
+    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, reduce_loss_over_cp)
+    from megatron_ring_lab.cpu import megatron_cpu
 
     def reduce(tok, mask):
         red = reduce_loss_over_cp(tok, mask)
@@ -179,7 +180,7 @@ def eval_worker(rank: int, world: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import megatron_cpu
+    from megatron_ring_lab.cpu import megatron_cpu
 
     with megatron_cpu():
         ps.initialize_model_parallel(1, 1)

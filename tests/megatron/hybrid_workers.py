@@ -152,7 +152,7 @@ def hybrid_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, step
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import megatron_cpu
+    from megatron_ring_lab.cpu import megatron_cpu
 
     if "E" in pattern and not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")  # Megatron's MoE router gating asks for it
@@ -237,7 +237,7 @@ def build_error_worker(rank: int, world: int, m: dict, pattern: str, ring: bool)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import megatron_cpu
+    from megatron_ring_lab.cpu import megatron_cpu
 
     with megatron_cpu():
         ps.initialize_model_parallel(1, 1, context_parallel_size=world)

@@ -65,7 +65,8 @@ def mamba_worker(rank: int, world: int, m: dict, pattern: str, ring: bool, steps
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import compat, megatron_cpu
+    from megatron_ring.megatron import compat
+    from megatron_ring_lab.cpu import megatron_cpu
 
     with megatron_cpu():
         ps.initialize_model_parallel(1, 1, context_parallel_size=world)

@@ -85,7 +85,7 @@ def reference_worker(rank: int, world: int, m: dict, steps: int, dp: int) -> dic
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import megatron_cpu
+    from megatron_ring_lab.cpu import megatron_cpu
 
     with megatron_cpu():
         ps.initialize_model_parallel(1, 1)
@@ -155,7 +155,8 @@ def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp)
+    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, reduce_loss_over_cp)
+    from megatron_ring_lab.cpu import megatron_cpu
 
     out: dict[str, Any] = {"layouts": {}}
     with megatron_cpu():
@@ -207,7 +208,8 @@ def bad_config_worker(rank: int, world: int, case: str) -> dict[str, Any]:
 
     from megatron.core import parallel_state as ps
 
-    from megatron_ring.megatron import (RingConfig, add_context_parallel_args, config_from_args, destroy_context_parallel, initialize_context_parallel, megatron_cpu)
+    from megatron_ring.megatron import (RingConfig, add_context_parallel_args, config_from_args, destroy_context_parallel, initialize_context_parallel)
+    from megatron_ring_lab.cpu import megatron_cpu
 
     def parse(argv: list[str]):
         p = argparse.ArgumentParser()
@@ -281,7 +283,8 @@ def hierarchical_worker(rank: int, world: int, sizes: list[int]) -> dict[str, An
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
 
-    from megatron_ring.megatron import RingConfig, destroy_context_parallel, initialize_context_parallel, megatron_cpu
+    from megatron_ring.megatron import (RingConfig, destroy_context_parallel, initialize_context_parallel)
+    from megatron_ring_lab.cpu import megatron_cpu
 
     with megatron_cpu():
         try:

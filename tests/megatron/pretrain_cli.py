@@ -48,11 +48,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_doctor(tmp_path, cache, script: str, script_args, *doctor_args: str, env_extra: dict | None = None,
                timeout: float | None = None) -> tuple[int, dict, str]:
-    """``python -m megatron_ring.doctor --cp 2 --iters 2 ... -- script script_args``: (exit code, its --json
+    """``python -m megatron_ring_lab.doctor --cp 2 --iters 2 ... -- script script_args``: (exit code, its --json
     record (empty if none was written), stdout + the tail of stderr)."""
     out = tmp_path / "doctor.json"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "megatron_ring.doctor", "--cp", "2", "--iters", "2", "--json", str(out),
+    cmd = [sys.executable, "-m", "megatron_ring_lab.doctor", "--cp", "2", "--iters", "2", "--json", str(out),
            "--cache", str(cache), "--workdir", str(tmp_path / "runs"), *doctor_args, "--", script, *script_args]
     timeout = timeout if timeout is not None else float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "600"))
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -67,7 +67,8 @@ def resume_worker(rank: int, cp: int, ckpt: str, start: int, stop: int, save_at:
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu, reduce_loss_over_cp)
+    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, reduce_loss_over_cp)
+    from megatron_ring_lab.cpu import megatron_cpu
 
     m = MODEL
     with megatron_cpu(), _cpu_checkpointing():

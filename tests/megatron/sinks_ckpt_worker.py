@@ -67,7 +67,8 @@ def run(ckpt: str, mode: str) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.transformer.module import MegatronModule
 
-    from megatron_ring.megatron import RingDotProductAttention, megatron_cpu
+    from megatron_ring.megatron import RingDotProductAttention
+    from megatron_ring_lab.cpu import megatron_cpu
     from resume_workers import _cpu_checkpointing
 
     if mode == "replicated":

@@ -99,9 +99,9 @@ def main(config_from_args=gpt_config_from_args, forward=None, datasets=None) -> 
         log_first_step_grads(os.environ["MEGATRON_RING_GRAD_LOG"])
     cpu = contextlib.nullcontext()
     if not torch.cuda.is_available():
-        from megatron_ring.megatron.cpu.training import megatron_training_cpu, training_cpu_enabled
+        from megatron_ring_lab.cpu.training import megatron_training_cpu, training_cpu_enabled
 
-        if not training_cpu_enabled():  # already entered when run as `-m megatron_ring.megatron.cpu`
+        if not training_cpu_enabled():  # already entered when run as `-m megatron_ring_lab.cpu`
             cpu = megatron_training_cpu()
     with cpu:
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})

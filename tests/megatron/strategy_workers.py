@@ -16,7 +16,8 @@ def comm_type_worker(rank: int, world: int, m: dict, cp: int, cases: list[tuple]
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import RingConfig, destroy_context_parallel, initialize_context_parallel, megatron_cpu
+    from megatron_ring.megatron import (RingConfig, destroy_context_parallel, initialize_context_parallel)
+    from megatron_ring_lab.cpu import megatron_cpu
 
     out: dict[str, Any] = {}
     with megatron_cpu():

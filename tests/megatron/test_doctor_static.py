@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from megatron_ring.doctor import shrink, static
-from megatron_ring.doctor.shrink import Args
+from megatron_ring_lab.doctor import shrink, static
+from megatron_ring_lab.doctor.shrink import Args
 
 BIG = ("--num-layers 48 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
        "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "
@@ -56,10 +56,10 @@ def test_static_finds_what_cannot_run_or_differs():
     assert ("Megatron-LM#3959" in text) == (mcore_version() >= (0, 19, 0))
 
 
-@pytest.mark.slow  # four `python -m megatron_ring.doctor` processes
+@pytest.mark.slow  # four `python -m megatron_ring_lab.doctor` processes
 def test_cli_refuses_bad_input_with_exit_2(tmp_path):
     def run(*argv):
-        return subprocess.run([sys.executable, "-m", "megatron_ring.doctor", *argv], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "megatron_ring_lab.doctor", *argv], capture_output=True,
                               text=True, timeout=120)
     assert run("--cp", "1", "--", __file__).returncode == 2
     assert run("--cp", "x", "--", __file__).returncode == 2

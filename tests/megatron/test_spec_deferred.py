@@ -25,7 +25,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from tests.helpers.numerics import Checks, add_model_grads, max_err, model_bounds
 
-from megatron_ring.megatron import RingDotProductAttention, compat, megatron_cpu
+from megatron_ring.megatron import (RingDotProductAttention, compat)
+from megatron_ring_lab.cpu import megatron_cpu
 from megatron_ring.megatron import spec as ring_spec_module
 from megatron_ring.megatron.spec import (RingLayerSpec, RingTransformerLayer, describe_core_attention,
                                          ring_layer_module_spec, ring_layer_spec, ring_layer_spec_provider)

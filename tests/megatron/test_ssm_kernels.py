@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ring.megatron.cpu import ssm_kernels as K
+from megatron_ring_lab.cpu import ssm_kernels as K
 
 EPS = {torch.float64: torch.finfo(torch.float64).eps, torch.float32: torch.finfo(torch.float32).eps}
 
@@ -235,8 +235,8 @@ def test_cpu_opt_in_binds_the_kernels_and_restores_megatron():
     """Inside megatron_cpu() Megatron's Mamba / GDN kernel names are the pure-torch ones (only where the
     packages are missing); on exit every original is back."""
     mixer = pytest.importorskip("megatron.core.ssm.mamba_mixer", exc_type=ImportError)
-    from megatron_ring.megatron import megatron_cpu
-    from megatron_ring.megatron.cpu import ssm
+    from megatron_ring_lab.cpu import megatron_cpu
+    from megatron_ring_lab.cpu import ssm
 
     planned = ssm.planned()
     absent = object()  # a kernel name this megatron-core leaves unbound without mamba_ssm: removed again on exit

@@ -341,7 +341,7 @@ def test_cpu_opt_in_installs_and_restores_the_partitioner():
     """``megatron_cpu()`` puts the pure-torch partitioner where TE is missing and puts Megatron's own back."""
     import megatron.core.utils as mutils
 
-    from megatron_ring.megatron import megatron_cpu
+    from megatron_ring_lab.cpu import megatron_cpu
 
     before = [(m.tex, m.is_te_min_version) for m in (mcp, mutils)]
     if any(t is not None for t, _ in before):

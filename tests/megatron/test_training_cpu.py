@@ -39,8 +39,8 @@ def _current():
 
 
 def test_training_cpu_replaces_exactly_the_named_functions_and_restores_them():
-    from megatron_ring.megatron import cpu_support_enabled
-    from megatron_ring.megatron.cpu.training import REPLACED, megatron_training_cpu, training_cpu_enabled
+    from megatron_ring_lab.cpu import cpu_support_enabled
+    from megatron_ring_lab.cpu.training import REPLACED, megatron_training_cpu, training_cpu_enabled
 
     assert set(REPLACED) == EXPECTED and len(REPLACED) == len(EXPECTED)
     before = _current()
@@ -62,7 +62,7 @@ def test_training_cpu_replaces_exactly_the_named_functions_and_restores_them():
 
 
 def test_training_cpu_is_never_active_on_cuda(monkeypatch):
-    from megatron_ring.megatron.cpu.training import megatron_training_cpu
+    from megatron_ring_lab.cpu.training import megatron_training_cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is available"):
@@ -119,7 +119,7 @@ def test_each_replaced_cuda_function_is_its_own_object():
     import sys
 
     code = ("import torch\n"
-            "from megatron_ring.megatron.cpu.training import megatron_training_cpu\n"
+            "from megatron_ring_lab.cpu.training import megatron_training_cpu\n"
             "with megatron_training_cpu():\n"
             "    from torch._dynamo import trace_rules\n"
             "    trace_rules.get_torch_obj_rule_map.cache_clear()\n"

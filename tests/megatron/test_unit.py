@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ring.megatron import (ContextParallelConfigError, LayoutRotaryEmbedding, RingConfig, add_context_parallel_args, config_from_args, cpu_support_enabled, get_batch_on_this_cp_rank, initialize_context_parallel, megatron_cpu)
+from megatron_ring.megatron import (ContextParallelConfigError, LayoutRotaryEmbedding, RingConfig, add_context_parallel_args, config_from_args, get_batch_on_this_cp_rank, initialize_context_parallel)
+from megatron_ring_lab.cpu import cpu_support_enabled, megatron_cpu
 
 
 class FakeGroup:

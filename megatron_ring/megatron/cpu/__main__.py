@@ -1,6 +1,6 @@
-"""``python -m megatron_ring.megatron.cpu SCRIPT [ARGS...]`` (or ``torchrun ... -m megatron_ring.megatron.cpu``):
-run a Megatron-LM training script as ``__main__`` inside the CPU opt-in."""
-from megatron_ring.megatron.cpu.training import main
+"""Deprecated spelling of ``python -m megatron_ring_lab.cpu``: ``python -m megatron_ring.megatron.cpu`` still runs it, with a warning
+(:mod:`megatron_ring._moved`)."""
+from megatron_ring._moved import run_moved
 
 if __name__ == "__main__":
-    main()
+    run_moved(__spec__.name)

@@ -33,7 +33,7 @@ class WorkerError(RuntimeError):
     """A worker raised, died or timed out."""
 
 
-_PRELOAD = ["torch", "torch.distributed", "megatron_ring.tools.launch"]
+_PRELOAD = ["torch", "torch.distributed", "megatron_ring_lab.launch"]
 
 
 def _context(env: dict[str, str] | None) -> Any:

@@ -1,8 +1,8 @@
 """Benchmark CLI: ring attention vs one-process SDPA, side by side in one run.
 
-    python -m megatron_ring.benchmark --world-sizes 1 2 4 --seq 8192 --heads 8 --head-dim 64 \
+    python -m megatron_ring_lab.benchmark --world-sizes 1 2 4 --seq 8192 --heads 8 --head-dim 64 \
         --causal --layout zigzag [--comm-dtype none bf16 fp8] [--json out.json] [--plot out.png]
-    python -m megatron_ring.benchmark --dynamic-cp [long-tail|uniform] --world-sizes 4 --heads 4 --kv-heads 2
+    python -m megatron_ring_lab.benchmark --dynamic-cp [long-tail|uniform] --world-sizes 4 --heads 4 --kv-heads 2
         (per-document CP groups: fixed CP vs Megatron's hybrid-CP scheduler vs ours, measured and predicted)
 
 For every world size P (and wire dtype) it spawns P gloo processes with one thread each and times, per
@@ -47,7 +47,7 @@ from typing import Any
 from megatron_ring.strategies import COMM_TYPES
 from megatron_ring.timing import timed
 from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
-from megatron_ring.tools.bench.measure import BENCH_ENV, DTYPES, peak_mib, rss_mib, rank_inputs, warm_up
+from megatron_ring_lab.bench.measure import BENCH_ENV, DTYPES, peak_mib, rss_mib, rank_inputs, warm_up
 
 __all__ = ["main"]
 
@@ -166,7 +166,7 @@ def _median_ratio(per_rank: list[dict[str, Any]], num: str, den: str, key: str =
 def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """All benchmark rows for ``cfg`` (see ``main`` for the keys)."""
     from megatron_ring.wire.codecs import KVSpec, make_codec
-    from megatron_ring.tools.launch import run_on_ranks
+    from megatron_ring_lab.launch import run_on_ranks
     import torch
 
     rows = []
@@ -280,7 +280,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    ap = argparse.ArgumentParser(prog="python -m megatron_ring.benchmark", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m megatron_ring_lab.benchmark", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--seq", type=int, default=8192, help="global sequence length S")
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="K/V pieces per ring step (sub-block streaming; 'auto' = the default; one row per value)")
     ap.add_argument("--comm-type", nargs="+", default=None,
                     choices=list(COMM_TYPES),
-                    help="compare these comm types side by side instead (see megatron_ring/tools/bench/strategies.py)")
+                    help="compare these comm types side by side instead (see lab/megatron_ring_lab/bench/strategies.py)")
     ap.add_argument("--memory", action="store_true", help="with --comm-type: also measure peak memory per type")
     ap.add_argument("--no-warmup", action="store_true", help="with --comm-type: skip the untimed warm-up call "
                     "of each type (auto's probe still runs first); for very long sequences")
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--json", help="write the rows to this JSON file")
     ap.add_argument("--plot", help="write a PNG of time and memory per rank against P")
     ap.add_argument("--docs", type=int, help="packed documents: N random-length documents packed (THD) vs "
-                    "each padded to 2P (see megatron_ring.tools.bench.documents)")
+                    "each padded to 2P (see megatron_ring_lab.bench.documents)")
     ap.add_argument("--window", action="store_true", help="sliding windows S/16, S/4, S/2 vs full causal")
     ap.add_argument("--window-layouts", nargs="+", default=None, help="--window: layouts to time (default all)")
     ap.add_argument("--window-compute", action="store_true",
@@ -318,28 +318,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--balance", action="store_true", help="causal work per rank (visible pairs) per layout "
                     "for realistic document-length mixes over S tokens (no timing)")
     ap.add_argument("--gpu-row", action="store_true", help="CUDA: each rank's ring schedule on one GPU vs "
-                                                          "one-GPU SDPA (megatron_ring.tools.bench.gpu)")
+                                                          "one-GPU SDPA (megatron_ring_lab.bench.gpu)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="per ring step: time in kernel, merge, decode, copies, waits (megatron_ring.tools.bench.breakdown)")
+                    help="per ring step: time in kernel, merge, decode, copies, waits (megatron_ring_lab.bench.breakdown)")
     ap.add_argument("--host-time", action="store_true",
                     help="the engine's own host time per ring step and per call: loopback ring, instant kernel, "
                          "P = --world-sizes (default 2..8), blocks of --block-len tokens per rank "
-                         "(megatron_ring.tools.bench.host_time)")
+                         "(megatron_ring_lab.bench.host_time)")
     ap.add_argument("--block-len", type=int, default=64, help="with --host-time: tokens per rank")
     ap.add_argument("--torch-ring", action="store_true",
                     help="ours vs PyTorch's own context-parallel ring, side by side, for --seq (one or more "
                          "values with --torch-ring-seqs) x --world-sizes x causal and not "
-                         "(megatron_ring.tools.bench.torch_ring)")
+                         "(megatron_ring_lab.bench.torch_ring)")
     ap.add_argument("--torch-ring-seqs", type=int, nargs="+", default=None, help="with --torch-ring: sequence lengths")
     ap.add_argument("--features", action="store_true",
-                    help="cost of MLA head dims (padding), sinks, dropout per block (megatron_ring.tools.bench.features)")
+                    help="cost of MLA head dims (padding), sinks, dropout per block (megatron_ring_lab.bench.features)")
     ap.add_argument("--dynamic-cp", nargs="?", const="long-tail", choices=["long-tail", "uniform"], default=None,
                     help="dynamic CP at max(--world-sizes) ranks: fixed CP vs Megatron's hybrid-CP scheduler vs "
-                         "ours on one seeded global batch of this mix (megatron_ring.tools.bench.dynamic_cp); "
+                         "ours on one seeded global batch of this mix (megatron_ring_lab.bench.dynamic_cp); "
                          "MEGATRON_RING_DYNAMIC_DOCS / _SCALE / _SEED change its 64 documents / 16 / 0")
     a = ap.parse_args(argv)
     if a.dynamic_cp:
-        from megatron_ring.tools.bench.dynamic_cp import format_dynamic, run_dynamic_cp
+        from megatron_ring_lab.bench.dynamic_cp import format_dynamic, run_dynamic_cp
 
         env = os.environ.get
         res = run_dynamic_cp(dict(world=max(a.world_sizes), mix=a.dynamic_cp,
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 json.dump(res, f, indent=2, default=str)
         return res["rows"]
     if a.torch_ring:
-        from megatron_ring.tools.bench import torch_ring as tr
+        from megatron_ring_lab.bench import torch_ring as tr
 
         seqs = a.torch_ring_seqs or [a.seq]
         ps = [p for p in a.world_sizes if p > 1]
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 json.dump(rows, f, indent=2)
         return rows
     if a.host_time:
-        from megatron_ring.tools.bench import host_time as ht
+        from megatron_ring_lab.bench import host_time as ht
 
         ps = a.world_sizes if a.world_sizes != [1, 2, 4] else list(range(2, 9))
         iters = a.iters if a.iters != 5 else 200
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 json.dump(rows, f, indent=2)
         return rows
     if a.features:
-        from megatron_ring.tools.bench import features as bf
+        from megatron_ring_lab.bench import features as bf
 
         print(f"# features: S={a.seq} H={a.heads} fp32 causal={a.causal}; one process, 1 thread, ring_attention "
               f"P=1 fwd+bwd, medians of {a.iters}", flush=True)
@@ -391,13 +391,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if a.gpu_row:
         import torch  # noqa: PLC0415
 
-        from megatron_ring.tools.bench.gpu import gpu_row  # noqa: PLC0415
+        from megatron_ring_lab.bench.gpu import gpu_row  # noqa: PLC0415
         rows = [gpu_row(p, a.seq, a.heads, a.kv_heads or a.heads, a.head_dim, getattr(torch, DTYPES[a.dtype]),
                         a.layout, a.causal, a.iters) for p in a.world_sizes]
         print(json.dumps(rows, indent=2))
         return rows
     if a.balance:
-        from megatron_ring.tools.bench.documents import format_rows, run_balance
+        from megatron_ring_lab.bench.documents import format_rows, run_balance
 
         rows = run_balance(a.world_sizes, a.seq)
         print(format_rows(rows), flush=True)
@@ -414,8 +414,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"# S={a.seq} B={a.batch} H={a.heads} H_kv={cfg['kv_heads']} D={a.head_dim} {a.dtype} "
           f"{a.layout} causal={a.causal}; ring: P processes x 1 thread; 1proc: 1 process x P threads; "
           f"medians of {a.iters} iterations (slowest rank)", flush=True)
-    if a.comm_type:  # every exchange pattern side by side (megatron_ring/tools/bench/strategies.py)
-        from megatron_ring.tools.bench.strategies import run_comm_types
+    if a.comm_type:  # every exchange pattern side by side (lab/megatron_ring_lab/bench/strategies.py)
+        from megatron_ring_lab.bench.strategies import run_comm_types
         rows = run_comm_types(dict(cfg, comm_types=a.comm_type, comm_dtype=None if a.comm_dtype[0] == "none"
                                    else a.comm_dtype[0], memory=a.memory, warmup=not a.no_warmup))
     else:
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def _breakdown_main(a) -> list[dict[str, Any]]:
-    from megatron_ring.tools.bench import breakdown as bb
+    from megatron_ring_lab.bench import breakdown as bb
 
     cfg = dict(seq=a.seq, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim,
                dtype_name=DTYPES[a.dtype], layout=a.layout, causal=a.causal, iters=a.iters, timeout=a.timeout,
@@ -449,7 +449,7 @@ def _breakdown_main(a) -> list[dict[str, Any]]:
 
 
 def _documents_main(a) -> list[dict[str, Any]]:
-    from megatron_ring.tools.bench import documents as bd
+    from megatron_ring_lab.bench import documents as bd
 
     cfg = dict(heads=a.heads, head_dim=a.head_dim, layout=a.layout, iters=a.iters, layouts=a.window_layouts)
     how = ("compute only: every rank's block tasks in this process x 1 thread, no ring; best of "

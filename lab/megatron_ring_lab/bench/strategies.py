@@ -1,4 +1,4 @@
-"""Benchmark of every comm type side by side (``python -m megatron_ring.benchmark --comm-type ...``).
+"""Benchmark of every comm type side by side (``python -m megatron_ring_lab.benchmark --comm-type ...``).
 
 Per world size P, ONE set of P gloo processes (one thread each) times every requested comm type,
 interleaved iteration by iteration, the order rotated each iteration (A B C, B C A, C A B, ...) so that
@@ -18,7 +18,7 @@ import statistics
 from typing import Any
 
 from megatron_ring.timing import seconds
-from megatron_ring.tools.bench.measure import rank_inputs
+from megatron_ring_lab.bench.measure import rank_inputs
 
 __all__ = ["run_comm_types", "print_rows"]
 
@@ -91,7 +91,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
 
 def _memory_worker(rank: int, world: int, cfg: dict[str, Any], ct: str) -> float:
     from megatron_ring import ring_attention
-    from megatron_ring.tools.bench.measure import peak_mib, rss_mib
+    from megatron_ring_lab.bench.measure import peak_mib, rss_mib
 
     inner = _inner(world)
     hier = _hier(world, inner) if inner else None
@@ -108,8 +108,8 @@ def _memory_worker(rank: int, world: int, cfg: dict[str, Any], ct: str) -> float
 
 
 def run_comm_types(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    from megatron_ring.tools.bench.measure import BENCH_ENV
-    from megatron_ring.tools.launch import run_on_ranks
+    from megatron_ring_lab.bench.measure import BENCH_ENV
+    from megatron_ring_lab.launch import run_on_ranks
 
     rows = []
     for world in cfg["world_sizes"]:

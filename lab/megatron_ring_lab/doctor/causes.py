@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron_ring.doctor.compare import Comparison
+from megatron_ring_lab.doctor.compare import Comparison
 
 
 @dataclass(frozen=True)

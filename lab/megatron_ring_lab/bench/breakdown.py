@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     from megatron_ring import breakdown
     from megatron_ring import ring_attention
-    from megatron_ring.tools.bench.measure import rank_inputs
+    from megatron_ring_lab.bench.measure import rank_inputs
     from megatron_ring.transport.ring import Ring
 
     q, k, v, dout = rank_inputs(cfg, rank, world, getattr(torch, cfg["dtype_name"]))
@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_breakdown(cfg: dict[str, Any], world: int) -> dict[str, Any]:
-    from megatron_ring.tools.launch import run_on_ranks
+    from megatron_ring_lab.launch import run_on_ranks
 
     per_rank = run_on_ranks(_worker, world, cfg, timeout=cfg["timeout"],
                             env={"MALLOC_MMAP_THRESHOLD_": "65536"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ring.doctor.shrink import Args
+from megatron_ring_lab.doctor.shrink import Args
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""GPU machine presets for the planner (``python -m megatron_ring.plan --machine NAME``).
+"""GPU machine presets for the planner (``python -m megatron_ring_lab.plan --machine NAME``).
 
 Each preset gives what the cost model (``strategies/cost_model.py``) needs of a machine: link bandwidth
 per GPU inside the NVLink domain and across it, GPUs per NVLink domain, a per-message latency, and the

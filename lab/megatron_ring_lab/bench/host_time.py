@@ -1,4 +1,4 @@
-"""The engine's own host time per ring step and per call (``python -m megatron_ring.benchmark --host-time``).
+"""The engine's own host time per ring step and per call (``python -m megatron_ring_lab.benchmark --host-time``).
 
 What a GPU pays whenever blocks are small and the host cannot run ahead of the device: the Python, the
 op dispatch and the small bookkeeping ops (merges, wire copies, status, gradient adds) of one
@@ -13,7 +13,7 @@ over P = 2..8) as ``fixed + per_step * 2P``: ``per_step`` is the host time of on
 call costs on top of its steps (argument checks, plan and buffers, autograd).
 
 This module imports only the library's public pieces (``ring_attention``, ``LoopbackRing``,
-``BlockKernel``) and nothing of ``megatron_ring.tools``, so ``scripts/bench_revisions.py --host-time`` runs
+``BlockKernel``) and nothing of ``megatron_ring_lab``, so ``scripts/bench_revisions.py --host-time`` runs
 this very file against an older revision of the library, side by side.
 """
 from __future__ import annotations

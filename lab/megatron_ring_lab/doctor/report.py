@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_ring.doctor.causes import Cause
-from megatron_ring.doctor.compare import Comparison
+from megatron_ring_lab.doctor.causes import Cause
+from megatron_ring_lab.doctor.compare import Comparison
 
 
 def _cell(s: str, w: int) -> str:

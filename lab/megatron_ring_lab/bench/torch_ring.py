@@ -1,4 +1,4 @@
-"""Ours vs PyTorch's own context-parallel ring, side by side (``python -m megatron_ring.benchmark --torch-ring``).
+"""Ours vs PyTorch's own context-parallel ring, side by side (``python -m megatron_ring_lab.benchmark --torch-ring``).
 
 PyTorch's ring is the one ``torch.distributed.tensor.experimental.context_parallel`` dispatches SDPA to
 (``_context_parallel/_attention.py``: ``_templated_ring_attention`` and its backward, K/V rotated by one
@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from megatron_ring.timing import timed
-from megatron_ring.tools.bench.measure import BENCH_ENV, peak_mib, rss_mib
+from megatron_ring_lab.bench.measure import BENCH_ENV, peak_mib, rss_mib
 
 __all__ = ["run_torch_ring", "format_torch_ring", "MODES"]
 
@@ -129,7 +129,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
 
 
 def _memory_worker(rank: int, world: int, cfg: dict[str, Any]) -> float:
-    from megatron_ring.tools.bench.measure import warm_up
+    from megatron_ring_lab.bench.measure import warm_up
     import torch
     import torch.distributed as dist
 
@@ -149,7 +149,7 @@ def _memory_worker(rank: int, world: int, cfg: dict[str, Any]) -> float:
 
 def run_torch_ring(world_sizes, seqs, causal_list=(True, False), heads: int = 8, head_dim: int = 64, iters: int = 5,
                    memory: bool = True, timeout: float = 1800.0) -> list[dict[str, Any]]:
-    from megatron_ring.tools.launch import run_on_ranks
+    from megatron_ring_lab.launch import run_on_ranks
 
     rows = []
     for seq in seqs:

@@ -161,7 +161,7 @@ def enable_cpu_support() -> None:
         from megatron_ring.megatron.data.token_order import install_thd_partitioner
 
         install_thd_partitioner(_patch)
-        from megatron_ring.megatron.cpu import ssm
+        from megatron_ring_lab.cpu import ssm
 
         ssm.install(_patch)  # Mamba-2 / GDN kernels where mamba_ssm / causal_conv1d / FLA are missing
         _patch(mrandom, "CudaRNGStatesTracker", _make_cpu_tracker_class())

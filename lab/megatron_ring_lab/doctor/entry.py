@@ -1,7 +1,7 @@
-"""``torchrun ... -m megatron_ring.doctor.entry SCRIPT ARGS``: one doctor run of a training script.
+"""``torchrun ... -m megatron_ring_lab.doctor.entry SCRIPT ARGS``: one doctor run of a training script.
 
 Installs the recorders of :mod:`.capture`, then runs SCRIPT as ``__main__`` inside megatron_ring's CPU opt-in
-for Megatron-LM's loop (the same as ``python -m megatron_ring.megatron.cpu SCRIPT ARGS``), and saves
+for Megatron-LM's loop (the same as ``python -m megatron_ring_lab.cpu SCRIPT ARGS``), and saves
 each rank's record into ``$MEGATRON_RING_DOCTOR_OUT`` when the script returns (or exits).
 """
 from __future__ import annotations
@@ -10,15 +10,15 @@ import os
 import runpy
 import sys
 
-from megatron_ring.doctor import capture
+from megatron_ring_lab.doctor import capture
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     folder = os.environ.get(capture.OUT_ENV)
     if not argv or not folder:
-        raise SystemExit(f"usage: {capture.OUT_ENV}=DIR python -m megatron_ring.doctor.entry SCRIPT [ARGS...]")
-    from megatron_ring.megatron.cpu.training import megatron_training_cpu
+        raise SystemExit(f"usage: {capture.OUT_ENV}=DIR python -m megatron_ring_lab.doctor.entry SCRIPT [ARGS...]")
+    from megatron_ring_lab.cpu.training import megatron_training_cpu
 
     script = os.path.abspath(argv[0])
     sys.argv = [script, *argv[1:]]

@@ -9,7 +9,7 @@ CPU with gloo, for CI and laptops, inside a ``with`` block only:
 * :data:`REPLACED` lists every function it replaces (module, attribute); all are restored on exit;
 * a :class:`torch.overrides.TorchFunctionMode` maps ``device='cuda'`` / ``.cuda()`` / ``.to('cuda')`` to
   the CPU and makes ``Tensor.type()`` report the CUDA type names Megatron compares against;
-* it also enters :func:`~megatron_ring.megatron.cpu.core.megatron_cpu` (megatron-core's own CUDA spots);
+* it also enters :func:`~megatron_ring_lab.cpu.core.megatron_cpu` (megatron-core's own CUDA spots);
 * it refuses to start where CUDA is available: on GPUs Megatron's loop runs unchanged.
 
 Run with ``--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion
@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_ring.megatron.cpu.core import megatron_cpu
+from megatron_ring_lab.cpu.core import megatron_cpu
 
 __all__ = ["megatron_training_cpu", "REPLACED", "training_cpu_enabled"]
 
@@ -258,7 +258,7 @@ def megatron_training_cpu() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m megatron_ring.megatron.cpu SCRIPT [ARGS...]`` (or under ``torchrun -m``): run a
+    """``python -m megatron_ring_lab.cpu SCRIPT [ARGS...]`` (or under ``torchrun -m``): run a
     Megatron-LM training script (e.g. a patched ``pretrain_gpt.py``) as ``__main__`` inside the CPU opt-in."""
     import os
     import runpy
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        raise SystemExit("usage: python -m megatron_ring.megatron.cpu SCRIPT [ARGS...]")
+        raise SystemExit("usage: python -m megatron_ring_lab.cpu SCRIPT [ARGS...]")
     script = os.path.abspath(argv[0])
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))

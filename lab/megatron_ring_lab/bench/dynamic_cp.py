@@ -1,4 +1,4 @@
-"""Dynamic-CP benchmark (``python -m megatron_ring.benchmark --dynamic-cp``): one global batch of
+"""Dynamic-CP benchmark (``python -m megatron_ring_lab.benchmark --dynamic-cp``): one global batch of
 documents at ``world`` CPU ranks (gloo, one thread each) under fixed CP=world, fixed CP=2 x DP=world/2,
 Megatron's hybrid-CP policy and ours (:mod:`megatron_ring.strategies.dynamic_cp`), measured side by side.
 
@@ -13,9 +13,9 @@ rank's time / the mean of the ranks' times.
 Prediction: the same schedules' cost-model prediction with machine numbers probed at the start on these
 ranks (attention rate and per-call overhead from single-rank calls, bandwidth and latency from pairwise
 exchanges; agreed MIN/MAX over ranks; overlap 0: gloo copies share the cores). Also the model's
-prediction for 8 and 64 GPUs (the UNSCALED lengths, :mod:`megatron_ring.tools.dynamic_plan` defaults).
+prediction for 8 and 64 GPUs (the UNSCALED lengths, :mod:`megatron_ring_lab.dynamic_plan` defaults).
 
-Lengths are the named mix of :func:`megatron_ring.tools.dynamic_plan.doc_lengths` divided by
+Lengths are the named mix of :func:`megatron_ring_lab.dynamic_plan.doc_lengths` divided by
 ``--dynamic-scale`` (default 16: long-tail documents 32-256 tokens, long ones 2048-4096).
 """
 from __future__ import annotations
@@ -152,8 +152,8 @@ def run_dynamic_cp(cfg: dict[str, Any]) -> dict[str, Any]:
     gpu_worlds (model-only world sizes for the unscaled lengths)."""
     from megatron_ring.strategies import dynamic_cp as dc
     from megatron_ring.strategies.cost_model import Machine, Problem
-    from megatron_ring.tools import dynamic_plan as dp
-    from megatron_ring.tools.launch import run_on_ranks
+    from megatron_ring_lab import dynamic_plan as dp
+    from megatron_ring_lab.launch import run_on_ranks
 
     world = cfg["world"]
     full = dp.doc_lengths(cfg["mix"], cfg["num_docs"], cfg["seed"])
@@ -197,7 +197,7 @@ def format_dynamic(res: dict[str, Any]) -> str:
                    f"{r['pred_step_s'] * 1e3:>9.1f} | {r['pred_imbalance']:>8.3f} | {r['rounds']:>6} | {r['calls']:>5} | "
                    f"{','.join(map(str, r['sizes'])):>8} | {r['bytes_per_rank'] / 1e6:>8.2f}"
                    + (f"  ({r['chosen']})" if r["chosen"].startswith("dynamic (=") else ""))
-    from megatron_ring.tools.dynamic_plan import format_table
+    from megatron_ring_lab.dynamic_plan import format_table
 
     for w, rows in res["gpu"].items():
         out.append(f"# model only, unscaled lengths, {w} GPUs (F=400e12, B=300e9/50e9, 8 per node, bf16 "

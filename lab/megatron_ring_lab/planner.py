@@ -1,14 +1,14 @@
 """Planner CLI: predicted time, bytes and memory per rank of every comm type and layout, and the CP size
 a sequence needs.
 
-    python -m megatron_ring.plan --seq-length 1048576 --hidden-size 8192 --num-attention-heads 64 \\
+    python -m megatron_ring_lab.plan --seq-length 1048576 --hidden-size 8192 --num-attention-heads 64 \\
         --num-query-groups 8 --context-parallel-size 32 --gpus-per-node 8 \\
         --intra-node-bandwidth 450e9 --inter-node-bandwidth 50e9 --flops 700e12 \\
         [--micro-batch-size 1] [--gpu-memory 80e9 --num-layers 80] [--json plan.json]
-    python -m megatron_ring.plan --machine h100-sxm --seq-length 131072 --hidden-size 4096 \
+    python -m megatron_ring_lab.plan --machine h100-sxm --seq-length 131072 --hidden-size 4096 \
         --num-attention-heads 32 --num-query-groups 8 --context-parallel-size 8 16 [--flops 450e12]
-    python -m megatron_ring.plan dynamic-cp --mix long-tail --world-sizes 8 64 ...   (per-document CP
-        groups: fixed CP vs Megatron's hybrid-CP scheduler vs ours; see megatron_ring/tools/dynamic_plan.py)
+    python -m megatron_ring_lab.plan dynamic-cp --mix long-tail --world-sizes 8 64 ...   (per-document CP
+        groups: fixed CP vs Megatron's hybrid-CP scheduler vs ours; see lab/megatron_ring_lab/dynamic_plan.py)
 
 Times are per layer (attention only, forward + backward) from the cost model in
 ``megatron_ring/strategies/cost_model.py`` (see docs/strategies.md for what it includes and how well it
@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from megatron_ring.schedules.layouts import LAYOUTS
-from megatron_ring.tools.machines import MACHINES, machine as machine_preset
+from megatron_ring_lab.machines import MACHINES, machine as machine_preset
 from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, candidate_types, pick, predict, smallest_cp, wire_bytes_per_elem)
 
@@ -86,7 +86,7 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _apply_machine(a: argparse.Namespace) -> None:
-    """Fill the machine numbers not given on the command line from ``--machine`` (tools/machines.py);
+    """Fill the machine numbers not given on the command line from ``--machine`` (:mod:`megatron_ring_lab.machines`);
     without a preset, the bandwidth and the kernel rate are required."""
     preset = None
     if a.machine:
@@ -138,10 +138,10 @@ def _print(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["dynamic-cp"]:  # per-document CP groups: megatron_ring/tools/dynamic_plan.py
-        from megatron_ring.tools.dynamic_plan import main as dynamic_main
+    if argv[:1] == ["dynamic-cp"]:  # per-document CP groups: lab/megatron_ring_lab/dynamic_plan.py
+        from megatron_ring_lab.dynamic_plan import main as dynamic_main
         return dynamic_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m megatron_ring.plan", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m megatron_ring_lab.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-length", type=int, required=True)
     ap.add_argument("--hidden-size", type=int, required=True)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--machine", default=None, help=f"GPU preset: {', '.join(MACHINES)} (link bandwidths, GPUs per "
                     "NVLink domain, latency and a default kernel rate from public spec sheets, see "
-                    "megatron_ring/tools/machines.py); flags given explicitly override its numbers")
+                    "lab/megatron_ring_lab/machines.py); flags given explicitly override its numbers")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node / NVLink domain (default 8)")
     ap.add_argument("--intra-node-bandwidth", type=float, default=None,
                     help="bytes/s per GPU inside a node (required without --machine)")

@@ -1,4 +1,4 @@
-"""Benchmark rows for packed documents and sliding windows (``python -m megatron_ring.benchmark --docs N``
+"""Benchmark rows for packed documents and sliding windows (``python -m megatron_ring_lab.benchmark --docs N``
 or ``--window``; see :func:`main`).
 
 * ``--docs N``: N documents of random lengths (seeded; lengths 1 .. 2*S/N), packed into one THD stream
@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
     from megatron_ring import ring_attention
     from megatron_ring.timing import seconds
-    from megatron_ring.tools.bench.measure import peak_mib, rss_mib, warm_up
+    from megatron_ring_lab.bench.measure import peak_mib, rss_mib, warm_up
     from megatron_ring.transport.ring import Ring
     from megatron_ring.schedules.layouts import get_layout
     from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _spawn_all(world: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    from megatron_ring.tools.launch import run_on_ranks
+    from megatron_ring_lab.launch import run_on_ranks
 
     per_rank = run_on_ranks(_worker, world, cfg, timeout=timeout)
     out = []

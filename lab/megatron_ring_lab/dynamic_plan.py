@@ -1,4 +1,4 @@
-"""Dynamic-CP planner: ``python -m megatron_ring.plan dynamic-cp ...`` (see :func:`main`).
+"""Dynamic-CP planner: ``python -m megatron_ring_lab.plan dynamic-cp ...`` (see :func:`main`).
 
 For a document-length distribution (a file of lengths, or a named synthetic mix) and one or more
 DP x CP world sizes, it compares fixed CP sizes, Megatron's hybrid-CP policy and ours
@@ -6,7 +6,7 @@ DP x CP world sizes, it compares fixed CP sizes, Megatron's hybrid-CP policy and
 layer, forward + backward, the slowest rank; rounds' barriers included), imbalance (slowest rank's time
 over the mean busy time), bytes sent per rank, memory per rank (one layer x ``--num-layers``).
 
-    python -m megatron_ring.plan dynamic-cp --mix long-tail --num-docs 256 --world-sizes 8 64 \\
+    python -m megatron_ring_lab.plan dynamic-cp --mix long-tail --num-docs 256 --world-sizes 8 64 \\
         --max-tokens-per-rank 32768 [--lengths-file lens.txt] [--flops 400e12 --bandwidth 300e9] [--json out.json]
 
 Named mixes (:func:`doc_lengths`, seeded): ``long-tail`` (most documents 512-4096 tokens, one in 25 of
@@ -134,7 +134,7 @@ def problem_from(a: argparse.Namespace) -> Problem:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    ap = argparse.ArgumentParser(prog="python -m megatron_ring.plan dynamic-cp", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m megatron_ring_lab.plan dynamic-cp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mix", choices=MIXES, default="long-tail")
     ap.add_argument("--lengths-file", help="document lengths (overrides --mix)")

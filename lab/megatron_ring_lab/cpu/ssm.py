@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron_ring.megatron.cpu import ssm_kernels as kernels
+from megatron_ring_lab.cpu import ssm_kernels as kernels
 
 __all__ = ["install", "planned"]
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from megatron_ring.doctor.capture import OUT_ENV
+from megatron_ring_lab.doctor.capture import OUT_ENV
 
 #: the spec every run gets (core attention = the ring at every CP size, CP=1 included)
 SPEC = ["--spec", "megatron_ring.megatron.spec", "ring_layer_spec"]
@@ -44,17 +44,17 @@ def free_port() -> int:
 
 
 def command(script: str, args: list[str], cp: int, pp: int = 1) -> list[str]:
-    """``torchrun --nproc-per-node cp*pp -m megatron_ring.doctor.entry SCRIPT ARGS --context-parallel-size cp``."""
+    """``torchrun --nproc-per-node cp*pp -m megatron_ring_lab.doctor.entry SCRIPT ARGS --context-parallel-size cp``."""
     spec = [] if "--spec" in args else SPEC
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp * pp), "--master-addr",
-            "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_ring.doctor.entry", script, *args,
+            "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_ring_lab.doctor.entry", script, *args,
             "--context-parallel-size", str(cp), *spec]
 
 
 def cache_key(script: str, args: list[str], cp: int, env: dict[str, str]) -> str:
     """Script and recorder content, arguments, CP size and the MEGATRON_RING_* environment (less the
     CP>1-only ones at CP=1)."""
-    from megatron_ring.doctor import capture
+    from megatron_ring_lab.doctor import capture
 
     h = hashlib.sha256()
     for path in (script, capture.__file__):  # the script and what the recorders write

@@ -1,4 +1,4 @@
-"""``python -m megatron_ring.doctor [--cp 2,4] [--iters N] [--json FILE] [--static] -- SCRIPT ARGS...``
+"""``python -m megatron_ring_lab.doctor [--cp 2,4] [--iters N] [--json FILE] [--static] -- SCRIPT ARGS...``
 
 Runs a Megatron-LM training command (stock ``pretrain_gpt.py`` / ``pretrain_hybrid.py``, an entry script) on
 the CPU at CP=1 and at each CP=k, shrunk to a toy model with the same structure, with the same data and
@@ -15,12 +15,12 @@ import sys
 import tempfile
 from typing import Any
 
-from megatron_ring.doctor import causes as causes_mod
-from megatron_ring.doctor import report, run, shrink, static
+from megatron_ring_lab.doctor import causes as causes_mod
+from megatron_ring_lab.doctor import report, run, shrink, static
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_ring.doctor", description=__doc__.split("\n\n")[1],
+    p = argparse.ArgumentParser(prog="python -m megatron_ring_lab.doctor", description=__doc__.split("\n\n")[1],
                                 usage="%(prog)s [--cp 2,4] [--iters N] [--json FILE] [--static] -- SCRIPT ARGS...")
     p.add_argument("--cp", default="2", help="CP sizes to compare with CP=1, comma separated (default 2)")
     p.add_argument("--iters", type=int, default=3, help="training iterations per run (default 3)")
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     cmd = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
     if not cmd:
-        print("usage: python -m megatron_ring.doctor [options] -- SCRIPT ARGS...", file=sys.stderr)
+        print("usage: python -m megatron_ring_lab.doctor [options] -- SCRIPT ARGS...", file=sys.stderr)
         return 2
     try:
         cps = sorted({int(x) for x in opts.cp.split(",") if x.strip()})
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     results, any_differs = [], False
     seconds = {cp: round(r.seconds, 1) for cp, r in runs.items()}
     for cp in cps:
-        from megatron_ring.doctor.compare import compare
+        from megatron_ring_lab.doctor.compare import compare
 
         c = compare(ref.ranks, runs[cp].ranks, cp)
         found = causes_mod.diagnose(c, ctx)
