@@ -5,6 +5,7 @@ the layouts, the errors a caller may catch, and the tables of accepted comm type
 Megatron-Core glue lives in :mod:`megatron_ring.megatron`. The lab (CPU harness, CP doctor, benchmark, planner,
 launcher) is a distribution of its own, ``megatron_ring_lab`` (``lab/`` in a checkout); nothing here imports it.
 """
+from megatron_ring import settings
 from megatron_ring.api import ring_attention
 from megatron_ring.errors import HeadSplitError, RingInputError, RingPeerError, WireFiniteError
 from megatron_ring.kernels.block import set_deterministic
@@ -17,7 +18,7 @@ from megatron_ring.strategies.dynamic_cp import Schedule, SubSample, schedule_dy
 from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 
 __version__ = "0.1.0"
-__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "get_layout", "LAYOUTS", "DocumentZigzag",
+__all__ = ["ring_attention", "settings", "shard_sequence", "gather_sequence", "get_layout", "LAYOUTS", "DocumentZigzag",
            "set_deterministic",
            "COMM_TYPES", "COMM_DTYPE_ALIASES", "RingPeerError", "RingInputError", "WireFiniteError", "HeadSplitError",
            "schedule_dynamic_cp", "schedule_megatron_balanced", "Schedule", "SubSample", "Machine", "Problem"]

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from megatron_ring import settings
 from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, HeadDimPadKernel
 from megatron_ring.kernels.dropout import DropoutSpec
 from megatron_ring.wire.codecs import KVCodec, make_codec
@@ -42,11 +42,6 @@ def _ring_for(group: Any, device: torch.device, timeout_s: float | None) -> Tran
     if group is None:
         return LoopbackRing(1, 0, device)
     return _rings.setdefault(group, (device, timeout_s), lambda: Ring(group, device, timeout_s))
-
-
-def _default_timeout() -> float | None:
-    raw = os.environ.get("MEGATRON_RING_TIMEOUT_S")
-    return float(raw) if raw else None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
@@ -136,14 +131,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             dropout_seed=dropout_seed, kv_pieces=kv_pieces)
     _check_tensors(q, k, v)
     if ring is None:
-        ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else _default_timeout())
+        ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else settings.timeout_s())
+    if kv_pieces is None:
+        kv_pieces = settings.kv_pieces()
     call = _Call(ring=ring, causal=bool(causal), layout=layout, qkv_format=qkv_format, cu_seqlens=cu_seqlens,
                  window=window, comm_type=comm_type, head_chunks=head_chunks,
                  hierarchical_groups=hierarchical_groups)
     codec = _agreed_codec(call, q, k, v, comm_dtype=comm_dtype, softmax_scale=softmax_scale,
                           check_consistency=check_consistency, extras=(
                               dropout_p, dropout_seed is not None, _offset_kind(softmax_offset),
-                              kv_pieces, os.environ.get("MEGATRON_RING_KV_PIECES", "")),
+                              kv_pieces),
                           per_call=(dropout_seed,) if isinstance(dropout_seed, int) and dropout_p else ())
     q, k, v = call.tensors = call.unpack(q, k, v)
     call.codec, call.pieces = codec, _pieces(kv_pieces, q, k, call.s_dim)

@@ -14,7 +14,7 @@ import torch
 from tests.helpers.launch import run_distributed
 from tests.helpers.reference import feature_reference
 from tests.helpers.numerics import Checks, max_err, score_bound, tol
-from megatron_ring import ring_attention, shard_sequence
+from megatron_ring import ring_attention, settings, shard_sequence
 from megatron_ring.core.rotation import (AUTO_PIECES_CPU, CPU_MIN_PIECE_WORK, CUDA_MIN_TILES, divisor_at_most, piece_count, start_for)
 
 # vs the float64 reference fed the same dtype-rounded inputs: the derived bound of tests/helpers/numerics.py
@@ -169,11 +169,12 @@ def test_piece_count_rules(monkeypatch):
     assert piece_count(1, 32, 8, 16384, 128, "cuda") == (32 * 128) // CUDA_MIN_TILES
     assert piece_count(1, 32, 8, *big, requested=3) == 3  # the engine rounds down to a divisor
     assert divisor_at_most(8, 3) == 2 and divisor_at_most(6, 4) == 3 and divisor_at_most(5, 4) == 1
+    # the variable is read once per call, by ring_attention (megatron_ring.settings), not by piece_count
     monkeypatch.setenv("MEGATRON_RING_KV_PIECES", "2")
-    assert piece_count(1, 32, 8, *big) == 2
+    assert piece_count(1, 32, 8, *big) == 8 and piece_count(1, 32, 8, *big, requested=settings.kv_pieces()) == 2
     monkeypatch.setenv("MEGATRON_RING_KV_PIECES", "two")
     with pytest.raises(ValueError, match="MEGATRON_RING_KV_PIECES"):
-        piece_count(1, 32, 8, *big)
+        settings.kv_pieces()
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="kv_pieces"):
             piece_count(1, 32, 8, *big, requested=bad)

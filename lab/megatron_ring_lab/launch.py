@@ -23,6 +23,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from megatron_ring import settings
+
 __all__ = ["run_on_ranks", "WorkerError"]
 
 
@@ -38,11 +40,11 @@ _PRELOAD = ["torch", "torch.distributed", "megatron_ring_lab.launch"]
 
 def _context(env: dict[str, str] | None) -> Any:
     """The fork server (torch imported once) unless ``env`` must reach a fresh process (see the module doc)."""
-    method = os.environ.get("MEGATRON_RING_START_METHOD") or ("spawn" if env else "forkserver")
+    method = settings.start_method() or ("spawn" if env else "forkserver")
     if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    extra = [m for m in os.environ.get("MEGATRON_RING_PRELOAD", "").split(",") if m]
+    extra = settings.preload()
     ctx.set_forkserver_preload(_PRELOAD + extra)  # read when the server starts (first use), ignored after
     return ctx
 

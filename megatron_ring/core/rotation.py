@@ -15,7 +15,6 @@ first position so that after a known number of steps the pieces sit in slots ``0
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -43,14 +42,11 @@ def piece_count(b: int, h: int, h_kv: int, s: int, d: int, device_type: str, req
     may stream a block in (the engine uses the largest divisor of the head count it sees that is not
     above it).
 
-    ``requested`` (or ``MEGATRON_RING_KV_PIECES``): that many at most. Automatic: on CPU up to
+    ``requested``: that many at most (``ring_attention`` passes ``MEGATRON_RING_KV_PIECES`` here when its
+    argument is None). Automatic: on CPU up to
     :data:`AUTO_PIECES_CPU`, as many as keep :data:`CPU_MIN_PIECE_WORK` per piece; on CUDA as many as
     keep :data:`CUDA_MIN_TILES` tiles per piece.
     The result depends on shapes and the device type only, so every rank of a ring gets the same."""
-    if requested is None:
-        env = os.environ.get("MEGATRON_RING_KV_PIECES", "").strip()
-        if env:
-            requested = _positive(env, "MEGATRON_RING_KV_PIECES")
     if requested is not None:
         return min(_positive(requested, "kv_pieces"), max(h_kv, 1))
     if device_type == "cuda":

@@ -19,36 +19,36 @@ variable                           meaning                                      
 """
 from __future__ import annotations
 
-import os
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
+import megatron_ring
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, normalize_comm_type
 
-__all__ = ["ENV_VARS", "ring_config_from_env", "kv_pieces_from_env"]
+__all__ = ["ENV_VARS", "ring_config_from_env", "kv_pieces_from_env", "mtp_cp_invariant_from_env"]
 
 ENV_VARS = ("MEGATRON_RING_COMM_DTYPE", "MEGATRON_RING_CP_COMM_TYPE", "MEGATRON_RING_TIMEOUT_S",
             "MEGATRON_RING_KV_PIECES", "MEGATRON_RING_LAYOUT", "MEGATRON_RING_MTP_CP_INVARIANT")
 
-def _get(name: str) -> str | None:
-    raw = os.environ.get(name)
-    return raw.strip() if raw is not None and raw.strip() else None
+@contextlib.contextmanager
+def _named() -> Iterator[None]:
+    """A bad variable (``megatron_ring.settings``) as the glue's configuration error, naming the variable."""
+    try:
+        yield
+    except megatron_ring.settings.SettingError as e:
+        raise ContextParallelConfigError(e.variable, e.detail) from None
 
 
 def ring_config_from_env(context_parallel_size: int = 1) -> RingConfig:
     """The :class:`RingConfig` the environment describes (errors name the variable to fix)."""
+    settings = megatron_ring.settings
     kwargs: dict[str, Any] = {"context_parallel_size": max(1, int(context_parallel_size or 1))}
-    if (v := _get("MEGATRON_RING_COMM_DTYPE")) is not None:
-        kwargs["comm_dtype"] = v
-    if (v := _get("MEGATRON_RING_LAYOUT")) is not None:
-        kwargs["layout"] = v
-    if (v := _get("MEGATRON_RING_CP_COMM_TYPE")) is not None:
-        kwargs["cp_comm_type"] = normalize_comm_type(tuple(x for x in v.replace(",", " ").split() if x))
-    if (v := _get("MEGATRON_RING_TIMEOUT_S")) is not None:
-        try:
-            kwargs["timeout_s"] = float(v)
-        except ValueError:
-            raise ContextParallelConfigError("MEGATRON_RING_TIMEOUT_S", f"must be a number of seconds, got {v!r}") \
-                from None
+    with _named():
+        read = {"comm_dtype": settings.comm_dtype(), "layout": settings.layout(),
+                "cp_comm_type": settings.cp_comm_type(), "timeout_s": settings.timeout_s()}
+    kwargs.update({name: value for name, value in read.items() if value is not None})
+    if "cp_comm_type" in kwargs:
+        kwargs["cp_comm_type"] = normalize_comm_type(kwargs["cp_comm_type"])
     try:
         return RingConfig(**kwargs)
     except ContextParallelConfigError as e:
@@ -60,9 +60,11 @@ def ring_config_from_env(context_parallel_size: int = 1) -> RingConfig:
 
 def kv_pieces_from_env() -> int | None:
     """``MEGATRON_RING_KV_PIECES`` (a positive int) or None (the library chooses)."""
-    v = _get("MEGATRON_RING_KV_PIECES")
-    if v is None:
-        return None
-    if not v.isdigit() or int(v) < 1:
-        raise ContextParallelConfigError("MEGATRON_RING_KV_PIECES", f"must be a positive integer, got {v!r}")
-    return int(v)
+    with _named():
+        return megatron_ring.settings.kv_pieces()
+
+
+def mtp_cp_invariant_from_env() -> bool:
+    """``MEGATRON_RING_MTP_CP_INVARIANT`` (1/0): whether the MTP loss is weighted at CP > 1 as at CP=1."""
+    with _named():
+        return megatron_ring.settings.mtp_cp_invariant()

@@ -36,12 +36,12 @@ once per signature at INFO level on logger ``megatron_ring``.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_ring import settings
 from megatron_ring.timing import median_seconds, seconds, sync_device
 from megatron_ring.transport.groups import PerGroup
 from megatron_ring.wire.codecs import KVSpec
@@ -60,9 +60,6 @@ log = logging.getLogger("megatron_ring")
 _machines = PerGroup()
 _choices = PerGroup()  # group -> call signature -> comm type
 last_choice: dict[str, Any] = {}  # the latest choice made: key, predicted, measured, choice (benchmark, tests)
-_ENV = {"flops": "MEGATRON_RING_FLOPS", "bwd_flops": "MEGATRON_RING_BWD_FLOPS",
-        "bw_intra": "MEGATRON_RING_BANDWIDTH", "bw_inter": "MEGATRON_RING_INTER_BANDWIDTH",
-        "latency": "MEGATRON_RING_LATENCY_S", "call_overhead": "MEGATRON_RING_CALL_OVERHEAD_S"}
 
 
 def set_machine(machine: Machine | None, group: Any = None, device_type: str | None = None) -> None:
@@ -139,8 +136,8 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
     key = ("probed", device.type, outer, dtype, min(heads, 8), head_dim, block)  # outer: the group itself
     if (group, key) in _machines:
         return _machines.get(group, key)
-    env = {name: float(os.environ[var]) for name, var in _ENV.items() if os.environ.get(var)}
-    numbers = env if len(env) == len(_ENV) else {
+    env = settings.machine_numbers()
+    numbers = env if len(env) == len(settings.MACHINE_VARIABLES) else {
         **probe_machine(plan, device, dtype, outer, min(heads, 8), head_dim, block), **env}
     order = ["flops", "bwd_flops", "bw_intra", "bw_inter", "latency", "call_overhead"]
     # agree: MIN of rates, MAX of times (as -MIN of -time) over the group
@@ -149,12 +146,11 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
                        device=device)
     dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)
     agreed = {n: (-x if n in times else x) for n, x in zip(order, vec.tolist())}
-    gpn = os.environ.get("MEGATRON_RING_GPUS_PER_NODE")
-    overlap = os.environ.get("MEGATRON_RING_OVERLAP")  # CPU: transfers run on the compute cores
+    overlap = settings.overlap()  # unset: none on CPU (transfers run on the compute cores), full on GPUs
     return _machines.set(group, key, Machine(
         flops=agreed["flops"], bwd_flops=agreed["bwd_flops"], bw_intra=agreed["bw_intra"], bw_inter=agreed["bw_inter"],
-        latency=agreed["latency"], call_overhead=agreed["call_overhead"], gpus_per_node=int(gpn) if gpn else None,
-        overlap=float(overlap) if overlap else (0.0 if device.type == "cpu" else 1.0)))
+        latency=agreed["latency"], call_overhead=agreed["call_overhead"], gpus_per_node=settings.gpus_per_node(),
+        overlap=overlap if overlap is not None else (0.0 if device.type == "cpu" else 1.0)))
 
 
 def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int) -> Problem:
@@ -172,23 +168,18 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: in
 BAND, MEASURE_MIN_S, MEASURE_BUDGET_S, MEASURE_ROUNDS = 0.3, 0.05, 400.0, 5
 
 
-def _setting(name: str, default: float) -> float:
-    raw = os.environ.get(f"MEGATRON_RING_AUTO_{name}")
-    return float(raw) if raw else default
-
-
 def to_measure(rows: list[dict]) -> tuple[list[str], int]:
     """The candidates the model cannot tell apart and the rounds to time them (fewer when the budget is
     tight, but at least 3: fewer rounds cannot tell a type's typical time from a lucky call); ``([], 0)``
     when the model decides (see the module doc)."""
-    if os.environ.get("MEGATRON_RING_AUTO_MEASURE", "1") == "0":
+    if not settings.auto_measure():
         return [], 0
     best = min(r["time_s"] for r in rows)
-    near = [r for r in rows if r["time_s"] <= best * (1 + _setting("BAND", BAND))]
+    near = [r for r in rows if r["time_s"] <= best * (1 + settings.auto_number("BAND", BAND))]
     cost = sum(r["time_s"] for r in near)
-    wanted = int(_setting("MEASURE_ROUNDS", MEASURE_ROUNDS))
-    rounds = min(wanted, int(_setting("MEASURE_BUDGET_S", MEASURE_BUDGET_S) // max(cost, 1e-12)))
-    if len(near) < 2 or rounds < max(1, min(3, wanted)) or best < _setting("MEASURE_MIN_S", MEASURE_MIN_S):
+    wanted = int(settings.auto_number("MEASURE_ROUNDS", MEASURE_ROUNDS))
+    rounds = min(wanted, int(settings.auto_number("MEASURE_BUDGET_S", MEASURE_BUDGET_S) // max(cost, 1e-12)))
+    if len(near) < 2 or rounds < max(1, min(3, wanted)) or best < settings.auto_number("MEASURE_MIN_S", MEASURE_MIN_S):
         return [], 0
     return [r["comm_type"] for r in near], rounds
 

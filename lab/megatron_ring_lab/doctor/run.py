@@ -17,7 +17,7 @@ from megatron_ring_lab.doctor.capture import OUT_ENV
 #: the spec every run gets (core attention = the ring at every CP size, CP=1 included)
 SPEC = ["--spec", "megatron_ring.megatron.spec", "ring_layer_spec"]
 #: environment variables that change only runs at CP > 1: a CP=1 run is reused across them (``--cache``)
-CP1_NEUTRAL_ENV = {"MEGATRON_RING_MTP_CP_INVARIANT", "MEGATRON_RING_COMM_DTYPE", "MEGATRON_RING_COMM_TYPE",
+CP1_NEUTRAL_ENV = {"MEGATRON_RING_MTP_CP_INVARIANT", "MEGATRON_RING_COMM_DTYPE", "MEGATRON_RING_CP_COMM_TYPE",
                    "MEGATRON_RING_KV_PIECES"}
 
 

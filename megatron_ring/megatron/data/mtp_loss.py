@@ -17,14 +17,13 @@ loss becomes the sequence mean. Packed (THD) batches are left as Megatron comput
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_ring.megatron import compat
-from megatron_ring.megatron.config import ContextParallelConfigError
+from megatron_ring.megatron.env import mtp_cp_invariant_from_env
 
 __all__ = ["MTP_ENV", "cp_invariant_mtp_loss", "mtp_cp_invariant_requested", "apply_mtp_loss_choice"]
 
@@ -34,12 +33,7 @@ MTP_ENV = "MEGATRON_RING_MTP_CP_INVARIANT"
 
 def mtp_cp_invariant_requested() -> bool:
     """Whether ``MEGATRON_RING_MTP_CP_INVARIANT`` asks for :func:`cp_invariant_mtp_loss`."""
-    raw = (os.environ.get(MTP_ENV) or "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ContextParallelConfigError(MTP_ENV, f"must be 1 or 0 (true/false), got {raw!r}")
+    return mtp_cp_invariant_from_env()
 
 
 def _with_cp_mean_count(roll: Callable) -> Callable:

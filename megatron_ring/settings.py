@@ -1,0 +1,147 @@
+"""Every ``MEGATRON_RING_*`` environment variable, read and validated here and nowhere else.
+
+A variable is read when its function is called, not at import (a job, or a test, may set one between
+calls); a callee that needs the value per call resolves it once and keeps it (the Megatron glue per layer).
+A bad value raises :class:`SettingError` (a ``ValueError``) naming the variable and what it accepts.
+
+==================================== ===================================================== ================
+variable                             meaning                                               read by
+==================================== ===================================================== ================
+``MEGATRON_RING_TIMEOUT_S``          seconds a ring exchange waits for a peer              ring_attention
+``MEGATRON_RING_KV_PIECES``          K/V pieces per ring step (a positive integer)         ring_attention
+``MEGATRON_RING_COMM_DTYPE``         K/V wire format (a key of ``COMM_DTYPE_ALIASES``)     Megatron glue
+``MEGATRON_RING_CP_COMM_TYPE``       comm type, one or one per layer (comma separated)     Megatron glue
+``MEGATRON_RING_LAYOUT``             the layout of a stock script's batch split            Megatron glue
+``MEGATRON_RING_MTP_CP_INVARIANT``   ``1``: MTP loss weighted at CP > 1 as at CP=1         Megatron glue
+``MEGATRON_RING_FLOPS`` ...          the machine numbers of ``comm_type="auto"``           auto
+``MEGATRON_RING_AUTO_*``             ``auto``'s measured tie-break (``AUTO_MEASURE=0``:    auto
+                                     off; ``BAND``, ``MEASURE_MIN_S``, ...)
+``MEGATRON_RING_START_METHOD``       the lab's launcher: ``forkserver`` or ``spawn``       the lab
+``MEGATRON_RING_PRELOAD``            modules the launcher's fork server imports once       the lab
+==================================== ===================================================== ================
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["SettingError", "timeout_s", "kv_pieces", "comm_dtype", "cp_comm_type", "layout", "mtp_cp_invariant",
+           "machine_numbers", "gpus_per_node", "overlap", "auto_measure", "auto_number", "start_method", "preload",
+           "MACHINE_VARIABLES", "AUTO_VARIABLES"]
+
+
+class SettingError(ValueError):
+    """A ``MEGATRON_RING_*`` variable holds a value its reader does not accept (``.variable`` names it)."""
+
+    def __init__(self, variable: str, accepts: str, value: str):
+        self.variable, self.detail = variable, f"must be {accepts}, got {value!r}"
+        super().__init__(f"{variable} {self.detail}")
+
+
+def _raw(variable: str) -> str | None:
+    value = os.environ.get(variable)
+    return value.strip() if value is not None and value.strip() else None
+
+
+def _float(variable: str, accepts: str = "a number") -> float | None:
+    value = _raw(variable)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise SettingError(variable, accepts, value) from None
+
+
+def _positive_int(variable: str) -> int | None:
+    value = _raw(variable)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise SettingError(variable, "a positive integer", value)
+    return int(value)
+
+
+def timeout_s() -> float | None:
+    """``MEGATRON_RING_TIMEOUT_S``: seconds, or None (the group's timeout)."""
+    return _float("MEGATRON_RING_TIMEOUT_S", "a number of seconds")
+
+
+def kv_pieces() -> int | None:
+    """``MEGATRON_RING_KV_PIECES``: a positive int, or None (the library chooses)."""
+    return _positive_int("MEGATRON_RING_KV_PIECES")
+
+
+def comm_dtype() -> str | None:
+    """``MEGATRON_RING_COMM_DTYPE`` as written (the glue's ``RingConfig`` validates it)."""
+    return _raw("MEGATRON_RING_COMM_DTYPE")
+
+
+def cp_comm_type() -> tuple[str, ...] | None:
+    """``MEGATRON_RING_CP_COMM_TYPE``: the comm types it lists (comma or space separated), or None."""
+    value = _raw("MEGATRON_RING_CP_COMM_TYPE")
+    return None if value is None else tuple(x for x in value.replace(",", " ").split() if x)
+
+
+def layout() -> str | None:
+    """``MEGATRON_RING_LAYOUT`` as written (the glue's ``RingConfig`` validates it)."""
+    return _raw("MEGATRON_RING_LAYOUT")
+
+
+def mtp_cp_invariant() -> bool:
+    """``MEGATRON_RING_MTP_CP_INVARIANT``: 1/0, true/false, yes/no, on/off (unset: False)."""
+    value = (_raw("MEGATRON_RING_MTP_CP_INVARIANT") or "").lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise SettingError("MEGATRON_RING_MTP_CP_INVARIANT", "1 or 0 (true/false)", value)
+
+
+#: ``auto``'s machine numbers: Machine field -> variable
+MACHINE_VARIABLES = {"flops": "MEGATRON_RING_FLOPS", "bwd_flops": "MEGATRON_RING_BWD_FLOPS",
+                     "bw_intra": "MEGATRON_RING_BANDWIDTH", "bw_inter": "MEGATRON_RING_INTER_BANDWIDTH",
+                     "latency": "MEGATRON_RING_LATENCY_S", "call_overhead": "MEGATRON_RING_CALL_OVERHEAD_S"}
+#: ``auto``'s measured tie-break: setting -> variable
+AUTO_VARIABLES = {"BAND": "MEGATRON_RING_AUTO_BAND", "MEASURE_MIN_S": "MEGATRON_RING_AUTO_MEASURE_MIN_S",
+                  "MEASURE_BUDGET_S": "MEGATRON_RING_AUTO_MEASURE_BUDGET_S",
+                  "MEASURE_ROUNDS": "MEGATRON_RING_AUTO_MEASURE_ROUNDS"}
+
+
+def machine_numbers() -> dict[str, float]:
+    """The machine numbers the environment gives (``MACHINE_VARIABLES``; the unset ones left out)."""
+    numbers = {name: _float(variable) for name, variable in MACHINE_VARIABLES.items()}
+    return {name: x for name, x in numbers.items() if x is not None}
+
+
+def gpus_per_node() -> int | None:
+    """``MEGATRON_RING_GPUS_PER_NODE``: a positive int, or None."""
+    return _positive_int("MEGATRON_RING_GPUS_PER_NODE")
+
+
+def overlap() -> float | None:
+    """``MEGATRON_RING_OVERLAP``: the fraction of a transfer hidden behind compute, or None (by device)."""
+    return _float("MEGATRON_RING_OVERLAP", "a number between 0 and 1")
+
+
+def auto_measure() -> bool:
+    """``MEGATRON_RING_AUTO_MEASURE``: ``0`` turns ``auto``'s measured tie-break off."""
+    return _raw("MEGATRON_RING_AUTO_MEASURE") != "0"
+
+
+def auto_number(name: str, default: float) -> float:
+    """One of ``auto``'s tie-break numbers (``AUTO_VARIABLES``), or ``default`` where unset."""
+    value = _float(AUTO_VARIABLES[name])
+    return default if value is None else value
+
+
+def start_method() -> str | None:
+    """``MEGATRON_RING_START_METHOD`` (the lab's launcher): ``forkserver``, ``spawn``, or None (its default)."""
+    value = _raw("MEGATRON_RING_START_METHOD")
+    if value not in (None, "forkserver", "spawn"):
+        raise SettingError("MEGATRON_RING_START_METHOD", "forkserver or spawn", value)
+    return value
+
+
+def preload() -> list[str]:
+    """``MEGATRON_RING_PRELOAD`` (the lab's launcher): the modules its fork server imports once."""
+    return [m for m in (_raw("MEGATRON_RING_PRELOAD") or "").split(",") if m.strip()]
