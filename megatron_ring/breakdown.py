@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from typing import Iterator
 
-__all__ = ["record", "timed", "set_phase", "CATEGORIES"]
+__all__ = ["record", "section", "set_phase", "CATEGORIES"]
 
 CATEGORIES = ("kernel", "merge", "decode", "copies", "launch", "wait")
 
@@ -53,6 +53,6 @@ def _timer(step: int, category: str) -> Iterator[None]:
 _NULL = contextlib.nullcontext()
 
 
-def timed(step: int, category: str):
+def section(step: int, category: str):
     """Context manager timing one region (a shared no-op when not recording)."""
     return _NULL if _current is None else _timer(step, category)

@@ -9,7 +9,7 @@ import torch
 from tests.helpers.launch import run_distributed
 from tests.helpers.numerics import F64_REL
 from megatron_ring_lab import planner as plan
-from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, predict, predict_all, smallest_cp,
+from megatron_ring.planning.cost_model import (Machine, Problem, activation_bytes, predict, predict_all, smallest_cp,
                                                  workspace_bytes)
 
 ISSUE_EXAMPLE = ["--seq-length", "1048576", "--hidden-size", "8192", "--num-attention-heads", "64",

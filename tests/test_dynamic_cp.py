@@ -1,4 +1,4 @@
-"""Dynamic CP scheduler (megatron_ring/strategies/dynamic_cp.py): every document placed once, the
+"""Dynamic CP scheduler (megatron_ring/planning/dynamic_cp.py): every document placed once, the
 schedule's balance within its own prediction, never predicted slower than fixed CP, determinism, the
 Megatron-policy baseline, and the per-rank causal work against a brute-force count."""
 import random
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from tests.helpers.numerics import F64_REL
 from megatron_ring.schedules.layouts import get_layout
-from megatron_ring.strategies import dynamic_cp as dc
-from megatron_ring.strategies.cost_model import Machine, Problem
+from megatron_ring.planning import dynamic_cp as dc
+from megatron_ring.planning.cost_model import Machine, Problem
 
 PB = Problem(batch=1, seq=0, heads=8, kv_heads=4, head_dim=64, layout="zigzag", elem_bytes=2)
 GPU = Machine(flops=400e12, bw_intra=300e9, latency=20e-6, call_overhead=20e-6)
@@ -24,11 +24,11 @@ def long_tail(n: int, seed: int, scale: int = 1) -> list[int]:
                                                                     for _ in range(max(1, n // 20))]
 
 
-def _placed(s: dc.Schedule) -> list[int]:
+def _placed(s: dc.DynamicCPSchedule) -> list[int]:
     return sorted(d for sub in s.subsamples for d in sub.docs)
 
 
-def _check_schedule(s: dc.Schedule, lens: list[int], world: int, cap: int | None, layout: str = "zigzag") -> None:
+def _check_schedule(s: dc.DynamicCPSchedule, lens: list[int], world: int, cap: int | None, layout: str = "zigzag") -> None:
     assert _placed(s) == [d for d, n in enumerate(lens) if n > 0]  # every document exactly once
     need = get_layout(layout).local_multiple()
     for rnd in s.rounds:
@@ -66,7 +66,7 @@ def _check_schedule(s: dc.Schedule, lens: list[int], world: int, cap: int | None
     assert s.imbalance >= 1 - F64_REL
 
 
-def _check_balance(s: dc.Schedule) -> None:
+def _check_balance(s: dc.DynamicCPSchedule) -> None:
     """Work balance within the schedule's own prediction: the slowest rank exceeds the mean busy time by
     less than the longest sub-sample of each round (the list-scheduling bound)."""
     mean = sum(s.rank_s) / s.world

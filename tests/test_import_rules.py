@@ -37,8 +37,9 @@ LEAVES = {"errors", "breakdown", "timing", "device", "settings"}
 ALLOWED = {
     "transport": set(), "wire": set(), "kernels": set(), "schedules": set(),
     "core": {"transport", "wire", "kernels", "schedules"},
-    "strategies": {"core", "transport", "wire", "kernels", "schedules"},
-    "face": {"strategies", "core", "transport", "wire", "kernels", "schedules"},
+    "strategies": {"planning", "core", "transport", "wire", "kernels", "schedules"},
+    "planning": {"core", "wire", "schedules"},
+    "face": {"strategies", "planning", "core", "transport", "wire", "kernels", "schedules"},
     "megatron": {"__face__"},
     "moved": set(),
 }

@@ -175,7 +175,7 @@ def test_breakdown_records_every_phase_and_is_off_by_default():
     cats = {(phase, cat) for phase, _, cat in rec}
     assert {("fwd", "kernel"), ("fwd", "merge"), ("bwd", "kernel"), ("bwd", "copies")} <= cats, cats
     assert all(v >= 0 for v in rec.values())
-    assert breakdown.timed(0, "kernel") is breakdown.timed(1, "merge")  # the shared no-op when not recording
+    assert breakdown.section(0, "kernel") is breakdown.section(1, "merge")  # the shared no-op when not recording
 
 
 def _mismatch_worker(rank, world):

@@ -22,7 +22,7 @@ from tests.helpers.launch import run_distributed
 from megatron_ring import HeadSplitError, ring_attention
 from megatron_ring.core.heads import head_split
 from megatron_ring.strategies import make_hierarchical_groups
-from megatron_ring.strategies.cost_model import Machine, Problem, candidate_types, predict
+from megatron_ring.planning.cost_model import Machine, Problem, candidate_types, predict
 from tests.test_ring_attention import _case_errors
 
 

@@ -2,7 +2,7 @@
 
 For a document-length distribution (a file of lengths, or a named synthetic mix) and one or more
 DP x CP world sizes, it compares fixed CP sizes, Megatron's hybrid-CP policy and ours
-(:mod:`megatron_ring.strategies.dynamic_cp`) by the cost model: predicted step time (attention, one
+(:mod:`megatron_ring.planning.dynamic_cp`) by the cost model: predicted step time (attention, one
 layer, forward + backward, the slowest rank; rounds' barriers included), imbalance (slowest rank's time
 over the mean busy time), bytes sent per rank, memory per rank (one layer x ``--num-layers``).
 
@@ -19,8 +19,8 @@ import json
 import random
 from typing import Any
 
-from megatron_ring.strategies.cost_model import Machine, Problem
-from megatron_ring.strategies import dynamic_cp as dc
+from megatron_ring.planning.cost_model import Machine, Problem
+from megatron_ring.planning import dynamic_cp as dc
 
 __all__ = ["doc_lengths", "MIXES", "compare", "format_table", "main"]
 
@@ -58,7 +58,7 @@ def read_lengths(path: str) -> list[int]:
     return out
 
 
-def _row(name: str, s: dc.Schedule, layers: int) -> dict[str, Any]:
+def _row(name: str, s: dc.DynamicCPSchedule, layers: int) -> dict[str, Any]:
     return {"policy": name, "step_s": s.step_s, "imbalance": s.imbalance, "rounds": len(s.rounds),
             "subsamples": len(s.subsamples), "sizes": sorted({x.size for x in s.subsamples}),
             "bytes_per_rank": max(s.bytes_per_rank(), default=0.0),

@@ -1,6 +1,6 @@
 """GPU machine presets for the planner (``python -m megatron_ring_lab.plan --machine NAME``).
 
-Each preset gives what the cost model (``strategies/cost_model.py``) needs of a machine: link bandwidth
+Each preset gives what the cost model (``planning/cost_model.py``) needs of a machine: link bandwidth
 per GPU inside the NVLink domain and across it, GPUs per NVLink domain, a per-message latency, and the
 attention kernel's achieved forward rate. Bandwidths are bytes/s in ONE direction per GPU (a ring sends
 to one neighbour while it receives from the other): half of the bidirectional NVLink figure NVIDIA

@@ -11,7 +11,7 @@ a sequence needs.
         groups: fixed CP vs Megatron's hybrid-CP scheduler vs ours; see lab/megatron_ring_lab/dynamic_plan.py)
 
 Times are per layer (attention only, forward + backward) from the cost model in
-``megatron_ring/strategies/cost_model.py`` (see docs/strategies.md for what it includes and how well it
+``megatron_ring/planning/cost_model.py`` (see docs/strategies.md for what it includes and how well it
 matched measurements). ``--flops`` is the attention kernel's achieved rate per GPU (not the datasheet
 peak), bandwidths are bytes/s per GPU. Memory per rank per layer is the seed's ``12 C d`` generalised to
 GQA and the wire dtype, plus each strategy's transient workspace.
@@ -26,7 +26,7 @@ from typing import Any
 from megatron_ring.schedules.layouts import LAYOUTS
 from megatron_ring_lab.machines import MACHINES, machine as machine_preset
 from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
-from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, candidate_types, pick, predict, smallest_cp, wire_bytes_per_elem)
+from megatron_ring.planning.cost_model import (Machine, Problem, activation_bytes, candidate_types, pick, predict, smallest_cp, wire_bytes_per_elem)
 
 __all__ = ["main", "plan"]
 

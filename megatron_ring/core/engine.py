@@ -203,7 +203,7 @@ class _KVStream:
         if got is not None:
             return got
         buf = self.rot.slots[slot]
-        with breakdown.timed(step, "decode"):
+        with breakdown.section(step, "decode"):
             got = self.plan.codec.decode(buf[:-1], self.spec)
         if self._exact:
             self._views[slot] = got
@@ -256,7 +256,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     breakdown.set_phase("fwd")
     b, h, s, _ = q.shape
     steps = plan.steps(s)
-    with breakdown.timed(0, "copies"):
+    with breakdown.section(0, "copies"):
         kv = _KVStream(plan, k, v, "fwd_kv", _pieces(plan, k), steps, refusal)
     out = torch.empty_strided((b, h, s, v.shape[-1]), _strides_like((b, h, s, v.shape[-1]), q),
                               dtype=torch.float32, device=q.device)
@@ -293,7 +293,7 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
     for task in tasks:
         rows, cols = task.q, task.kv
         whole = _covers(rows, s)
-        with breakdown.timed(step, "kernel"):
+        with breakdown.section(step, "kernel"):
             o, l = plan.forward_block(task, q if whole else q[:, :, rows], *_cols(kt, vt, cols), step)
         if fresh and whole:  # first result covering every row: copied in
             out.copy_(o)
@@ -301,7 +301,7 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
         else:
             if fresh:
                 _init_acc(out, lse)
-            with breakdown.timed(step, "merge"):
+            with breakdown.section(step, "merge"):
                 if whole:
                     merge_into(out, lse, o, l)
                 else:
@@ -324,7 +324,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     breakdown.set_phase("bwd")
     n = _pieces(plan, k)
     steps = plan.steps(s)
-    with breakdown.timed(0, "copies"):
+    with breakdown.section(0, "copies"):
         kv = _KVStream(plan, k, v, "bwd_kv", n, steps, status=False)
         dkv = _Accumulators(plan.ring, k, v, n)
     dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
@@ -415,19 +415,19 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     s, sk = q.shape[2], kt.shape[2]
     for task in tasks:
         rows = task.q
-        with breakdown.timed(step, "kernel"):
+        with breakdown.section(step, "kernel"):
             if _covers(rows, s):
                 dq_b, dk_b, dv_b = plan.backward_block(task, dout, q, *_cols(kt, vt, task.kv), out, lse, step)
             else:
                 dq_b, dk_b, dv_b = plan.backward_block(
                     task, dout[:, :, rows], q[:, :, rows], *_cols(kt, vt, task.kv),
                     out[:, :, rows], lse[:, :, rows].contiguous(), step)
-        with breakdown.timed(step, "copies"):  # add_ into the view: no write-back copy as ``+=`` on a slice does
+        with breakdown.section(step, "copies"):  # add_ into the view: no write-back copy as ``+=`` on a slice does
             (dq if _covers(rows, s) else dq[:, :, rows]).add_(dq_b)
         del dq_b
         partial.append((task.kv, dk_b, dv_b))
     wait_for_acc()
-    with breakdown.timed(step, "copies"):
+    with breakdown.section(step, "copies"):
         for cols, dk_b, dv_b in partial:
             dk_view, dv_view = (dk_acc, dv_acc) if _covers(cols, sk) else _cols(dk_acc, dv_acc, cols)
             dk_view.add_(dk_b)

@@ -119,5 +119,5 @@ class Rotation:
 
 def wait(ex: Exchange | None, step: int) -> None:
     if ex is not None:
-        with breakdown.timed(step, "wait"):
+        with breakdown.section(step, "wait"):
             ex.wait()

@@ -7,7 +7,7 @@ kernel, codec) and reuses the engine's ring forward/backward for its compute:
 * ``all_gather`` (:mod:`.all_gather`): gathered K/V in pieces, dK/dV reduce-scattered;
 * ``a2a`` (:mod:`.a2a`): Ulysses, sequence shards <-> head shards;
 * ``a2a+p2p`` (:mod:`.a2a_p2p`): Ulysses in the inner group, ring over the outer group;
-* ``auto`` (:mod:`.auto`): one of the above, chosen per call signature by :mod:`.cost_model`.
+* ``auto`` (:mod:`.auto`): one of the above, chosen per call signature by :mod:`megatron_ring.planning.cost_model`.
 
 A rank whose input is refused after the cross-rank check takes part in the forward's exchanges anyway,
 so that every rank raises (:class:`Refusal`, :func:`refuse`; docs/design.md "Faults").

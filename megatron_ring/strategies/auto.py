@@ -49,7 +49,7 @@ from megatron_ring.transport.ring import Ring
 from megatron_ring.core.engine import RingPlan, _memory_order
 from megatron_ring.core.rotation import divisor_at_most
 from megatron_ring.schedules.layouts import LAYOUTS
-from megatron_ring.strategies.cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
+from megatron_ring.planning.cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
 
 __all__ = ["choose", "set_machine", "machine_for", "probe_machine", "measure", "to_measure", "last_choice"]
 

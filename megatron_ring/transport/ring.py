@@ -189,7 +189,7 @@ class Ring(Transport):
         # stream is captured into a CUDA graph: a query during capture invalidates it, and replays have no
         # Work objects to watch (NCCL's own watchdog keeps the time-out there)
         watched = self.watchdog_deadline and self.timeout is not None and not self.stream.capturing()
-        with breakdown.timed(step, "launch"), self.stream.launch(send, recv):
+        with breakdown.section(step, "launch"), self.stream.launch(send, recv):
             started = self.stream.marker() if watched else None
             for roles, ops in batches:
                 try:

@@ -9,7 +9,7 @@ hcs = pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule",
                           reason="this megatron-core has no hybrid-CP scheduler")
 
 from megatron_ring.megatron.groups.dynamic_cp import RingCPScheduler  # noqa: E402
-from megatron_ring.strategies import dynamic_cp as dc  # noqa: E402
+from megatron_ring.planning import dynamic_cp as dc  # noqa: E402
 
 
 class _Group:  # what both schedulers read of the DP x CP group

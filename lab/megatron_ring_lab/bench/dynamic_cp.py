@@ -1,6 +1,6 @@
 """Dynamic-CP benchmark (``python -m megatron_ring_lab.benchmark --dynamic-cp``): one global batch of
 documents at ``world`` CPU ranks (gloo, one thread each) under fixed CP=world, fixed CP=2 x DP=world/2,
-Megatron's hybrid-CP policy and ours (:mod:`megatron_ring.strategies.dynamic_cp`), measured side by side.
+Megatron's hybrid-CP policy and ours (:mod:`megatron_ring.planning.dynamic_cp`), measured side by side.
 
 Per policy and iteration every rank runs the sub-samples the schedule gives it, in the schedule's order
 (a barrier after each round): one ``ring_attention(..., group=<its subgroup>, qkv_format="thd",
@@ -78,8 +78,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from megatron_ring import ring_attention
-    from megatron_ring.strategies import dynamic_cp as dc
-    from megatron_ring.strategies.cost_model import Machine, Problem
+    from megatron_ring.planning import dynamic_cp as dc
+    from megatron_ring.planning.cost_model import Machine, Problem
 
     torch.set_num_threads(1)
     h, hk, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -150,8 +150,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def run_dynamic_cp(cfg: dict[str, Any]) -> dict[str, Any]:
     """cfg: world, mix, num_docs, seed, scale, heads, kv_heads, head_dim, layout, iters, timeout,
     gpu_worlds (model-only world sizes for the unscaled lengths)."""
-    from megatron_ring.strategies import dynamic_cp as dc
-    from megatron_ring.strategies.cost_model import Machine, Problem
+    from megatron_ring.planning import dynamic_cp as dc
+    from megatron_ring.planning.cost_model import Machine, Problem
     from megatron_ring_lab import dynamic_plan as dp
     from megatron_ring_lab.launch import run_on_ranks
 

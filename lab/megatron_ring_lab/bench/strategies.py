@@ -30,7 +30,7 @@ def _hier(world: int, inner: int):
 
 
 def _types_for(cfg: dict[str, Any], world: int) -> list[str]:
-    from megatron_ring.strategies.cost_model import candidate_types
+    from megatron_ring.planning.cost_model import candidate_types
 
     ok = candidate_types(cfg["heads"], world, _inner(world)) + ["auto"]
     return [t for t in cfg["comm_types"] if t in ok]
@@ -45,7 +45,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
 
     from megatron_ring import ring_attention
     from megatron_ring.strategies import auto
-    from megatron_ring.strategies.cost_model import predict
+    from megatron_ring.planning.cost_model import predict
 
     inner = _inner(world)
     hier = _hier(world, inner) if inner else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from megatron_ring import Machine, Problem, Schedule, schedule_dynamic_cp
+from megatron_ring import Machine, Problem, schedule_dynamic_cp
 
 __all__ = ["RingCPScheduler", "use_ring_scheduler", "to_megatron_groups"]
 
@@ -30,7 +30,7 @@ DEFAULT_MACHINE = Machine(flops=400e12, bw_intra=300e9, bw_inter=50e9, gpus_per_
                           call_overhead=20e-6)
 
 
-def to_megatron_groups(sched: Schedule, ids: Sequence[int]) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+def to_megatron_groups(sched: "megatron_ring.planning.dynamic_cp.DynamicCPSchedule", ids: Sequence[int]) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
     """(groups, sample_id_groups) in ``BalancedCPScheduler.get_groups_and_subsamples``'s shape: per round,
     per rank, the lengths and the ids (``ids[doc]``) of the documents the rank runs, in its run order."""
     groups, id_groups = [], []
@@ -61,7 +61,7 @@ class RingCPScheduler:
         self.problem = problem or Problem(batch=1, seq=0, heads=32, kv_heads=8, head_dim=128)
         self.machine = machine or DEFAULT_MACHINE
         self.seed = seed
-        self.last_schedule: Schedule | None = None
+        self.last_schedule = None  # the latest megatron_ring.planning.dynamic_cp.DynamicCPSchedule
 
     def get_groups_and_subsamples(self, sample_id_seqlens, config=None):
         ids = [int(i) for i, _ in sample_id_seqlens]

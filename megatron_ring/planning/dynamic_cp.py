@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_ring.schedules.layouts import get_layout
-from megatron_ring.strategies.cost_model import (Machine, Problem, activation_bytes, candidate_types, predict,
+from megatron_ring.planning.cost_model import (Machine, Problem, activation_bytes, candidate_types, predict,
                                                  workspace_bytes)
 
-__all__ = ["SubSample", "Schedule", "PackCost", "schedule_dynamic_cp", "schedule_megatron_balanced",
+__all__ = ["SubSample", "DynamicCPSchedule", "PackCost", "schedule_dynamic_cp", "schedule_megatron_balanced",
            "schedule_fixed_cp", "predict_schedule", "padded_length"]
 
 
@@ -66,7 +66,7 @@ class SubSample:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class DynamicCPSchedule:
     """Rounds of sub-samples (a barrier after each round), their prediction, and who made them."""
 
     world: int
@@ -240,8 +240,8 @@ class PackCost:
                          p["time_s"], p["bytes_per_rank"], p["memory_bytes"])
 
 
-def predict_schedule(rounds: Sequence[Sequence[SubSample]], world: int, policy: str) -> Schedule:
-    """A :class:`Schedule` with its prediction. Within a round every rank runs its sub-samples in the
+def predict_schedule(rounds: Sequence[Sequence[SubSample]], world: int, policy: str) -> DynamicCPSchedule:
+    """A :class:`DynamicCPSchedule` with its prediction. Within a round every rank runs its sub-samples in the
     round's list order, and a sub-sample starts when the last of its ranks is free (the ring exchange
     itself waits for the partners); a round ends when its last rank is done (the barrier)."""
     rank_s = [0.0] * world
@@ -254,7 +254,7 @@ def predict_schedule(rounds: Sequence[Sequence[SubSample]], world: int, policy: 
                 free[r] = start + sub.predicted_s
                 rank_s[r] += sub.predicted_s
         step += max(free)
-    return Schedule(world, tuple(tuple(r) for r in rounds), policy, step, tuple(rank_s))
+    return DynamicCPSchedule(world, tuple(tuple(r) for r in rounds), policy, step, tuple(rank_s))
 
 
 def _check(lengths: Sequence[int], world: int, max_tokens_per_rank: int | None) -> list[int]:
@@ -350,7 +350,7 @@ ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
 def schedule_dynamic_cp(lengths: Sequence[int], world: int, problem: Problem, machine: Machine, *,
                         max_tokens_per_rank: int | None = None, sizes: str | Sequence[int] = "any",
                         aligned: bool = False, comm_types: Sequence[str] = ("p2p",), seed: int = 0,
-                        pack: bool = True, cost: PackCost | None = None) -> Schedule:
+                        pack: bool = True, cost: PackCost | None = None) -> DynamicCPSchedule:
     """Our scheduler: group sizes, placement and packing that minimise the slowest rank's predicted time.
 
     Args:
@@ -408,7 +408,7 @@ def schedule_dynamic_cp(lengths: Sequence[int], world: int, problem: Problem, ma
     return out
 
 
-def _baselines(lens, world, problem, machine, cap, allowed, cost) -> list[Schedule]:
+def _baselines(lens, world, problem, machine, cap, allowed, cost) -> list[DynamicCPSchedule]:
     out = []
     for cp in sorted(allowed):
         if world % cp == 0:
@@ -428,7 +428,7 @@ def _baselines(lens, world, problem, machine, cap, allowed, cost) -> list[Schedu
 
 def schedule_fixed_cp(lengths: Sequence[int], world: int, cp: int, problem: Problem, machine: Machine, *,
                       max_tokens_per_rank: int | None = None, comm_types: Sequence[str] = ("p2p",),
-                      cost: PackCost | None = None) -> Schedule:
+                      cost: PackCost | None = None) -> DynamicCPSchedule:
     """Fixed CP size ``cp`` (DP = world / cp): documents packed in arrival order into sequences of at most
     ``cp * max_tokens_per_rank`` tokens (no cap: one sequence per DP replica's even share of the tokens),
     sequences dealt round-robin to the DP replicas -- what a packed data loader does without balancing."""
@@ -459,7 +459,7 @@ def schedule_fixed_cp(lengths: Sequence[int], world: int, cp: int, problem: Prob
 
 def schedule_megatron_balanced(lengths: Sequence[int], world: int, problem: Problem, machine: Machine, *,
                                max_tokens_per_rank: int, comm_types: Sequence[str] = ("p2p",),
-                               delta: float = 0.05, cost: PackCost | None = None) -> Schedule:
+                               delta: float = 0.05, cost: PackCost | None = None) -> DynamicCPSchedule:
     """Megatron's hybrid-CP policy (megatron-core 0.19's ``BalancedCPScheduler``), written from its
     description, predicted with our cost model (one document per sub-sample, as Megatron runs them):
 
