@@ -184,3 +184,23 @@ def test_layout_rope_zigzag_equals_megatron_and_striped_takes_its_positions():
             assert torch.equal(ours(32), ref(32))
             ours.ring_layout = "striped"
             assert torch.equal(ours(32), full[r::2])
+
+
+def test_reduce_loss_over_cp_takes_cp_group_and_warns_on_the_old_name(tmp_path):
+    """A 1-process gloo group as the CP group; ``group=`` is the deprecated spelling of ``cp_group=``."""
+    import warnings
+
+    from megatron_ring.megatron import reduce_loss_over_cp
+
+    losses, mask = torch.tensor([[1.0, 3.0, 5.0]]), torch.tensor([[1, 1, 0]])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            new = reduce_loss_over_cp(losses, mask, cp_group=dist.group.WORLD)
+        with pytest.warns(DeprecationWarning, match="cp_group"):
+            old = reduce_loss_over_cp(losses, mask, group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert float(new.reported) == float(old.reported) == 2.0
+    assert float(new.num_tokens) == 2.0

@@ -30,12 +30,21 @@ def _cp_group(group: Any) -> Any:
     return default_cp_group(get_ring_state() if is_context_parallel_initialized() else None)
 
 
-def reduce_loss_over_cp(losses: torch.Tensor, loss_mask: torch.Tensor, group: Any = None) -> CPLoss:
+def reduce_loss_over_cp(losses: torch.Tensor, loss_mask: torch.Tensor, cp_group: Any = None, *,
+                        group: Any = None) -> CPLoss:
     """Masked mean token loss over the full sequence from per-token ``losses`` ``[b, s_local]``.
 
-    One all-reduce of ``[sum(loss * mask), sum(mask)]`` over the CP group (default: the registered ring).
+    One all-reduce of ``[sum(loss * mask), sum(mask)]`` over the CP group ``cp_group`` (default: the
+    registered ring). ``group=`` is the old spelling of ``cp_group=`` (one release, with a warning): the
+    glue names the CP group ``cp_group`` as Megatron does; the library's ``ring_attention`` takes torch's
+    ``group``.
     """
-    group = _cp_group(group)
+    if group is not None:
+        import warnings
+        warnings.warn("reduce_loss_over_cp(group=...) is deprecated: pass cp_group= (CHANGELOG.md)",
+                      DeprecationWarning, stacklevel=2)
+        cp_group = group if cp_group is None else cp_group
+    group = _cp_group(cp_group)
     mask = loss_mask.float()
     local = (losses.float() * mask).sum()
     stats = torch.stack([local.detach(), mask.sum()])
