@@ -15,7 +15,7 @@ from tests.helpers.launch import run_distributed
 from megatron_ring import ring_attention
 from megatron_ring.errors import WireFiniteError
 from megatron_ring.errors import RingInputError
-from megatron_ring.api import _attention_mask
+from megatron_ring.call import attention_mask as _attention_mask
 from megatron_ring.schedules.layouts import get_layout
 from megatron_ring.schedules.masks import needed_steps
 

@@ -43,7 +43,7 @@ ALLOWED = {
     "megatron": {"__face__"},
     "moved": set(),
 }
-FACE_MODULES = {"__init__", "api", "sequence"}
+FACE_MODULES = {"__init__", "api", "call", "sequence"}
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -25,6 +25,7 @@ from megatron_ring.core.heads import head_groups
 from megatron_ring.strategies import a2a, a2a_p2p, all_gather, p2p
 from megatron_ring.strategies.a2a_p2p import make_hierarchical_groups
 from megatron_ring.strategies.refusal import StrategyStatus
+from megatron_ring.transport.groups import PerGroup
 
 __all__ = ["STRATEGIES", "COMM_TYPES", "run_strategy", "check_comm_type", "make_hierarchical_groups", "Refusal",
            "refuse"]
@@ -41,7 +42,7 @@ def check_comm_type(comm_type: Any) -> str:
     return comm_type
 
 
-_agreed: dict[tuple, bool] = {}
+_agreed = PerGroup()  # ring group -> (hierarchical groups, required) -> usable on every rank
 
 
 def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool, device: torch.device) -> bool:
@@ -50,11 +51,12 @@ def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool
     ``required`` (a2a+p2p): raise the same ValueError on every rank when any rank's groups are unusable.
     """
     ring = plan.ring
-    ids = tuple(id(x) for x in hierarchical_groups) if isinstance(hierarchical_groups, (tuple, list)) else (
-        id(hierarchical_groups),)
-    key = (id(ring.group), ids, required)
-    if key in _agreed:
-        return _agreed[key]
+    # the group objects themselves (identity-hashed, held with the ring group's entry), never id(): a destroyed
+    # group's address can be reused by a new one
+    groups = tuple(hierarchical_groups) if isinstance(hierarchical_groups, (tuple, list)) else (hierarchical_groups,)
+    key = (groups, required)
+    if (ring.group, key) in _agreed:
+        return _agreed.get(ring.group, key)
     reason = a2a_p2p.check_hierarchical_groups(ring.group, ring.world, ring.rank, hierarchical_groups)
     flags = torch.zeros(ring.world, dtype=torch.int64, device=device)
     flags[ring.rank] = int(reason is not None)
@@ -64,8 +66,7 @@ def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool
         raise ValueError(reason if reason is not None else
                          f"comm_type='a2a+p2p': hierarchical_groups are unusable on group rank(s) {bad} (see "
                          f"their error); {a2a_p2p.HIER_HINT}")
-    _agreed[key] = not bad
-    return _agreed[key]
+    return _agreed.set(ring.group, key, not bad)
 
 
 def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,

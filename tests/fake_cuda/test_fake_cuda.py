@@ -198,7 +198,7 @@ def kernel_calls(monkeypatch):
 def _plan_on_host(case: Case, rank: int) -> None:
     """Build the masked schedules (documents, windows) with real host tensors first: the engine plans on
     the host from CPU index tensors (cached per signature), which FakeTensorMode would make fake."""
-    from megatron_ring.api import _attention_mask
+    from megatron_ring.call import attention_mask as _attention_mask
     from megatron_ring.schedules.layouts import get_layout
     from megatron_ring.schedules.masks import needed_steps, schedule
 
