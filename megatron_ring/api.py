@@ -63,8 +63,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             ``[t_local, h_kv, d]``, this rank's share of ONE packed stream of T tokens split by ``layout``
             like a sequence, e.g. ``shard_sequence(x, dim=0, layout=...)``).
         comm_dtype: wire dtype for K/V (None sends them as they are).
-        kernel: local block kernel: "auto", "flash_cpu", "math", "sdpa_cuda", "flash_attn", "flash_cuda",
-            "cudnn", "te_fused" (``auto``: the fastest one that supports the case).
+        kernel: local block kernel: "auto", "flash_cpu", "math", "flash_attn", "flash_cuda", "cudnn",
+            "te_fused" (``auto``: the fastest one that supports the case; fp32 on CUDA: "math"). A kernel
+            named that cannot run the case (device, dtype, head dim, GPU architecture) is refused with a
+            ValueError giving the reason; "sdpa_cuda" is refused until verified on a GPU.
         check_consistency: verify (once per new shape signature) that every rank passes the same
             shapes/dtypes/options, raising on every rank otherwise.
         timeout_s: seconds to wait for a ring peer before raising RingPeerError naming it (default:
@@ -137,7 +139,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     call.refusing(check_inputs, q, k, v, call.qkv_format)
     scale = call.checked_scale(softmax_scale)
     qh = call.bhsd(q)
-    block_kernel = call.refusing(select_kernel, qh, kernel)
+    # head dim: with MLA head dims the kernel's operands are padded to the larger one (kernels.head_dim)
+    block_kernel = call.refusing(select_kernel, qh, kernel, max(qh.shape[-1], v.shape[-1]))
     plan = call.plan(scale, block_kernel, qh, dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world))
     return call.repack(_dispatch(call, q, k, v, qh, plan, sink_logits(softmax_offset, qh)))
 

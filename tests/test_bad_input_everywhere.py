@@ -38,7 +38,7 @@ def _worker(rank, world):
             elif fault == "huge":
                 v[0, 7, 0, 1] = 1e6  # finite, but beyond fp16's 65504
             elif fault == "kernel":
-                kernel = "sdpa_cuda"  # a kernel this rank's device cannot run (rank-local: not in the signature)
+                kernel = "flash_cuda"  # a kernel this rank's device cannot run (rank-local: not in the signature)
             elif fault == "stride":
                 q = torch.randn(1, 32, 2, 32)[..., ::2]  # a non-contiguous head dim, refused on this rank only
         start = time.monotonic()

@@ -80,6 +80,8 @@ def test_select_kernel():
     with pytest.raises(ValueError, match="unknown kernel"):
         select_kernel(q, "no_such_kernel")
     with pytest.raises(ValueError, match="does not support"):
+        select_kernel(q, "flash_cuda")
+    with pytest.raises(ValueError, match="not verified on a GPU"):
         select_kernel(q, "sdpa_cuda")
 
 

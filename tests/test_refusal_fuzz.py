@@ -92,7 +92,7 @@ def call_case(case: dict, rank: int, **extra):
         if fault == "stride":
             q = torch.randn((*lead, h, 2 * d), generator=g)[..., ::2]
         elif fault == "kernel":
-            kernel = "sdpa_cuda"
+            kernel = "flash_cuda"
         else:
             idx = tuple(int(torch.randint(0, n, (1,), generator=g)) for n in k.shape)
             (k if torch.rand((), generator=g) < 0.5 else v)[idx] = float("nan") if fault == "nan" else 1e6

@@ -131,7 +131,7 @@ def _bad_input_worker(rank, world):
                 k[0, 5, 1, 3] = float("nan")
             if rank == BAD and fault == "stride":
                 q = torch.randn(1, 16, 4, 16)[..., ::2]  # refused on this rank only
-            kernel = "sdpa_cuda" if rank == BAD and fault == "kernel" else "auto"  # this rank's device cannot run it
+            kernel = "flash_cuda" if rank == BAD and fault == "kernel" else "auto"  # this rank's device cannot run it
             start = time.monotonic()
             try:
                 out = ring_attention(q, k, v, kernel=kernel, **kw)

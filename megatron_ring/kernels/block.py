@@ -9,8 +9,10 @@ j <= i), ALSO when ``sq != sk``: a kernel whose library aligns a rectangular cau
 (:func:`causal_sub_blocks`), so the alignment convention never reaches the library. Callers never pass a
 block with a fully masked query row (see ``layouts``).
 
-``supports(q, k)`` checks device, dtype, head dim and GPU architecture; ``auto`` takes the first kernel
-of ``_AUTO_ORDER`` (fastest first) that supports the case and so falls back instead of crashing. CUDA
+``unsupported(q, head_dim)`` says why a kernel cannot run a case (device, dtype, head dim, GPU
+architecture; None: it can) and ``supports`` is its negation; ``auto`` takes the first kernel of
+``_AUTO_ORDER`` (fastest first) that supports the case and so falls back instead of crashing, and a kernel
+named explicitly that cannot run the case is refused with that reason, before any kernel runs. CUDA
 kernels follow torch's deterministic mode (``torch.are_deterministic_algorithms_enabled()``, which
 Megatron's ``--deterministic-mode`` turns on; also :func:`set_deterministic`).
 
@@ -51,8 +53,12 @@ class BlockKernel(abc.ABC):
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` of this block given the GLOBAL ``out`` and ``lse`` of these query rows."""
 
-    def supports(self, q: torch.Tensor, k: torch.Tensor | None = None) -> bool:
-        return True
+    def supports(self, q: torch.Tensor, k: torch.Tensor | None = None, head_dim: int | None = None) -> bool:
+        return self.unsupported(q, q.shape[-1] if head_dim is None else head_dim) is None
+
+    def unsupported(self, q: torch.Tensor, head_dim: int) -> str | None:
+        """Why this kernel cannot run ``q``'s case with operands of ``head_dim`` (None: it can)."""
+        return None
 
 
 _deterministic: bool | None = None
@@ -83,12 +89,27 @@ def _cuda_arch(q: torch.Tensor) -> tuple[int, int]:
     return ops_for(q.device).capability(q.device) or (0, 0)
 
 
-def _fused_cuda_case(q: torch.Tensor, max_head_dim: int) -> bool:
-    """What the fused CUDA attention kernels share: sm80+, fp16/bf16, head dim a multiple of 8 and at most
-    ``max_head_dim``."""
-    d = q.shape[-1]
-    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0
-            and d <= max_head_dim and _cuda_arch(q) >= (8, 0))
+def _cuda_only(q: torch.Tensor) -> str | None:
+    return None if q.device.type == "cuda" else f"it runs on CUDA devices only, not {q.device.type}"
+
+
+def _fused_cuda_case(q: torch.Tensor, d: int, max_head_dim: int) -> str | None:
+    """What the fused CUDA attention kernels share: sm80+, fp16/bf16, head dim ``d`` a multiple of 8 and at
+    most ``max_head_dim``. Returns why not (None: the case fits)."""
+    if _cuda_only(q):
+        return _cuda_only(q)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes fp16 or bf16, not {q.dtype}"
+    if d % 8 or d > max_head_dim:
+        return f"it takes a head dim that is a multiple of 8 and at most {max_head_dim}, not {d}"
+    arch = _cuda_arch(q)
+    if arch < (8, 0):
+        return f"it needs an sm80 or newer GPU, this one is sm{arch[0]}{arch[1]}"
+    return None
+
+
+def _deterministic_refusal() -> str | None:
+    return "it has no deterministic backward and deterministic mode is on" if deterministic() else None
 
 
 class _SquareCausal(BlockKernel):
@@ -176,9 +197,12 @@ class FlashCPUKernel(BlockKernel):
     name = "flash_cpu"
     supports_mask = True  # as a float additive mask in q's dtype
 
-    def supports(self, q, k=None):
-        return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16,
-                                                      torch.float64)
+    def unsupported(self, q, head_dim):
+        if q.device.type != "cpu":
+            return f"it runs on CPU only, not {q.device.type}"
+        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            return f"it does not take {q.dtype}"
+        return None
 
     def forward(self, q, k, v, causal, scale, mask=None):
         if mask is None:
@@ -238,14 +262,23 @@ def _sum_kv(dx: torch.Tensor, groups: int) -> torch.Tensor:
 class CudaSDPAKernel(_SquareCausal):
     """torch's memory-efficient CUDA SDPA op (returns the lse). GQA K/V are expanded locally only.
 
-    Not exercised on this project's CPU CI; tests/gpu/ checks it on a GPU.
+    NOT VERIFIED ON A GPU: :func:`select_kernel` refuses it by name and ``auto`` never picks it (see
+    ``UNVERIFIED``). Its backward is called as torch's autograd calls it (``tests/fake_cuda/test_conformance.py``):
+    ``out`` and ``dout`` in the layout the forward produces (BSHD memory: the op's backward reads ``out``
+    with a row stride of ``heads * head_dim`` whatever strides it is given), the lse padded to a multiple of
+    32 query rows, the forward's philox outputs (unused: no dropout).
     """
 
     name = "sdpa_cuda"
 
-    def supports(self, q, k=None):
-        return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-                and q.shape[-1] % 8 == 0 and q.shape[-1] <= 512)
+    def unsupported(self, q, d):
+        if _cuda_only(q):
+            return _cuda_only(q)
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"it takes fp16, bf16 or fp32, not {q.dtype}"
+        if d % 8 or d > 512:
+            return f"it takes a head dim that is a multiple of 8 and at most 512, not {d}"
+        return None
 
     def _fwd(self, q, k, v, causal, scale):
         g = q.shape[1] // k.shape[1]
@@ -255,14 +288,25 @@ class CudaSDPAKernel(_SquareCausal):
 
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
         g = q.shape[1] // k.shape[1]
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
         sq = q.shape[2]
         lse_padded = lse.new_zeros(*lse.shape[:-1], -(-sq // 32) * 32)  # the kernel's row granularity
         lse_padded[..., :sq] = lse
+        seed, offset = _unused_rng(q, torch.int64, ())
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, _repeat_kv(k, g), _repeat_kv(v, g), None, out, lse_padded, zero, zero,
-            0.0, [True, True, True, False], causal, scale=scale)
+            _bshd_memory(dout), q, _repeat_kv(k, g), _repeat_kv(v, g), None, _bshd_memory(out), lse_padded,
+            seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
         return dq, _sum_kv(dk, g), _sum_kv(dv, g)
+
+
+def _bshd_memory(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (BHSD) with BSHD memory, as the memory-efficient forward lays out its output (no copy if so)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _unused_rng(q: torch.Tensor, dtype: torch.dtype, seed_shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The philox seed and offset a fused forward returns without dropout (dtype, shapes and device as the
+    forward makes them); its backward reads them only with dropout, so they are left uninitialised."""
+    return (torch.empty(seed_shape, dtype=dtype, device=q.device), torch.empty((), dtype=dtype, device=q.device))
 
 
 class FlashAttnKernel(_SquareCausal):
@@ -282,14 +326,15 @@ class FlashAttnKernel(_SquareCausal):
             self._mod = fa
         return self._mod
 
-    def supports(self, q, k=None):
-        if not _fused_cuda_case(q, 256):
-            return False
+    def unsupported(self, q, head_dim):
+        why = _fused_cuda_case(q, head_dim, 256)
+        if why:
+            return why
         try:
             self._impl()
         except Exception:  # noqa: BLE001 - any import failure means "not available"
-            return False
-        return True
+            return "the flash_attn package is not installed (or does not import)"
+        return None
 
     def _fwd(self, q, k, v, causal, scale):
         t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
@@ -302,8 +347,9 @@ class FlashAttnKernel(_SquareCausal):
         t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
         bshd = lambda x: x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3])  # noqa: E731 - no copy
         dq, dk, dv = bshd(q), bshd(k), bshd(v)
+        # rng_state: flash_attn's own autograd passes its forward's; without dropout it is unread (None)
         self._impl()._flash_attn_backward(t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), dq, dk, dv,
-                                          0.0, scale, causal, -1, -1, 0.0, None, deterministic())
+                                          0.0, scale, causal, -1, -1, 0.0, None, deterministic(), rng_state=None)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -313,8 +359,8 @@ class TorchFlashCudaKernel(_SquareCausal):
 
     name = "flash_cuda"
 
-    def supports(self, q, k=None):
-        return _fused_cuda_case(q, 256) and not deterministic()
+    def unsupported(self, q, head_dim):
+        return _fused_cuda_case(q, head_dim, 256) or _deterministic_refusal()
 
     def _fwd(self, q, k, v, causal, scale):
         g = q.shape[1] // k.shape[1]
@@ -325,11 +371,12 @@ class TorchFlashCudaKernel(_SquareCausal):
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
         g = q.shape[1] // k.shape[1]
         sq, sk = q.shape[2], k.shape[2]
-        empty = torch.empty(0, dtype=torch.int64, device=q.device)
-        seed = torch.zeros(2, dtype=torch.int64, device=q.device)  # dropout 0: the RNG state is unused
+        rng_state, unused = _unused_rng(q, torch.uint64, (2,))
+        # cum_seq_q/k undefined (None), as the forward returns them for dense batches: defined ones (even
+        # empty) select the variable-length path
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, _repeat_kv(k, g), _repeat_kv(v, g), out, lse, empty, empty, sq, sk, 0.0, causal,
-            seed, empty, scale=scale)
+            dout, q, _repeat_kv(k, g), _repeat_kv(v, g), out, lse.contiguous(), None, None, sq, sk, 0.0, causal,
+            rng_state, unused, scale=scale)
         return dq, _sum_kv(dk, g), _sum_kv(dv, g)
 
 
@@ -339,8 +386,11 @@ class CudnnKernel(_SquareCausal):
 
     name = "cudnn"
 
-    def supports(self, q, k=None):
-        return _fused_cuda_case(q, 128) and torch.backends.cudnn.is_available() and not deterministic()
+    def unsupported(self, q, head_dim):
+        why = _fused_cuda_case(q, head_dim, 128) or _deterministic_refusal()
+        if why is None and not torch.backends.cudnn.is_available():
+            return "cuDNN is not available to this torch"
+        return why
 
     def _fwd(self, q, k, v, causal, scale):
         g = q.shape[1] // k.shape[1]
@@ -351,11 +401,11 @@ class CudnnKernel(_SquareCausal):
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
         g = q.shape[1] // k.shape[1]
         sq, sk = q.shape[2], k.shape[2]
-        empty = q.new_empty(0)
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        seed, offset = _unused_rng(q, torch.int64, ())
+        # attn_bias, cum_seq_q, cum_seq_k undefined (None), as torch's autograd passes them
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, _repeat_kv(k, g), _repeat_kv(v, g), out, lse.reshape(*lse.shape, 1).contiguous(),
-            zero, zero, empty, empty, empty, sq, sk, 0.0, causal, scale=scale)
+            seed, offset, None, None, None, sq, sk, 0.0, causal, scale=scale)
         return dq, _sum_kv(dk, g), _sum_kv(dv, g)
 
 
@@ -370,21 +420,24 @@ class TEFusedKernel(_SquareCausal):
 
     def __init__(self) -> None:
         self._fa = None
+        self._te_dtype: dict | None = None  # torch dtype -> TransformerEngine's DType (its backward's dqkv_dtype)
         self._verified: dict[tuple, bool] = {}
 
     def _impl(self):
         if self._fa is None:
+            from transformer_engine.pytorch.constants import TE_DType  # noqa: PLC0415
             from transformer_engine.pytorch.cpp_extensions import fused_attn as fa  # noqa: PLC0415
-            self._fa = fa
+            self._fa, self._te_dtype = fa, TE_DType
         return self._fa
 
-    def supports(self, q, k=None):
-        if not _fused_cuda_case(q, 256):
-            return False
+    def unsupported(self, q, head_dim):
+        why = _fused_cuda_case(q, head_dim, 256)
+        if why:
+            return why
         key = (q.device, q.dtype, q.shape[-1])
         if key not in self._verified:
             self._verified[key] = self._self_check(q)
-        return self._verified[key]
+        return None if self._verified[key] else "TransformerEngine is not installed or failed its self-check"
 
     def _self_check(self, q) -> bool:
         try:
@@ -421,7 +474,7 @@ class TEFusedKernel(_SquareCausal):
         aux = [lse.reshape(*lse.shape, 1).contiguous()] + list(self._aux[1:])
         dq, dk, dv, *_ = fa.fused_attn_bwd(kw.pop("max_seqlen_q"), kw.pop("max_seqlen_kv"),
                                            kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_kv"), t(q), t(k), t(v),
-                                           t(out), t(dout), q.dtype, dout.dtype, aux,
+                                           t(out), t(dout), q.dtype, self._te_dtype[dout.dtype], aux,
                                            fa.FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale,
                                            dropout=0.0, deterministic=deterministic(), **kw)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
@@ -438,7 +491,10 @@ KERNELS: dict[str, Callable[[], BlockKernel]] = {
 }
 # Fastest first (designed from the libraries' published figures, not measured here: no GPU). The math
 # kernel supports everything, so `auto` always finds one.
-_AUTO_ORDER = ("cudnn", "flash_attn", "te_fused", "flash_cuda", "sdpa_cuda", "flash_cpu", "math")
+# fp32 on CUDA therefore runs on the math kernel (the fused kernels take fp16/bf16 only).
+_AUTO_ORDER = ("cudnn", "flash_attn", "te_fused", "flash_cuda", "flash_cpu", "math")
+#: kernels refused by name until a GPU run passes (their classes and conformance tests stay)
+UNVERIFIED = {"sdpa_cuda": "torch's memory-efficient CUDA op"}
 _instances: dict[str, BlockKernel] = {}
 _auto_choice: dict[tuple, BlockKernel] = {}
 
@@ -449,20 +505,28 @@ def _instance(name: str) -> BlockKernel:
     return _instances[name]
 
 
-def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto") -> BlockKernel:
+def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim: int | None = None) -> BlockKernel:
     """The kernel for ``q``: ``"auto"`` picks the first kernel of ``_AUTO_ORDER`` that supports the case,
-    once per (device, dtype, head dim, deterministic mode), and caches it."""
+    once per (device, dtype, head dim, deterministic mode), and caches it. ``head_dim``: the head dim the
+    kernel's operands will have (default q's; with MLA head dims, the larger of Q/K's and V's: they are
+    padded to it). A kernel named that cannot run the case is refused here, with the reason."""
     if isinstance(kernel, BlockKernel):
         return kernel
+    d = q.shape[-1] if head_dim is None else head_dim
     if kernel != "auto":
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; use 'auto' or one of {sorted(KERNELS)}")
-        chosen = _instance(kernel)
-        if not chosen.supports(q):
-            raise ValueError(f"kernel {kernel!r} does not support {q.dtype} tensors on {q.device.type}; "
-                             "use kernel='auto' or kernel='math'")
-        return chosen
-    key = (q.device, q.dtype, q.shape[-1], deterministic())
+        if kernel in UNVERIFIED:
+            raise ValueError(f"kernel {kernel!r} ({UNVERIFIED[kernel]}) is not verified on a GPU yet and is "
+                             "refused; use kernel='auto', 'cudnn' or 'flash_cuda' (fp16/bf16, sm80+) or "
+                             "kernel='math' (any dtype, fp32 included)")
+        why = _instance(kernel).unsupported(q, d)
+        if why:
+            raise ValueError(f"kernel {kernel!r} does not support {q.dtype} tensors with head dim {d} on "
+                             f"{q.device.type}: {why}; use kernel='auto' (it picks a kernel that can) or "
+                             "kernel='math'")
+        return _instance(kernel)
+    key = (q.device, q.dtype, d, deterministic())
     if key not in _auto_choice:
-        _auto_choice[key] = next(k for k in map(_instance, _AUTO_ORDER) if k.supports(q))
+        _auto_choice[key] = next(k for k in map(_instance, _AUTO_ORDER) if k.unsupported(q, d) is None)
     return _auto_choice[key]

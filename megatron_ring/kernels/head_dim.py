@@ -32,8 +32,8 @@ class HeadDimPadKernel(BlockKernel):
         self.name = f"{base.name}+pad"
         self.supports_mask = base.supports_mask
 
-    def supports(self, q):
-        return self.base.supports(q)
+    def unsupported(self, q, head_dim):
+        return self.base.unsupported(q, head_dim)
 
     def forward(self, q, k, v, causal, scale, **kw):
         dqk, dv = q.shape[-1], v.shape[-1]
