@@ -10,6 +10,9 @@ through every op: ``item``/``bool``/``int`` (``_local_scalar_dense``), ``nonzero
 ``numpy``, ...) and the fake device's host waits. Host-side plan tensors (positions, masks) are not
 derived from the inputs and do not count.
 
+Host-to-device copies (the other direction) are counted on the fake CUDA tier, where host and device
+tensors differ: ``tests/fake_cuda/test_host_transfers.py`` (:class:`fake_device.HostTransferCounter`).
+
 The one read the refusal protocol keeps: the status codes' host copy at the start of the backward ring; it
 waits only if the device has not reached the end of that call's forward ring (counted below as a host wait
 when the fake device says the copy is not complete yet).

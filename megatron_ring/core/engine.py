@@ -39,6 +39,7 @@ from megatron_ring.transport.ring import Transport
 from megatron_ring.kernels.block import BlockKernel, MathKernel, ReversedKernel
 from megatron_ring.schedules.layouts import Schedule, TaskKind
 from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
+from megatron_ring.schedules.on_device import positions_on
 from megatron_ring.core.merge import merge_into
 from megatron_ring.core.rotation import Rotation, divisor_at_most, start_for
 from megatron_ring.core.status import PendingChecks, RingStatus, StatusRecorder, status_buffers
@@ -77,10 +78,11 @@ class RingPlan:
         """Ring steps to run: fewer than P when no rank needs the K/V of the farther ranks (windows)."""
         return self.ring.world if self.mask is None else needed_steps(self.layout, self.mask, self.ring.world, s)
 
-    def positions(self, task, step: int) -> dict:
-        """Global query/key positions of a task (for position-keyed dropout)."""
+    def positions(self, task, step: int, device: torch.device) -> dict:
+        """Global query/key positions of a task on ``device`` (for position-keyed dropout; copied there
+        once per signature, schedules/on_device.py)."""
         world, rank = self.ring.world, self.ring.rank
-        pos = lambda r: self.layout.positions(self.dropout.seq_len, world, r)  # noqa: E731
+        pos = lambda r: positions_on(self.layout, self.dropout.seq_len, world, r, device)  # noqa: E731
         return {"qpos": pos(rank)[task.q], "kpos": pos((rank - step) % world)[task.kv]}
 
     def heads_dropout(self, first: int) -> DropoutSpec | None:
@@ -88,13 +90,13 @@ class RingPlan:
         keys on global head numbers); None without dropout."""
         return None if self.dropout is None else self.dropout.shifted(self.dropout.head_offset + first)
 
-    def _kernel_for(self, task, step: int | None):
+    def _kernel_for(self, task, step: int | None, device: torch.device):
         """The kernel a task runs on, its ``causal`` flag and extra keywords: position-keyed dropout, an
         explicit mask (on a kernel that takes masks, else the math kernel), or the plan's kernel."""
         kind = task.kind
         if self.dropout is not None:
             return (DropoutKernel(self.dropout), task.causal,
-                    dict(mask=task.explicit_mask(), **self.positions(task, step)))
+                    dict(mask=task.explicit_mask(), **self.positions(task, step, device)))
         if kind is TaskKind.FULL or kind is TaskKind.CAUSAL:
             return self.kernel, task.causal, {}
         if kind is TaskKind.REVERSED:  # key >= query: top-left causal on reversed rows, unmasked
@@ -102,11 +104,11 @@ class RingPlan:
         return _mask_kernel(self.kernel), False, {"mask": task.explicit_mask()}
 
     def forward_block(self, task, q, k, v, step: int | None = None):
-        kernel, causal, kw = self._kernel_for(task, step)
+        kernel, causal, kw = self._kernel_for(task, step, q.device)
         return kernel.forward(q, k, v, causal, self.scale, **kw)
 
     def backward_block(self, task, dout, q, k, v, out, lse, step: int | None = None):
-        kernel, causal, kw = self._kernel_for(task, step)
+        kernel, causal, kw = self._kernel_for(task, step, q.device)
         return kernel.backward(dout, q, k, v, out, lse, causal, self.scale, **kw)
 
 

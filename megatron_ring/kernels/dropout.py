@@ -77,9 +77,10 @@ class DropoutSpec:
         return replace(self, head_offset=offset)
 
     def keep(self, b: int, h: int, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
-        heads = torch.arange(self.head_offset, self.head_offset + h, dtype=torch.int64)
-        rows = (torch.arange(b, dtype=torch.int64)[:, None] * self.heads + heads[None, :]).flatten()
-        return keep_mask(self.seed, rows.to(qpos.device), qpos, kpos, self.p).view(b, h, len(qpos), len(kpos))
+        dev = qpos.device  # the row ids are made there: a host tensor would be a host-to-device copy per call
+        heads = torch.arange(self.head_offset, self.head_offset + h, dtype=torch.int64, device=dev)
+        rows = (torch.arange(b, dtype=torch.int64, device=dev)[:, None] * self.heads + heads[None, :]).flatten()
+        return keep_mask(self.seed, rows, qpos, kpos, self.p).view(b, h, len(qpos), len(kpos))
 
 
 class DropoutKernel(BlockKernel):

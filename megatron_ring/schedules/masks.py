@@ -22,7 +22,7 @@ block-diagonal masked calls, not one call per document). Schedules are cached pe
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -75,17 +75,31 @@ def doc_ids(pos: torch.Tensor, cu_seqlens: Sequence[int] | None) -> torch.Tensor
 
 @dataclass(frozen=True, eq=False)
 class BlockMask:
-    """An explicit mask for one task, built on demand from the rows' global positions and documents."""
+    """An explicit mask for one task, built on demand from the rows' global positions and documents.
+
+    The four index vectors are host tensors; :meth:`allowed` builds the mask on the device from their
+    device copies, made at the first use per device and kept with the mask (which lives in the schedule
+    cache), so a steady-state call copies nothing from the host."""
 
     rule: AttentionMask
     qpos: torch.Tensor
     qdoc: torch.Tensor
     kpos: torch.Tensor
     kdoc: torch.Tensor
+    _on: dict = field(default_factory=dict, repr=False, compare=False)  # device -> the four vectors there
+
+    def vectors(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+        """``(qpos, qdoc, kpos, kdoc)`` on ``device`` (copied once per device)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.qpos, self.qdoc, self.kpos, self.kdoc
+        if device not in self._on:
+            self._on[device] = tuple(t.to(device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))
+        return self._on[device]
 
     def allowed(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Bool ``[sq, sk]`` (True: visible)."""
-        return self.rule.allowed(self.qpos, self.qdoc, self.kpos, self.kdoc).to(device)
+        """Bool ``[sq, sk]`` (True: visible), computed on ``device``."""
+        return self.rule.allowed(*self.vectors(device))
 
     def additive(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """``0`` where visible, ``-inf`` where hidden, in ``dtype``."""

@@ -25,6 +25,7 @@ from megatron_ring.core.engine import RingPlan, forward_by_heads, query_heads, r
 from megatron_ring.core.heads import head_groups
 from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.transport.collectives import Pending, all_gather, reduce_scatter
+from megatron_ring.schedules.on_device import cached_on, positions_on
 from megatron_ring.schedules.views import GatheredView
 from megatron_ring.strategies.refusal import encode_or_record
 
@@ -37,9 +38,10 @@ class GatheredRingPlan(RingPlan):
     """The world-size-1 plan over a :class:`GatheredView`: its keys are every shard (position-keyed
     dropout needs their true global positions, which differ from the queries')."""
 
-    def positions(self, task, step: int) -> dict:
+    def positions(self, task, step: int, device: torch.device) -> dict:
         view, n = self.layout, self.dropout.seq_len
-        return {"qpos": view.positions(n, 1, 0)[task.q], "kpos": view.key_positions(n)[task.kv]}
+        keys = cached_on(("key_positions", type(view), view.name, n), lambda: view.key_positions(n), device)
+        return {"qpos": positions_on(view, n, 1, 0, device)[task.q], "kpos": keys[task.kv]}
 
 
 def _local_plan(plan: RingPlan, device: torch.device, qs: slice) -> RingPlan:

@@ -12,3 +12,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(here) and torch.version.cuda is None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_fake_tensors_kept_between_tests():
+    """Device copies of the plan's index tensors are cached (schedules/on_device.py, and each BlockMask of the
+    schedule cache); under FakeTensorMode they are fake tensors of that test's mode: forget them after it."""
+    yield
+    from megatron_ring.schedules import masks, on_device
+
+    on_device.clear()
+    masks._CACHE.clear()

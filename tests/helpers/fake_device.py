@@ -12,6 +12,9 @@
   ``_local_scalar_dense`` (``item()``, ``bool()``, ``int()``...), ``nonzero``, ``is_nonzero``,
   ``equal``, ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``, ``tolist()``,
   ``numpy()``, plus the fake device's host waits (:meth:`FakeCuda.wait_event_host`).
+* :class:`HostTransferCounter`: on the fake-CUDA tier (``FakeTensorMode``), counts host<->device transfers in
+  both directions: reads of CUDA values and copies to the host, and host-to-device copies (``.to``,
+  ``copy_``, a CPU index or mask used in a CUDA op).
 """
 from __future__ import annotations
 
@@ -294,3 +297,51 @@ class HostReadCounter:
 
     def total(self) -> int:
         return sum(self.reads.values())
+
+
+_COPY_OPS = {"aten::_to_copy", "aten::copy_", "aten::copy", "aten::to"}
+
+
+def _on(t: torch.Tensor, kind: str) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == kind
+
+
+class HostTransferCounter(TorchDispatchMode):
+    """Counts host<->device transfers on the fake-CUDA tier (``FakeTensorMode`` with ``cuda`` tensors), BOTH
+    directions, op by op (enter it inside the fake mode, so it sees each op's arguments as the caller gave
+    them):
+
+    * ``device->host``: a synchronising read of a CUDA tensor (the ops :class:`HostReadCounter` counts) or a
+      copy from a CUDA tensor into a CPU one;
+    * ``host->device``: a copy from a CPU tensor into a CUDA one (``.to``, ``copy_``; a copy from pageable
+      host memory synchronises the host with the device, so the steady state must make none), or an op
+      on CUDA tensors that takes a CPU tensor of one element or more dimensions (an index, a mask: torch
+      copies it to the device first). A 0-dim CPU tensor in a CUDA op is a scalar, read on the host: not
+      a transfer.
+
+    ``counts`` maps ``"<direction> <op>"`` to how many times it happened; ``total()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        if name in _COPY_OPS:
+            src = args[1] if name == "aten::copy_" else args[0]
+            dst = args[0] if name == "aten::copy_" else (outs[0] if outs else None)
+            if _on(src, "cpu") and _on(dst, "cuda"):
+                self.counts[f"host->device {name}"] += 1
+            elif _on(src, "cuda") and _on(dst, "cpu"):
+                self.counts[f"device->host {name}"] += 1
+        elif name in _SYNC_OPS and any(_on(t, "cuda") for t in ins):
+            self.counts[f"device->host {name}"] += 1
+        elif any(_on(t, "cuda") for t in ins + outs) and any(_on(t, "cpu") and t.dim() > 0 for t in ins):
+            self.counts[f"host->device {name}"] += 1
+        return out
+
+    def total(self) -> int:
+        return sum(self.counts.values())

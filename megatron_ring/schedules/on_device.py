@@ -1,0 +1,45 @@
+"""The plan's index tensors (global positions, document ids) on the compute device, copied once per
+signature and device and then reused.
+
+The schedule is planned on the host, from host index tensors. A kernel that needs them (an explicit mask,
+position-keyed dropout) needs them on the device; copying them at every call is a host-to-device copy from
+pageable memory, which synchronises the host with the device. Here each one is copied at its first use and
+kept (an LRU of ``_SIZE`` entries, keyed by what the tensor is a function of, never by object identity), so a
+steady-state call makes no host-to-device copy. Tensors are small: one int64 per local token.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+__all__ = ["cached_on", "positions_on", "clear"]
+
+_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_SIZE = 1024
+
+
+def cached_on(key: tuple, make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``make()`` (a host tensor) on ``device``, copied once per ``(key, device)``."""
+    full = (key, torch.device(device))
+    hit = _CACHE.get(full)
+    if hit is not None:
+        _CACHE.move_to_end(full)
+        return hit
+    t = _CACHE[full] = make().to(device)
+    if len(_CACHE) > _SIZE:
+        _CACHE.popitem(last=False)
+    return t
+
+
+def positions_on(schedule, seq_len: int, world: int, rank: int, device: torch.device) -> torch.Tensor:
+    """``schedule.positions(seq_len, world, rank)`` on ``device`` (a layout's or a view's name identifies
+    its positions; the class is part of the key too)."""
+    return cached_on(("positions", type(schedule), schedule.name, seq_len, world, rank),
+                     lambda: schedule.positions(seq_len, world, rank), device)
+
+
+def clear() -> None:
+    """Forget every cached tensor (tests that switch fake tensor modes)."""
+    _CACHE.clear()

@@ -1,0 +1,86 @@
+"""No host<->device transfer of any kind in steady state, on the CUDA path: 0 per forward+backward call after
+the first, BOTH directions (:class:`fake_device.HostTransferCounter`): device-to-host reads, and host-to-device
+copies (a copy from pageable host memory synchronises the host with the device, which is what
+``torch.cuda.set_sync_debug_mode("error")`` flags on a GPU). ``tests/test_host_syncs.py`` counts the reads
+of input-derived values on the CPU tier; there a host tensor and a device tensor are both CPU tensors, so the
+copies are counted here, where the device is fake CUDA and the host is the CPU.
+
+The cases where a GPU run found host-to-device copies at every call: packed THD with documents (the
+explicit masks' index vectors) and dropout (the global positions its hash keys on, and its row ids);
+windows take the same mask path. The plan's index tensors now live on the device, copied once per
+signature (``schedules/on_device.py``, ``BlockMask.vectors``): the first call copies, later ones do not.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ring import device, ring_attention
+from megatron_ring.core import engine
+from megatron_ring.schedules import masks
+from megatron_ring.transport.ring import LoopbackRing
+from tests.fake_cuda.test_fake_cuda import Case, _inputs, _plan_on_host, fake_backward
+from tests.helpers.fake_device import FakeCuda, HostTransferCounter
+
+pytestmark = pytest.mark.fake_cuda
+
+CASES = [Case(P=4), Case(P=4, wire="fp8"), Case(P=4, heads=(8, 2), kv_pieces=2),
+         Case(P=4, fmt="thd"), Case(P=2, fmt="thd", causal=False), Case(P=4, window=(40, 0)),
+         Case(P=2, causal=False, window=(64, 64), layout="contiguous"),
+         Case(kernel="auto", P=4, dropout=0.1),  # the seed a CUDA tensor (P > 1)
+         Case(kernel="auto", P=1, dropout=0.1, comm_type="all_gather"),
+         Case(kernel="auto", P=4, fmt="thd", dropout=0.1), Case(kernel="auto", P=2, dtype=torch.float32)]
+
+
+def transfers_per_call(case: Case, calls: int = 3) -> list[dict]:
+    """Host<->device transfers of each of ``calls`` forward+backward calls of ``case`` (one fake device and
+    one fake mode for all: the caches persist from call to call as on a GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rank = case.P // 2
+    _plan_on_host(case, rank)
+    out_counts = []
+    with device.use("cuda", FakeCuda()), FakeTensorMode(allow_non_fake_inputs=True):
+        for _ in range(calls):
+            q, k, v, kw, leaves = _inputs(case)
+            with HostTransferCounter() as counter:
+                out = ring_attention(q, k, v, ring=LoopbackRing(case.P, rank, q.device), **kw)
+                fake_backward(out, torch.randn_like(out), leaves)
+            out_counts.append(dict(counter.counts))
+    return out_counts
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_no_host_transfer_after_the_first_call(case):
+    per_call = transfers_per_call(case)
+    assert per_call[1:] == [{}, {}], per_call
+
+
+def _copy_every_call(self, device="cpu"):
+    return tuple(t.to(device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))
+
+
+def _positions_every_call(schedule, seq_len, world, rank, device):
+    return schedule.positions(seq_len, world, rank).to(device)
+
+
+@pytest.mark.parametrize("case, patch", [
+    (Case(P=4, fmt="thd"), (masks.BlockMask, "vectors", _copy_every_call)),
+    (Case(kernel="auto", P=4, dropout=0.1), (engine, "positions_on", _positions_every_call)),
+], ids=["thd-mask-copied-per-call", "dropout-positions-copied-per-call"])
+def test_the_counter_sees_the_copies_the_gpu_run_found(monkeypatch, case, patch):
+    """Not vacuous: with the index tensors copied to the device at every call (as before), every call
+    counts host-to-device copies."""
+    monkeypatch.setattr(*patch)
+    per_call = transfers_per_call(case)
+    assert all(n.get("host->device aten::_to_copy", 0) > 0 for n in per_call), per_call
+
+
+def test_the_counter_sees_a_device_to_host_copy():
+    """Not vacuous in the other direction: a copy of a CUDA tensor to the host is counted."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with device.use("cuda", FakeCuda()), FakeTensorMode(), HostTransferCounter() as counter:
+        torch.ones(4, device="cuda").to("cpu")
+        torch.ones(4, device="cuda")[torch.arange(2)]  # a host index into a device tensor: copied there
+    assert counter.counts == {"device->host aten::_to_copy": 1, "host->device aten::index": 1}
