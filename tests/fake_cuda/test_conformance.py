@@ -8,6 +8,11 @@ as the engine hands them over (contiguous BHSD; the lse ``[b, h, sq]`` fp32), an
 is recorded too. The two calls are compared argument by argument: defined or undefined (``None``), dtype,
 shape, strides and device of each tensor, and every non-tensor value.
 
+The same comparison runs on every backward call a whole ring makes (``ring_attention`` on the loopback
+transport: BSHD and SBHD, zigzag and striped, GQA, fp16, windows), against torch's call for that call's q, k,
+v and dout; the only difference allowed there is the batch stride of ``out``/``dout`` when the engine hands
+over a task's rows as a view of the whole block (``_row_slice_only``).
+
 Why this matters: the meta kernels FakeTensorMode runs check shapes, not which optional tensors are
 defined or which layout a kernel assumes. On a real GPU, defined empty ``cum_seq_q/k`` send the flash and
 cuDNN backward down their variable-length path (an error), and the memory-efficient backward reads ``out``
@@ -67,19 +72,23 @@ def _describe(x):
     return x
 
 
-def differences(theirs, ours) -> list[str]:
+def differing(theirs, ours) -> list[tuple[int, str, object, object]]:
     """Argument by argument (by position in the op's schema, keywords by name), where two recorded calls
-    differ: defined or None, dtype, shape, strides, device, values."""
+    differ: ``(position, name, torch's, ours)`` described as defined or None, dtype, shape, strides, device,
+    values."""
     (func, a1, k1), (func2, a2, k2) = theirs, ours
-    if func is not func2:
-        return [f"op: {func} vs {func2}"]
+    assert func is func2, (func, func2)
     out = []
     for i, arg in enumerate(func._schema.arguments):
         x = a1[i] if i < len(a1) else k1.get(arg.name, arg.default_value)
         y = a2[i] if i < len(a2) else k2.get(arg.name, arg.default_value)
         if _describe(x) != _describe(y):
-            out.append(f"argument {i} ({arg.name}): torch {_describe(x)} vs ours {_describe(y)}")
+            out.append((i, arg.name, _describe(x), _describe(y)))
     return out
+
+
+def differences(theirs, ours) -> list[str]:
+    return [f"argument {i} ({n}): torch {x} vs ours {y}" for i, n, x, y in differing(theirs, ours)]
 
 
 def _qkv(b=2, h=4, s=40, d=64, dtype=torch.bfloat16):
@@ -166,3 +175,70 @@ def test_the_comparison_flags_the_calls_found_wrong_on_a_gpu(name, before, flagg
             before(dout, q, k, v, *(t.contiguous() for t in OPS[name][0]().forward(q, k, v, True, SCALE)), True)
         found = differences(theirs, rec.calls[0])
     assert [int(d.split()[1]) for d in found] == flagged, found
+
+
+# --- in the engine: every backward call a ring makes, against torch's call on the same q, k, v, dout --------
+
+def _torch_call_on(name: str, call):
+    """torch's own backward call for the q, k, v and dout of one of our recorded calls."""
+    func, args, kwargs = call
+    values = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    causal = values.get("is_causal", False)  # a trailing default is left out of the recorded call
+    with torch.enable_grad():
+        q, k, v = (values[n].detach().requires_grad_() for n in ("query", "key", "value"))
+        out = OPS[name][1](q, k, v, causal)[0]
+    dout = args[0]
+    with torch.no_grad(), BackwardRecorder(OPS[name][2]) as rec:
+        out.grad_fn(torch.empty_like(out).copy_(dout))
+    return rec.calls[0]
+
+
+def _row_slice_only(diff) -> bool:
+    """A difference in the batch stride alone of ``out`` / ``dout``: the engine hands a kernel the rows of a
+    task as a view of the whole block's buffer (same layout, a larger batch stride), which the flash and
+    cuDNN ops take as they are (their strides are parameters); torch's autograd has a buffer per call."""
+    _, name, theirs, ours = diff
+    return (name in ("grad_out", "out") and theirs[:3] == ours[:3] and theirs[3][1:] == ours[3][1:]
+            and theirs[4:] == ours[4:])
+
+
+ENGINE_CASES = [dict(P=2), dict(P=2, fmt="sbhd", causal=False), dict(P=4, heads=(8, 2)),
+                dict(P=2, dtype=torch.float16, layout="striped"), dict(P=4, window=(40, 0))]
+
+
+def engine_differences(name: str, case: dict) -> list:
+    """The differences (``differing``) of every backward call a ring makes for ``case`` from torch's."""
+    from tests.fake_cuda.test_fake_cuda import Case, _inputs, _kernel_arg, _plan_on_host, fake_backward
+    from megatron_ring import ring_attention
+    from megatron_ring.transport.ring import LoopbackRing
+
+    c = Case(kernel=name, **case)
+    rank = c.P // 2
+    _plan_on_host(c, rank)
+    seam, fake = _fake()
+    with seam, fake:
+        q, k, v, kw, leaves = _inputs(c)
+        kw["kernel"] = _kernel_arg(name)
+        out = ring_attention(q, k, v, ring=LoopbackRing(c.P, rank, q.device), **kw)
+        with BackwardRecorder(OPS[name][2]) as rec:
+            fake_backward(out, torch.randn_like(out), leaves)
+        assert rec.calls
+        return [d for call in rec.calls for d in differing(_torch_call_on(name, call), call)]
+
+
+@pytest.mark.parametrize("case", ENGINE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_the_engine_calls_each_backward_as_torch_would(name, case):
+    """Through ``ring_attention`` (fake CUDA, loopback ring): each backward call the ring makes equals the
+    call torch's autograd makes for the same q, k, v and dout, up to the batch stride of a row slice
+    (``_row_slice_only``)."""
+    assert [d for d in engine_differences(name, case) if not _row_slice_only(d)] == []
+
+
+def test_the_engine_comparison_flags_the_calls_found_wrong_on_a_gpu(monkeypatch):
+    """Not vacuous: with the flash kernel's backward called as before, the engine's calls differ from
+    torch's in the arguments the GPU report names."""
+    monkeypatch.setattr(K.TorchFlashCudaKernel, "_bwd", lambda self, dout, q, k, v, out, lse, causal, scale:
+                        _flash_as_before(dout, q, k, v, out, lse, causal))
+    found = engine_differences("flash_cuda", dict(P=2, heads=(4, 4)))
+    assert sorted({d[0] for d in found if not _row_slice_only(d)}) == [6, 7, 12, 13], found
