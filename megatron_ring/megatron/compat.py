@@ -219,12 +219,12 @@ def loaded_mtp_block_builders() -> list[tuple[Any, str]]:
 THD_PARTITIONER_USERS = ("megatron.core.ssm.mamba_context_parallel", "megatron.core.utils")
 
 
-def install_tex_stand_in(stand_in: Any, patch: Callable[[Any, str, Any], None] = setattr) -> dict[str, str]:
+def install_tex_stand_in(stand_in: Any, patch: Callable[[Any, str, Any], None]) -> dict[str, str]:
     """In each of ``THD_PARTITIONER_USERS`` whose ``tex`` is None, put ``stand_in``, and make the
     module's ``is_te_min_version`` answer True to that branch's question (``"1.10.0"``) while the stand-in is
-    there (any other question goes to Megatron's own). Where TE is installed nothing changes. Idempotent;
-    ``patch(module, name, value)`` sets each name. Returns ``{module: "transformer_engine" | "torch" |
-    "absent"}``."""
+    there (any other question goes to Megatron's own). Where TE is installed nothing changes. Idempotent.
+    ``patch(module, name, value)`` sets each name (no default: the caller owns the change and its undoing).
+    Returns ``{module: "transformer_engine" | "torch" | "absent"}``."""
     out = {}
     for name in THD_PARTITIONER_USERS:
         try:

@@ -41,15 +41,15 @@ WORLDS = range(1, 9)
 
 @pytest.fixture
 def partitioner(monkeypatch):
-    """Megatron with the pure-torch partitioner where TE is missing (restored after the test)."""
+    """Megatron with the pure-torch partitioner where TE is missing (set through monkeypatch: restored after the
+    test; the function patches nothing without a ``patch`` callable)."""
     import megatron.core.utils as mutils
 
-    for mod in (mcp, mutils):
-        monkeypatch.setattr(mod, "tex", mod.tex)
-        monkeypatch.setattr(mod, "is_te_min_version", mod.is_te_min_version)
-    which = install_thd_partitioner()
+    with pytest.raises(TypeError, match="needs the callable"):
+        install_thd_partitioner()
+    which = install_thd_partitioner(monkeypatch.setattr)
     assert set(which.values()) <= {"torch", "transformer_engine"}, which
-    assert install_thd_partitioner() == which  # idempotent
+    assert install_thd_partitioner(monkeypatch.setattr) == which  # idempotent
     if which["megatron.core.utils"] == "torch":  # every other version question still goes to Megatron's own
         try:
             answer = mutils.is_te_min_version("2.0.0")

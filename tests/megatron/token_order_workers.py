@@ -16,7 +16,8 @@ def stock_packed_attention_worker(rank: int, world: int, comm_type: str) -> dict
 
     from tests.helpers.numerics import max_err, score_bound, tol
     from tests.helpers.reference import doc_attention_reference, documents_and_filler, outputs_and_grads
-    from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel, initialize_context_parallel)
+    from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel,
+                                        initialize_context_parallel)
     from megatron_ring_lab.cpu import megatron_cpu
     from megatron_ring.megatron.data.token_order import thd_get_partitioned_indices
 
@@ -79,7 +80,8 @@ def stock_stream_split_attention_worker(rank: int, world: int, announce: str) ->
 
     from tests.helpers.numerics import max_err, score_bound, tol
     from tests.helpers.reference import doc_attention_reference, outputs_and_grads
-    from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel, initialize_context_parallel)
+    from megatron_ring.megatron import (RingConfig, RingDotProductAttention, destroy_context_parallel,
+                                        initialize_context_parallel)
     from megatron_ring_lab.cpu import megatron_cpu
 
     lens = [1, 7, 3, 2 * world + 3, 2] if announce == "inter-document" else [2 * world, 6 * world, 4 * world]

@@ -19,7 +19,8 @@ megatron-core 0.16 calls CUDA in a few places that its CPU-initialised path stil
 
 :func:`enable_cpu_support` replaces exactly these with CPU equivalents and :func:`disable_cpu_support`
 puts the originals back; :func:`megatron_cpu` is the context-manager form. Nothing is patched at import
-time. Calls nest (a counter), so a library and its caller may both opt in.
+time. Calls nest (a counter), so a library and its caller may both opt in. Every replacement goes through the
+lab's patch ledger (:mod:`megatron_ring_lab.patches`, owners ``cpu.core``, ``cpu.thd_partitioner``, ``cpu.ssm``).
 """
 from __future__ import annotations
 
@@ -29,19 +30,18 @@ import importlib
 import operator
 import threading
 from functools import reduce
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from megatron_ring import get_layout
-from megatron_ring.megatron import compat
+from megatron_ring_lab import patches
 
 __all__ = ["enable_cpu_support", "disable_cpu_support", "megatron_cpu", "cpu_support_enabled"]
 
 _lock = threading.Lock()
 _depth = 0
-_saved: list[tuple[Any, str, Any]] = []
-_saved_tracker: tuple[Any, bool] | None = None
+_scope: patches.Scope | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,75 +120,67 @@ def _make_cpu_tracker_class():
 # ----------------------------------------------------------------------------------------------
 # enable / disable
 # ----------------------------------------------------------------------------------------------
-#: recorded for a name the object did not have before the opt-in bound it (restoring removes the name)
-_ABSENT = object()
+def _apply(scope: patches.Scope) -> None:
+    from megatron.core import utils as mutils
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+    from megatron.core.tensor_parallel import random as mrandom
 
+    scope.apply(mutils.GlobalMemoryBuffer, "get_tensor", _cpu_get_tensor)
+    scope.apply(tutils, "get_default_causal_mask", _cpu_default_causal_mask)
+    scope.apply(fused_softmax, "get_default_causal_mask", _cpu_default_causal_mask)
+    scope.apply(rotary_pos_embedding.RotaryEmbedding, "get_emb", _cpu_get_emb)
+    scope.apply(rope_utils, "get_pos_emb_on_this_cp_rank", _cpu_get_pos_emb_on_this_cp_rank)
+    scope.apply(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _cpu_get_pos_emb_on_this_cp_rank)
+    try:
+        yarn = importlib.import_module("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+        scope.apply(yarn, "get_pos_emb_on_this_cp_rank", _cpu_get_pos_emb_on_this_cp_rank)
+    except ImportError:  # pragma: no cover - optional module
+        pass
+    # packed THD at CP > 1 (Megatron's batch split, Mamba's undo): TE's partitioner in pure torch where TE is missing
+    from megatron_ring.megatron.data.token_order import install_thd_partitioner
 
-def _patch(obj: Any, attr: str, new: Any) -> None:
-    _saved.append((obj, attr, getattr(obj, attr, _ABSENT)))
-    setattr(obj, attr, new)
+    install_thd_partitioner(scope.patcher("cpu.thd_partitioner"))
+    from megatron_ring_lab.cpu import ssm
+
+    ssm.install(scope.patcher("cpu.ssm"))  # Mamba-2 / GDN kernels where mamba_ssm / causal_conv1d / FLA are missing
+    scope.apply(mrandom, "CudaRNGStatesTracker", _make_cpu_tracker_class())
+    # Megatron's tracker state, held by the ledger (restored on exit); Megatron then builds a (CPU) tracker there
+    scope.apply(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    scope.apply(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
+    mrandom.initialize_rng_tracker()
 
 
 def enable_cpu_support() -> None:
     """Patch megatron-core's CUDA-only calls with CPU versions (nestable; undo with :func:`disable_cpu_support`).
 
     Also replaces the RNG tracker with a CPU one, so call it before
-    ``tensor_parallel.model_parallel_cuda_manual_seed(seed)``.
+    ``tensor_parallel.model_parallel_cuda_manual_seed(seed)``. Where a replacement fails, those made are undone.
     """
-    global _depth, _saved_tracker
+    global _depth, _scope
     with _lock:
+        if _depth == 0:
+            scope = patches.Scope("cpu.core")
+            try:
+                _apply(scope)
+            except BaseException:
+                scope.restore()
+                raise
+            _scope = scope
         _depth += 1
-        if _depth > 1:
-            return
-        from megatron.core import utils as mutils
-        from megatron.core.fusions import fused_softmax
-        from megatron.core.transformer import utils as tutils
-        from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
-        from megatron.core.tensor_parallel import random as mrandom
-
-        _patch(mutils.GlobalMemoryBuffer, "get_tensor", _cpu_get_tensor)
-        _patch(tutils, "get_default_causal_mask", _cpu_default_causal_mask)
-        _patch(fused_softmax, "get_default_causal_mask", _cpu_default_causal_mask)
-        _patch(rotary_pos_embedding.RotaryEmbedding, "get_emb", _cpu_get_emb)
-        _patch(rope_utils, "get_pos_emb_on_this_cp_rank", _cpu_get_pos_emb_on_this_cp_rank)
-        _patch(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _cpu_get_pos_emb_on_this_cp_rank)
-        try:
-            yarn = importlib.import_module("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
-            _patch(yarn, "get_pos_emb_on_this_cp_rank", _cpu_get_pos_emb_on_this_cp_rank)
-        except ImportError:  # pragma: no cover - optional module
-            pass
-        # packed THD at CP > 1 (Megatron's batch split, Mamba's undo): TE's partitioner in pure torch where TE is missing
-        from megatron_ring.megatron.data.token_order import install_thd_partitioner
-
-        install_thd_partitioner(_patch)
-        from megatron_ring_lab.cpu import ssm
-
-        ssm.install(_patch)  # Mamba-2 / GDN kernels where mamba_ssm / causal_conv1d / FLA are missing
-        _patch(mrandom, "CudaRNGStatesTracker", _make_cpu_tracker_class())
-        _saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-        mrandom.initialize_rng_tracker(force_reset=True)
 
 
 def disable_cpu_support() -> None:
     """Undo one :func:`enable_cpu_support`; the last one restores every original."""
-    global _depth, _saved_tracker
+    global _depth, _scope
     with _lock:
         if _depth == 0:
             raise RuntimeError("disable_cpu_support() called without a matching enable_cpu_support()")
         _depth -= 1
-        if _depth > 0:
-            return
-        from megatron.core.tensor_parallel import random as mrandom
-
-        while _saved:
-            obj, attr, old = _saved.pop()
-            if old is _ABSENT:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, old)
-        if _saved_tracker is not None:
-            mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _saved_tracker
-            _saved_tracker = None
+        if _depth == 0 and _scope is not None:
+            _scope.restore()
+            _scope = None
 
 
 def cpu_support_enabled() -> bool:

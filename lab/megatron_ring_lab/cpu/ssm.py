@@ -11,18 +11,20 @@ compiles with ``jit_fuser`` (``torch.compile``: 5-30 s per process on CPU) run a
 
 Installed packages always win: a name is replaced only when its import failed (the module holds
 ``None`` / a ``MagicMock`` / ``HAVE_* = False``), so on a GPU machine with the kernels nothing changes.
-What is replaced is listed by :func:`planned` (module, attribute) and restored by ``disable_cpu_support``.
+What is replaced is listed by :func:`planned` (module, attribute) and recorded in the lab's patch ledger
+(owner ``cpu.ssm``; ``torch.cuda.current_device`` only while a wrapped constructor / forward runs), which
+``disable_cpu_support`` restores.
 ``einops`` is still needed (Megatron's Mamba code imports it; it is pinned in requirements/).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
+from megatron_ring_lab import patches
 from megatron_ring_lab.cpu import ssm_kernels as kernels
 
 __all__ = ["install", "planned"]
@@ -47,28 +49,21 @@ def _missing(value: Any) -> bool:
     return value is None or type(value).__module__.startswith("unittest.mock")
 
 
-@contextlib.contextmanager
-def _cpu_current_device() -> Iterator[None]:
-    """``torch.cuda.current_device()`` is the CPU inside the block (only where CUDA is unavailable)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.current_device
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = saved
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_current_device() -> list[tuple[Any, str, Any]]:
+    """``torch.cuda.current_device()`` is the CPU during the call (only where CUDA is unavailable)."""
+    return [] if torch.cuda.is_available() else [(torch.cuda, "current_device", _cpu_device)]
 
 
 def _on_cpu(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _cpu_current_device():
-            return fn(*args, **kwargs)
+    return patches.during(fn, "cpu.ssm", _cpu_current_device)
 
-    wrapper._megatron_ring_cpu = True  # type: ignore[attr-defined]
-    return wrapper
+
+def _wrapped(fn: Any) -> bool:
+    return hasattr(fn, "ledger_during")
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,7 +105,7 @@ def planned() -> list[tuple[Any, str, Any]]:
             out.append((mixer, "_check_mamba_sequence_packing_support", _packing_supported))
     if mixer is not None and _missing(getattr(mixer, "causal_conv1d_fn", None)):
         out.append((mixer, "causal_conv1d_fn", kernels.causal_conv1d_fn))
-    if mixer is not None and not getattr(mixer.MambaMixer.__init__, "_megatron_ring_cpu", False):
+    if mixer is not None and not _wrapped(mixer.MambaMixer.__init__):
         out.append((mixer.MambaMixer, "__init__", _on_cpu(mixer.MambaMixer.__init__)))
     # Gated DeltaNet: a package (common.py + gdn.py) on newer lines, one module on older ones
     common = _load("megatron.core.ssm.gated_delta_net.common") or _load("megatron.core.ssm.gated_delta_net")
@@ -127,7 +122,7 @@ def planned() -> list[tuple[Any, str, Any]]:
         for cls in classes:
             for name in ("__init__", "reset_parameters", "forward"):
                 fn = cls.__dict__.get(name)
-                if fn is not None and not getattr(fn, "_megatron_ring_cpu", False):
+                if fn is not None and not _wrapped(fn):
                     out.append((cls, name, _on_cpu(fn)))
             for name, fn in list(cls.__dict__.items()):  # jit_fuser (torch.compile): seconds per process on CPU
                 orig = getattr(fn, "_torchdynamo_orig_callable", None)
@@ -140,6 +135,6 @@ def planned() -> list[tuple[Any, str, Any]]:
 
 
 def install(patch: Patch) -> None:
-    """Apply :func:`planned` through the CPU opt-in's ``patch(obj, attr, new)`` (which records the original)."""
+    """Apply :func:`planned` through the CPU opt-in's ``patch(obj, attr, new)`` (the ledger's, which records it)."""
     for obj, attr, new in planned():
         patch(obj, attr, new)

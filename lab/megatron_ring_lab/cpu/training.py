@@ -6,7 +6,8 @@ distributed/model-parallel set-up and RNG seeding only when ``device_count() > 0
 CUDA, ``compile_helpers()`` running ``make``). :func:`megatron_training_cpu` makes that loop run on the
 CPU with gloo, for CI and laptops, inside a ``with`` block only:
 
-* :data:`REPLACED` lists every function it replaces (module, attribute); all are restored on exit;
+* :data:`REPLACED` lists every function it replaces (module, attribute), each recorded in the lab's patch ledger
+  (:mod:`megatron_ring_lab.patches`, owner ``cpu.training``); all are restored on exit, also on an exception;
 * a :class:`torch.overrides.TorchFunctionMode` maps ``device='cuda'`` / ``.cuda()`` / ``.to('cuda')`` to
   the CPU and makes ``Tensor.type()`` report the CUDA type names Megatron compares against;
 * it also enters :func:`~megatron_ring_lab.cpu.core.megatron_cpu` (megatron-core's own CUDA spots);
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_ring_lab import patches
 from megatron_ring_lab.cpu.core import megatron_cpu
 
 __all__ = ["megatron_training_cpu", "REPLACED", "training_cpu_enabled"]
@@ -118,18 +120,14 @@ _DEVICE_COUNT_ONE = _stand_in("device_count", lambda *a, **k: 1)
 _SET_DEVICE = _stand_in("set_device", _nothing)
 
 
+def _one_device() -> list[tuple[Any, str, Any]]:
+    return [(torch.cuda, "device_count", _DEVICE_COUNT_ONE), (torch.cuda, "set_device", _SET_DEVICE)]
+
+
 def _with_one_device(fn: Callable) -> Callable:
     """Run ``fn`` with ``torch.cuda.device_count() == 1`` so Megatron builds its model-parallel groups and
     seeds its RNG tracker (both skipped when no device is seen); ``set_device`` is a no-op then."""
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        saved = torch.cuda.device_count, torch.cuda.set_device
-        torch.cuda.device_count, torch.cuda.set_device = _DEVICE_COUNT_ONE, _SET_DEVICE
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.cuda.device_count, torch.cuda.set_device = saved
-    return wrapper
+    return patches.during(fn, "cpu.training", _one_device)
 
 
 def _allow_no_cuda(fn: Callable) -> Callable:
@@ -237,36 +235,42 @@ def megatron_training_cpu() -> Iterator[None]:
         if _active:
             raise RuntimeError("megatron_training_cpu() is already active")
         _active = True
-    saved: list[tuple[Any, str, Any]] = []
     try:
-        for name, new in _TORCH_CUDA.items():
-            saved.append((torch.cuda, name, getattr(torch.cuda, name)))
-            setattr(torch.cuda, name, new)
-        for (mod_name, attr), make in _MEGATRON.items():
-            mod = importlib.import_module(mod_name)
-            old = getattr(mod, attr)
-            saved.append((mod, attr, old))
-            setattr(mod, attr, make(old))
-        with megatron_cpu(), _CudaToCpu():
-            yield
+        with patches.Scope("cpu.training") as scope:
+            for name, new in _TORCH_CUDA.items():
+                scope.apply(torch.cuda, name, new)
+            for (mod_name, attr), make in _MEGATRON.items():
+                mod = importlib.import_module(mod_name)
+                scope.apply(mod, attr, make(getattr(mod, attr)))
+            with megatron_cpu(), _CudaToCpu():
+                yield
     finally:
-        while saved:
-            obj, attr, old = saved.pop()
-            setattr(obj, attr, old)
         with _lock:
             _active = False
 
 
+USAGE = "usage: python -m megatron_ring_lab.cpu SCRIPT [ARGS...] | --list-patches"
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m megatron_ring_lab.cpu SCRIPT [ARGS...]`` (or under ``torchrun -m``): run a
-    Megatron-LM training script (e.g. a patched ``pretrain_gpt.py``) as ``__main__`` inside the CPU opt-in."""
+    Megatron-LM training script (e.g. a patched ``pretrain_gpt.py``) as ``__main__`` inside the CPU opt-in.
+    ``--list-patches``: print what the opt-in replaces (the patch ledger) and exit."""
     import os
     import runpy
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        raise SystemExit("usage: python -m megatron_ring_lab.cpu SCRIPT [ARGS...]")
+        raise SystemExit(USAGE)
+    if argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    if argv[0] == "--list-patches":
+        from megatron_ring_lab.cpu.listing import print_patches
+
+        print_patches()
+        return
     script = os.path.abspath(argv[0])
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))

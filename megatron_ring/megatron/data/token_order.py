@@ -24,7 +24,8 @@ CP > 1 :func:`check_sequence_split` refuses those layers by name (at build time)
 
 Without TransformerEngine, Megatron's THD branches assert (Mamba's undo/redo, its own THD batch split);
 :func:`install_thd_partitioner` puts :func:`thd_get_partitioned_indices` (pure torch, TransformerEngine's
-semantics) where those modules look it up, without editing Megatron's files (the CPU opt-in calls it).
+semantics) where those modules look it up, without editing Megatron's files, through a ``patch`` callable the
+caller passes and undoes (the lab's CPU opt-in passes its patch ledger's).
 
 Megatron's development branch adds ``cp_partition_mode`` (``zigzag`` | ``contiguous``, THD only): the
 order of the batch split; its attention module converts to zigzag before core attention, and GDN
@@ -34,7 +35,7 @@ converts to what it needs. :func:`data_layout` maps it onto the ring's layouts w
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -211,14 +212,19 @@ class _TorchTex:
 _SHIM = _TorchTex()
 
 
-def install_thd_partitioner(patch: Any = setattr) -> dict[str, str]:
+def install_thd_partitioner(patch: Callable[[Any, str, Any], None] | None = None) -> dict[str, str]:
     """Give Megatron :func:`thd_get_partitioned_indices` where TransformerEngine is missing (its THD
     branches assert or fail otherwise), without editing its files: in each module of
     ``compat.THD_PARTITIONER_USERS`` (Mamba's CP undo/redo, Megatron's own THD batch split) whose ``tex``
     is None, ``tex`` becomes a pure-torch stand-in holding only that function, and the module's
     ``is_te_min_version`` answers True to the THD branch's question (``"1.10.0"``) while the stand-in is
     there (every other question goes to Megatron's own). Where TransformerEngine is installed nothing
-    changes. Idempotent. ``patch(module, name, value)`` sets each name (default ``setattr``; the CPU
-    opt-in passes its own, which ``disable_cpu_support`` undoes). Returns ``{module: "transformer_engine" |
+    changes. Idempotent. ``patch(module, name, value)`` sets each name and is required: the caller owns the
+    change and its undoing (the lab's CPU opt-in passes its patch ledger's, undone on exit; a test may pass
+    ``monkeypatch.setattr``; ``setattr`` patches for good, knowingly). Returns ``{module: "transformer_engine" |
     "torch" | "absent"}``."""
+    if patch is None:
+        raise TypeError("install_thd_partitioner(patch) needs the callable that sets each name, e.g. "
+                        "monkeypatch.setattr, or setattr to patch Megatron for the rest of the process; "
+                        "the lab's CPU opt-in installs it for its scope only")
     return compat.install_tex_stand_in(_SHIM, patch)
