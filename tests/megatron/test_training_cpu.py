@@ -41,12 +41,18 @@ def _current():
 def test_training_cpu_replaces_exactly_the_named_functions_and_restores_them():
     from megatron_ring_lab.cpu import cpu_support_enabled
     from megatron_ring_lab.cpu.training import REPLACED, megatron_training_cpu, training_cpu_enabled
+    from megatron_ring_lab.patches import during_calls, list_patches
 
     assert set(REPLACED) == EXPECTED and len(REPLACED) == len(EXPECTED)
     before = _current()
     with megatron_training_cpu():
         inside = _current()
         assert all(inside[k] is not before[k] for k in EXPECTED), [k for k in EXPECTED if inside[k] is before[k]]
+        # read from the lab's patch ledger: what it applied for the loop, and what its wrappers swap per call
+        assert [(p.where, p.name) for p in list_patches() if p.owner == "cpu.training"] == list(REPLACED)
+        assert sorted((p.during, p.name) for p in during_calls() if p.owner == "cpu.training") == [
+            ("_initialize_distributed", "device_count"), ("_initialize_distributed", "set_device"),
+            ("_set_random_seed", "device_count"), ("_set_random_seed", "set_device")]
         assert training_cpu_enabled() and cpu_support_enabled()
         t = torch.zeros(3, device="cuda")  # device='cuda' lands on the CPU
         assert t.device.type == "cpu" and t.cuda() is t and t.to("cuda").device.type == "cpu"
@@ -57,8 +63,20 @@ def test_training_cpu_replaces_exactly_the_named_functions_and_restores_them():
                 pass
     after = _current()
     assert all(after[k] is before[k] for k in EXPECTED)
-    assert not training_cpu_enabled() and not cpu_support_enabled()
+    assert not training_cpu_enabled() and not cpu_support_enabled() and not list_patches()
     assert torch.zeros(1).type() == "torch.FloatTensor"
+
+
+def test_training_cpu_restores_everything_on_an_exception():
+    from megatron_ring_lab.cpu.training import megatron_training_cpu, training_cpu_enabled
+    from megatron_ring_lab.patches import list_patches
+
+    before = _current()
+    with pytest.raises(KeyError):
+        with megatron_training_cpu():
+            raise KeyError("inside the loop")
+    after = _current()
+    assert all(after[k] is before[k] for k in EXPECTED) and not list_patches() and not training_cpu_enabled()
 
 
 def test_training_cpu_is_never_active_on_cuda(monkeypatch):
