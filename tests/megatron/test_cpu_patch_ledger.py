@@ -93,7 +93,7 @@ def test_restored_on_an_exception_and_when_the_opt_in_fails_half_way(targets, mo
 
 
 def test_list_patches_cli_prints_the_ledger_and_leaves_nothing_applied(capsys):
-    from megatron_ring_lab.cpu.training import main
+    from megatron_ring_lab.cpu.cli import main
 
     main(["--list-patches"])
     lines = capsys.readouterr().out.splitlines()

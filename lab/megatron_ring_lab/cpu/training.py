@@ -247,33 +247,3 @@ def megatron_training_cpu() -> Iterator[None]:
     finally:
         with _lock:
             _active = False
-
-
-USAGE = "usage: python -m megatron_ring_lab.cpu SCRIPT [ARGS...] | --list-patches"
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m megatron_ring_lab.cpu SCRIPT [ARGS...]`` (or under ``torchrun -m``): run a
-    Megatron-LM training script (e.g. a patched ``pretrain_gpt.py``) as ``__main__`` inside the CPU opt-in.
-    ``--list-patches``: print what the opt-in replaces (the patch ledger) and exit."""
-    import os
-    import runpy
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        raise SystemExit(USAGE)
-    if argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return
-    if argv[0] == "--list-patches":
-        from megatron_ring_lab.cpu.listing import print_patches
-
-        print_patches()
-        return
-    script = os.path.abspath(argv[0])
-    sys.argv = [script, *argv[1:]]
-    sys.path.insert(0, os.path.dirname(script))
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    with megatron_training_cpu():
-        runpy.run_path(script, run_name="__main__")
