@@ -8,11 +8,17 @@
 #     the only cp312 build; it runs on CPU) + megatron-core 0.19.2, pinned by requirements/constraints-py312.txt.
 #   torch goes in first and alone; then this package with its extras, every version pinned; then the lab
 #   (lab/pyproject.toml, editable, no dependencies of its own beyond the test extra's).
+#   MEGATRON_RING_FLAVOR=floor: .venv-floor, Python 3.11, the OLDEST torch the package declares (setup.cfg;
+#     requirements/constraints-floor.txt: torch==2.11.0, the build the index serves) + megatron-core 0.16.1.
 # Usage: scripts/setup_env.sh [extras]   (default extras: test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-test}"
-if [ "${MEGATRON_RING_FLAVOR:-}" = py312 ]; then
+if [ "${MEGATRON_RING_FLAVOR:-}" = floor ]; then
+  VENV="$(realpath -m "${MEGATRON_RING_VENV_FLOOR:-.venv-floor}")"
+  CONSTRAINTS=requirements/constraints-floor.txt
+  PY="${PYTHON:-python3}"
+elif [ "${MEGATRON_RING_FLAVOR:-}" = py312 ]; then
   VENV="$(realpath -m "${MEGATRON_RING_VENV312:-.venv312}")"
   CONSTRAINTS=requirements/constraints-py312.txt
   PY="${PYTHON312:-python3.12}"; export PYENV_VERSION="${PYENV_VERSION:-3.12.1}"

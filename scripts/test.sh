@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test suite on both ends of the supported megatron-core range (extra args go to pytest):
-#   0. the fast tier first: .venv, pytest -m "not slow" "$@" (single-process tests; under 2 minutes), then
+#   0. the fast tier first: .venv, pytest -m "not slow" "$@" (single-process tests; under 2 minutes), then the
+#      same fast tier on .venv-floor (the oldest torch setup.cfg declares, torch 2.11; skip with
+#      MEGATRON_RING_SKIP_FLOOR=1), then
 #      the fast numerics under every CPU instruction set (scripts/numerics_matrix.sh --fast; skip with
 #      MEGATRON_RING_SKIP_NUMERICS_MATRIX=1);
 #   1. .venv    (Python 3.11, megatron-core 0.16.1): the rest, pytest -m slow "$@" (default: tests/);
@@ -31,6 +33,12 @@ print(f"[test] {n} CUDA GPU(s): tests/gpu " + ("runs" if n else "is skipped (no 
 t0=$(date +%s)
 run_pytest .venv -m "not slow" "$@"; rcfast=$?
 echo "[test] fast tier (-m 'not slow'): rc=$rcfast in $(( $(date +%s) - t0 )) s"
+rcfloor=0
+if [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ]; then  # the declared torch floor (setup.cfg): the fast tier on it
+  MEGATRON_RING_FLAVOR=floor bash scripts/setup_env.sh test || exit $?
+  echo "[test] torch floor: $(.venv-floor/bin/python -c 'import torch; print(torch.__version__)'), fast tier"
+  run_pytest .venv-floor -m "not slow" -q -p no:cacheprovider; rcfloor=$?
+fi
 rcnum=0
 if [ "${MEGATRON_RING_SKIP_NUMERICS_MATRIX:-0}" != 1 ]; then
   PYTHON=.venv/bin/python bash scripts/numerics_matrix.sh --fast; rcnum=$?
@@ -53,5 +61,5 @@ if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-
     tests/megatron/test_bridge_hybrid.py
   rcbridge=$?
 fi
-echo "[test] fast tier: rc=$rcfast; numerics under every instruction set: rc=$rcnum; Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312; Megatron-Bridge: rc=$rcbridge"
-[ "$rc311" -eq 0 ] && [ "$rcnum" -eq 0 ] && [ "$rc312" -eq 0 ] && [ "$rcbridge" -eq 0 ]
+echo "[test] fast tier: rc=$rcfast; torch floor: rc=$rcfloor; numerics under every instruction set: rc=$rcnum; Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312; Megatron-Bridge: rc=$rcbridge"
+[ "$rc311" -eq 0 ] && [ "$rcfloor" -eq 0 ] && [ "$rcnum" -eq 0 ] && [ "$rc312" -eq 0 ] && [ "$rcbridge" -eq 0 ]
