@@ -221,7 +221,7 @@ def test_the_rules_see_the_package():
 
 
 # The glue's own layout (docs/design.md, "The Megatron glue"): subpackage -> the glue parts it may import.
-# "base" is compat, config, arguments and env; the glue's __init__ (its face) may import everything.
+# "base" is compat, config, arguments, env and contract; the glue's __init__ (its face) may import everything.
 GLUE_ALLOWED = {
     "base": {"base"},
     "groups": {"base"},
@@ -231,7 +231,7 @@ GLUE_ALLOWED = {
     # the deprecated spellings python -m megatron_ring.megatron.cpu / .training_cpu (megatron_ring/_moved.py)
     "cpu": set(), "training_cpu": set(),
 }
-GLUE_BASE = {"compat", "config", "arguments", "env"}
+GLUE_BASE = {"compat", "config", "arguments", "env", "contract"}
 
 
 def _glue_part(module: str) -> str | None:
@@ -261,12 +261,13 @@ def test_the_glue_is_split_by_entry_path():
 
 
 def test_only_compat_knows_megatron_versions():
-    """Version detection (megatron-core's version, or which Megatron-LM files exist) lives in compat.py only."""
+    """Version detection (megatron-core's version, or which Megatron-LM files exist) lives in compat.py only; the
+    contract table (contract.py) names the releases an entry exists on, and megatron-core's package_info."""
     markers = ("package_info", "mcore_version", "importlib.metadata", "find_spec(\"megatron", "__version__")
     bad = []
     for path in _sources():
-        if _glue_part(_module_name(path)) is None or path.name == "compat.py":
+        if _glue_part(_module_name(path)) is None or path.name in ("compat.py", "contract.py"):
             continue
         text = path.read_text()
         bad += [f"{path.relative_to(ROOT.parent)}: {m}" for m in markers if m in text]
-    assert not bad, "version knowledge outside megatron_ring/megatron/compat.py:\n" + "\n".join(bad)
+    assert not bad, "version knowledge outside megatron_ring/megatron/compat.py and contract.py:\n" + "\n".join(bad)
