@@ -16,10 +16,13 @@ folder:
 * each evaluation's loss dict.
 
 Parameter names use global layer numbers (``decoder.layers.<layer_number - 1>``), so pipeline stages line up.
+Every wrapper and hook reads Megatron's arguments by parameter name (``inspect.signature(...).bind``), never by
+position; the names it relies on are entries of ``megatron_ring/megatron/contract.py`` (``doctor-*``).
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 from typing import Any
@@ -89,8 +92,15 @@ def _named(model: list, what: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _arguments(sig: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of one call by parameter name (those passed; defaults left out)."""
+    return sig.bind_partial(*args, **kwargs).arguments
+
+
 def _hook_model(model: list) -> None:
     """Forward hooks that record iteration 1's inputs, per-token loss and the first rotary slice."""
+    from megatron.core.transformer.attention import SelfAttention
+
     if _state["hooked"]:
         return
     _state["hooked"] = True
@@ -100,37 +110,37 @@ def _hook_model(model: list) -> None:
 
     for chunk in model:
         inner = _unwrap(chunk)
+        forward = inspect.signature(inner.forward)  # GPTModel / HybridModel: input_ids, position_ids, ...
 
-        def pre(mod, args, kwargs):
+        def pre(mod, args, kwargs, forward=forward):
             if not active():
                 return
-            names = ("input_ids", "position_ids", "attention_mask")
-            got = {n: (args[i] if len(args) > i else kwargs.get(n)) for i, n in enumerate(names)}
-            rec: dict[str, Any] = {"packed": kwargs.get("packed_seq_params") is not None}
-            for n in ("input_ids", "position_ids"):
-                if isinstance(got[n], torch.Tensor):
+            got = _arguments(forward, args, kwargs)
+            rec: dict[str, Any] = {"packed": got.get("packed_seq_params") is not None}
+            for n in ("input_ids", "position_ids", "labels"):
+                if isinstance(got.get(n), torch.Tensor):
                     rec[n] = got[n].detach().clone()
-            if isinstance(kwargs.get("labels"), torch.Tensor):
-                rec["labels"] = kwargs["labels"].detach().clone()
-            mask = got["attention_mask"]
+            mask = got.get("attention_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool:
                 visible = ~mask[:, 0]
                 j = torch.arange(mask.shape[-1])
                 rec["first_key"] = torch.where(visible, j, mask.shape[-1]).amin(-1)
             _state["tokens"].append(rec)
 
-        def post(mod, args, kwargs, output):
+        def post(mod, args, kwargs, output, forward=forward):
             if not active() or not _state["tokens"]:
                 return
-            if isinstance(output, torch.Tensor) and kwargs.get("labels") is not None:
+            if isinstance(output, torch.Tensor) and _arguments(forward, args, kwargs).get("labels") is not None:
                 _state["tokens"][-1]["loss"] = output.detach().float().clone()
 
         inner.register_forward_pre_hook(pre, with_kwargs=True)
         inner.register_forward_hook(post, with_kwargs=True)
         for mod in inner.modules():
-            if type(mod).__name__ == "SelfAttention":
+            if isinstance(mod, SelfAttention):
+                attention = inspect.signature(mod.forward)
+
                 def rope_pre(m, args, kwargs):
-                    rot = kwargs.get("rotary_pos_emb")
+                    rot = _arguments(attention, args, kwargs).get("rotary_pos_emb")
                     if active() and _state["tokens"] and isinstance(rot, torch.Tensor) \
                             and "rope" not in _state["tokens"][-1]:
                         _state["tokens"][-1]["rope"] = rot.detach().float().reshape(rot.shape[0], -1).clone()
@@ -139,10 +149,13 @@ def _hook_model(model: list) -> None:
 
 
 def _wrap_fbf(fbf: Any) -> Any:
+    sig = inspect.signature(fbf)
+
     @functools.wraps(fbf)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        forward_only = _arguments(sig, args, kwargs).get("forward_only", False)
         out = fbf(*args, **kwargs)
-        if not kwargs.get("forward_only", False) and isinstance(out, list):
+        if not forward_only and isinstance(out, list):
             _it()["micro"] = [{k: _floats(v) for k, v in d.items()} for d in out if isinstance(d, dict)]
         return out
     return wrapped
@@ -182,8 +195,13 @@ def _wrap_forward_step(forward_step: Any) -> Any:
 
 
 def _wrap_train_step(train_step: Any) -> Any:
+    sig = inspect.signature(train_step)
+
     @functools.wraps(train_step)
-    def wrapped(forward_step_func, data_iterator, model, optimizer, *args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        call = sig.bind(*args, **kwargs)
+        got = call.arguments
+        model, optimizer = got["model"], got["optimizer"]
         _state["iteration"] += 1
         _state["model"] = model
         if _state["init_params"] is None:
@@ -192,14 +210,12 @@ def _wrap_train_step(train_step: Any) -> Any:
         if not getattr(optimizer, "_doctor_wrapped", False):
             optimizer.step = _wrap_step(optimizer.step, model)
             optimizer._doctor_wrapped = True
-        if "forward_backward_func" in kwargs:
-            kwargs["forward_backward_func"] = _wrap_fbf(kwargs["forward_backward_func"])
-        elif len(args) >= 3:
-            args = (*args[:2], _wrap_fbf(args[2]), *args[3:])
+        if got.get("forward_backward_func") is not None:
+            got["forward_backward_func"] = _wrap_fbf(got["forward_backward_func"])
+        got["forward_step_func"] = _wrap_forward_step(got["forward_step_func"])
         _state["training"] = True
-        forward_step_func = _wrap_forward_step(forward_step_func)
         try:
-            out = train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+            out = train_step(*call.args, **call.kwargs)
         finally:
             _state["training"] = False
         if isinstance(out, tuple) and out and isinstance(out[0], dict):
@@ -209,16 +225,17 @@ def _wrap_train_step(train_step: Any) -> Any:
     return wrapped
 
 
-def _wrap_reporter(report: Any, *, method: bool) -> Any:
+def _wrap_reporter(report: Any) -> Any:
     """``track_mtp_metrics`` / the MoE tracker's ``report``: record what they add to the logged dict."""
+    sig = inspect.signature(report)
+
     @functools.wraps(report)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        pos = 5 if method else 4  # total_loss_dict's position (after self for a method)
-        target = kwargs.pop("total_loss_dict", None)
-        if len(args) > pos:
-            target, args = args[pos], args[:pos]
+        call = sig.bind(*args, **kwargs)
+        target = call.arguments.get("total_loss_dict")
         mine: dict[str, Any] = {}
-        out = report(*args, total_loss_dict=mine, **kwargs)
+        call.arguments["total_loss_dict"] = mine
+        out = report(*call.args, **call.kwargs)
         _it()["logged"].update({k: _floats(v)[0] for k, v in mine.items()})
         if target is not None:
             for k, v in mine.items():
@@ -248,14 +265,14 @@ def install() -> None:
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         MTPLossLoggingHelper.track_mtp_metrics = staticmethod(
-            _wrap_reporter(MTPLossLoggingHelper.track_mtp_metrics, method=False))
+            _wrap_reporter(MTPLossLoggingHelper.track_mtp_metrics))
     except (ImportError, AttributeError):
         _state["notes"].append("multi-token prediction loss reporter not found: MTP loss not recorded")
     try:
         from megatron.core.transformer.moe import moe_utils
 
         cls = type(moe_utils.get_moe_metrics_tracker())
-        cls.report = _wrap_reporter(cls.report, method=True)
+        cls.report = _wrap_reporter(cls.report)
     except (ImportError, AttributeError):
         _state["notes"].append("MoE metrics tracker not found: MoE aux losses not recorded")
 

@@ -39,7 +39,7 @@ def mtp_cp_invariant_requested() -> bool:
 def _with_cp_mean_count(roll: Callable) -> Callable:
     def roll_tensor(tensor: Any, shifts: int = -1, dims: int = -1, cp_group: Any = None,
                     packed_seq_params: Any = None) -> Any:
-        rolled, count = roll(tensor, shifts, dims, cp_group, packed_seq_params)
+        rolled, count = roll(tensor, shifts=shifts, dims=dims, cp_group=cp_group, packed_seq_params=packed_seq_params)
         if count is None or packed_seq_params is not None or cp_group is None or cp_group.size() == 1:
             return rolled, count
         total = count.detach().to(torch.float64)  # a token count: exact in float64

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from megatron_ring.megatron import compat
 from megatron_ring.megatron.arguments import config_from_args
 from megatron_ring.megatron.config import ContextParallelConfigError
 from megatron_ring.megatron.attention.module import RingDotProductAttention
@@ -58,9 +59,7 @@ def use_ring_attention_in_gpt_config(args: Any, model_cfg: Any) -> Any:
     def ring_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
         initialize_context_parallel(config_from_args(args), seq_length=args.seq_length)  # idempotent
         if base is None:
-            from megatron.training.models.gpt import default_layer_spec
-
-            spec = default_layer_spec(config, vp_stage)
+            spec = compat.default_gpt_layer_spec(config, vp_stage)
         elif callable(base) and not hasattr(base, "module") and not hasattr(base, "layer_specs"):
             params = inspect.signature(base).parameters
             spec = base(config, vp_stage=vp_stage) if "vp_stage" in params else base(config)
