@@ -113,6 +113,8 @@ CONTRACT: tuple[Entry, ...] = (
     Entry("decoder-block-spec", f"{_SPECS}.get_gpt_decoder_block_spec", "callable",
           ("config", "use_transformer_engine", "normalization", "qk_l2_norm", "vp_stage", "pp_rank"),
           ("glue: spec/gpt.py",)),
+    Entry("heterogeneous-config", f"{_MC}.transformer.heterogeneous.heterogeneous_config", "attribute",
+          ("HeterogeneousTransformerConfig",), ("glue: spec/gpt.py",)),
     Entry("heterogeneous-spec", f"{_MC}.models.gpt.heterogeneous.heterogeneous_layer_specs"
           ".get_gpt_heterogeneous_layer_spec", "callable", ("config", "use_te"), ("glue: spec/gpt.py",)),
     Entry("moe-module-spec", f"{_MC}.models.gpt.moe_module_specs.get_moe_module_spec", "callable",

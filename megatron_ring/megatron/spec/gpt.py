@@ -41,7 +41,9 @@ def spec_from_transformer_config(tc: Any, vp_stage: int | None, pp_rank: int | N
                                                    qk_l2_norm=getattr(tc, "qk_l2_norm", False), vp_stage=vp_stage,
                                                    pp_rank=pp_rank),
             defaults={"pp_rank": None})
-    if type(tc).__name__ == "HeterogeneousTransformerConfig":
+    from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
+
+    if isinstance(tc, HeterogeneousTransformerConfig):
         from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
 
         return get_gpt_heterogeneous_layer_spec(tc, use_te)
