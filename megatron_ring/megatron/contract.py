@@ -8,7 +8,8 @@ Each :class:`Entry` names a ``target`` (a dotted path: a module, or a class / fu
 * ``callable``: parameters of the target's signature that we call with (by keyword) or mirror;
 * ``class-field``: fields of the target class we read or set (dataclass fields, class attributes, or
   attributes its methods assign on ``self``);
-* ``hook-arguments``: parameters a wrapper of the target binds by name (``inspect.signature(...).bind``);
+* ``hook-arguments``: parameters a wrapper of the target binds by name (``inspect.signature(...).bind``; none
+  where the wrapper reads only the return value);
 * ``argument``: destinations of Megatron-LM's command-line arguments (the target adds them to a parser).
 
 ``users``: who relies on it (``glue``, ``lab-cpu``, ``doctor``, with the file). ``releases``: the megatron-core
@@ -278,8 +279,8 @@ CONTRACT: tuple[Entry, ...] = (
     Entry("doctor-train-step", "megatron.training.training.train_step", "hook-arguments",
           ("forward_step_func", "data_iterator", "model", "optimizer", "forward_backward_func"),
           ("doctor: doctor/capture.py",)),
-    Entry("doctor-evaluate", "megatron.training.training.evaluate", "hook-arguments",
-          ("forward_step_func", "data_iterator", "model"), ("doctor: doctor/capture.py",)),
+    Entry("doctor-evaluate", "megatron.training.training.evaluate", "hook-arguments", (),
+          ("doctor: doctor/capture.py",)),  # wrapped for its return value only: no argument read
     Entry("doctor-forward-backward", f"{_MC}.pipeline_parallel.schedules.forward_backward_no_pipelining",
           "hook-arguments", ("forward_only",), ("doctor: doctor/capture.py",)),
     Entry("doctor-mtp-reporter", f"{_MC}.transformer.multi_token_prediction.MTPLossLoggingHelper.track_mtp_metrics",
