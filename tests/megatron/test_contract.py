@@ -5,7 +5,8 @@ parameters read with ``inspect.signature``, a class's fields from its dataclass 
 ``self.<name> =`` of its methods, Megatron-LM's argument names from its parser. A failure names the entry and
 what is missing. Entries for ``megatron.training`` where this megatron-core has none (the 0.16.1 wheel), for a
 Megatron-LM script module, for another release, or whose module needs a package this install lacks are skipped
-saying why. A renamed entry fails by name (the negative controls at the end).
+saying why. A renamed entry fails by name (the negative controls at the end). Every attribute the lab's CPU
+harness replaces is an entry.
 """
 from __future__ import annotations
 
@@ -124,6 +125,24 @@ def test_entry_holds(entry: Entry):
         check(entry)
     except Unavailable as e:
         pytest.skip(f"{entry.name}: {e}")
+
+
+def _named(where: str, name: str) -> bool:
+    return any(e.target == f"{where}.{name}" or (e.target == where and name in e.names) for e in CONTRACT)
+
+
+def test_every_patch_of_the_cpu_harness_is_an_entry():
+    """What the CPU harness replaces (its ledger while ``megatron_cpu`` is open, with the swaps its wrappers make
+    during calls, and the training scope's list) is named by the contract."""
+    patches = pytest.importorskip("megatron_ring_lab.patches", reason="the lab is not installed")
+    from megatron_ring_lab.cpu import megatron_cpu
+    from megatron_ring_lab.cpu.training import REPLACED
+
+    with megatron_cpu():
+        applied = [(p.where, p.name) for p in (*patches.list_patches(), *patches.during_calls())]
+    assert applied, "the CPU harness applied nothing"
+    missing = sorted({f"{w}.{n}" for w, n in (*applied, *REPLACED) if not _named(w, n)})
+    assert not missing, "replaced by the CPU harness but not in the contract: " + ", ".join(missing)
 
 
 #: a deliberately renamed copy of one entry per kind: the check must fail naming it
