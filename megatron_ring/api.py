@@ -47,7 +47,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    window: tuple[int, int] | None = None, comm_type: str = "p2p",
                    hierarchical_groups: Any = None, softmax_offset: Any = None,
                    dropout_p: float = 0.0, dropout_seed: int | torch.Tensor | None = None,
-                   kv_pieces: int | None = None) -> torch.Tensor:
+                   kv_pieces: int | None = None,
+                   return_max_logit: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -114,9 +115,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         hierarchical_groups: ``(inner, outer)`` process groups for "a2a+p2p" (inner = consecutive ranks
             of ``group``, outer = the ranks with the same inner index; Megatron's
             ``hierarchical_context_parallel_sizes`` convention).
+        return_max_logit: also return the largest attention logit per query head (QK-clip, Megatron's
+            ``--qk-clip`` / ``--log-max-attention-logit``): ``max_logit`` fp32 ``[h]`` (h: the heads of this
+            rank's q), detached: the max of ``softmax_scale * q . k`` over every (query, key) pair this rank's
+            queries see (causal, documents, window; over every ring step and the batch; the K a kernel sees,
+            i.e. after the wire's decoding; a sink is not a logit). ``-inf`` for a head none of whose queries
+            sees a key (all padding): a MAX-reduce over ranks ignores it. Every comm type gives this rank's
+            own queries' max (docs/model_features.md, "QK-clip"). An extra pass over each computed block
+            (the kernels return no max; fp32 accumulation, scores rounded once to bf16 for bf16 inputs, else
+            fp32); nothing is computed when False.
 
     Returns:
-        The attention output with q's shape and dtype, contiguous in ``qkv_format``.
+        The attention output with q's shape and dtype, contiguous in ``qkv_format``; with
+        ``return_max_logit``, the pair ``(output, max_logit)``.
     """
     if torch.compiler.is_compiling():  # torch.compile: ONE graph break, the ring runs eagerly (docs/compile.md)
         return _eager_ring_attention(
@@ -124,8 +135,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             comm_dtype=comm_dtype, kernel=kernel, check_consistency=check_consistency, timeout_s=timeout_s,
             head_chunks=head_chunks, ring=ring, cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
             hierarchical_groups=hierarchical_groups, softmax_offset=softmax_offset, dropout_p=dropout_p,
-            dropout_seed=dropout_seed, kv_pieces=kv_pieces)
+            dropout_seed=dropout_seed, kv_pieces=kv_pieces, return_max_logit=return_max_logit)
     _check_tensors(q, k, v)
+    if not isinstance(return_max_logit, bool):
+        raise ValueError(f"return_max_logit must be a bool, got {return_max_logit!r}")
     if ring is None:
         ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else settings.timeout_s())
     if kv_pieces is None:
@@ -133,7 +146,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     call = agree(ring, q, k, v, causal=causal, layout=layout, qkv_format=qkv_format, cu_seqlens=cu_seqlens,
                  window=window, comm_type=comm_type, head_chunks=head_chunks, hierarchical_groups=hierarchical_groups,
                  comm_dtype=comm_dtype, softmax_scale=softmax_scale, check_consistency=check_consistency,
-                 kv_pieces=kv_pieces, extras=(dropout_p, dropout_seed is not None, offset_kind(softmax_offset), kv_pieces),
+                 kv_pieces=kv_pieces, max_logit=return_max_logit,
+                 extras=(dropout_p, dropout_seed is not None, offset_kind(softmax_offset), kv_pieces, return_max_logit),
                  per_call=(dropout_seed,) if isinstance(dropout_seed, int) and dropout_p else ())
     q, k, v = call.tensors
     call.refusing(check_inputs, q, k, v, call.qkv_format)
@@ -142,7 +156,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     # head dim: with MLA head dims the kernel's operands are padded to the larger one (kernels.head_dim)
     block_kernel = call.refusing(select_kernel, qh, kernel, max(qh.shape[-1], v.shape[-1]))
     plan = call.plan(scale, block_kernel, qh, dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world))
-    return call.repack(_dispatch(call, q, k, v, qh, plan, sink_logits(softmax_offset, qh)))
+    out = call.repack(_dispatch(call, q, k, v, qh, plan, sink_logits(softmax_offset, qh)))
+    return (out, plan.row_max.amax(dim=1)) if return_max_logit else out
 
 
 #: ``ring_attention`` as torch.compile sees it: never traced (its exchanges wait on the host, its status is

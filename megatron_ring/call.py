@@ -16,6 +16,7 @@ from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, HeadDimPadKe
 from megatron_ring.kernels.dropout import DropoutSpec
 from megatron_ring.wire.codecs import KVCodec, make_codec
 from megatron_ring.core.engine import RingPlan
+from megatron_ring.core.max_logit import new_row_max
 from megatron_ring.kernels.block import BlockKernel, MathKernel, select_kernel
 from megatron_ring.schedules.layouts import Layout, get_layout
 from megatron_ring.schedules.masks import AttentionMask
@@ -29,7 +30,7 @@ __all__ = ["Call", "agree", "offset_kind", "sink_logits", "dropout_spec", "atten
 def agree(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: Any, layout: Any,
           qkv_format: str, cu_seqlens: Any, window: Any, comm_type: str, head_chunks: Any,
           hierarchical_groups: Any, comm_dtype: Any, softmax_scale: Any, check_consistency: bool,
-          kv_pieces: int | None, extras: tuple, per_call: tuple = ()) -> "Call":
+          kv_pieces: int | None, extras: tuple, per_call: tuple = (), max_logit: bool = False) -> "Call":
     """The cross-rank check of the call's arguments and the wire codec (:func:`_agreed_codec`), then the
     tensors in the call's format (``thd`` as one ``bshd`` sequence) and the piece count: a frozen Call."""
     codec = _agreed_codec(ring, q, k, v, causal=bool(causal), layout=layout, qkv_format=qkv_format,
@@ -41,7 +42,7 @@ def agree(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     return Call(ring=ring, causal=bool(causal), layout=layout, qkv_format=fmt, thd=thd, s_dim=s_dim,
                 cu_seqlens=cu_seqlens, window=window, comm_type=comm_type, head_chunks=head_chunks,
                 hierarchical_groups=hierarchical_groups, codec=codec, pieces=_pieces(kv_pieces, q, k, s_dim),
-                tensors=(q, k, v))
+                tensors=(q, k, v), max_logit=max_logit)
 
 
 def _unpack(qkv_format: str, cu_seqlens: Any, q: torch.Tensor, k: torch.Tensor,
@@ -81,6 +82,7 @@ class Call:
     codec: KVCodec
     pieces: int
     tensors: tuple  # q, k, v in the call's format
+    max_logit: bool = False  # return_max_logit: the plan carries the per-row max accumulator
 
     @property
     def perm(self) -> tuple[int, ...]:
@@ -120,18 +122,23 @@ class Call:
         self.mask  # noqa: B018 - validated here, after the layout's check (the order the errors are raised in)
         return float(scale)
 
-    def ring_plan(self, kernel: BlockKernel, scale: float, dropout: DropoutSpec | None = None) -> RingPlan:
+    def ring_plan(self, kernel: BlockKernel, scale: float, dropout: DropoutSpec | None = None,
+                  row_max: torch.Tensor | None = None) -> RingPlan:
         """The engine's plan for this call: the one place a call's RingPlan is made."""
         mask = self.mask
         return RingPlan(ring=self.ring, layout=self.schedule_layout, causal=self.causal, scale=scale,
                         kernel=kernel, codec=self.codec, mask=None if mask.plain else mask, dropout=dropout,
-                        pieces=self.pieces)
+                        pieces=self.pieces, row_max=row_max)
+
+    def _row_max(self, qh: torch.Tensor | None) -> torch.Tensor | None:
+        """``return_max_logit``: the fp32 ``[h, s]`` per-row max accumulator of the BHSD ``qh`` (-inf)."""
+        return new_row_max(qh.shape[1], qh.shape[2], qh.device) if self.max_logit and qh is not None else None
 
     def plan(self, scale: float, kernel: BlockKernel, qh: torch.Tensor, dropout: DropoutSpec | None) -> RingPlan:
         """The call's plan (MLA: the kernel zero-pads its operands when v's head dim differs from q's)."""
         if self.tensors[2].shape[-1] != qh.shape[-1] and kernel.name not in NATIVE_HEAD_DIM_KERNELS:
             kernel = HeadDimPadKernel(kernel)  # MLA: exact zero padding of the kernel's operands
-        plan = self.ring_plan(kernel, scale, dropout)
+        plan = self.ring_plan(kernel, scale, dropout, self._row_max(qh))
         if not (isinstance(self.head_chunks, int) and self.head_chunks >= 1):
             raise ValueError(f"head_chunks must be a positive integer, got {self.head_chunks!r}")
         return plan
@@ -158,7 +165,8 @@ class Call:
             raise exc from None
         qh = self.bhsd(q) if q.ndim == 4 else None
         kernel = select_kernel(qh, "auto") if collective else MathKernel()  # the ring alone computes nothing
-        plan = self.ring_plan(kernel, k.shape[-1] ** -0.5)
+        plan = self.ring_plan(kernel, k.shape[-1] ** -0.5,
+                              row_max=self._row_max(qh) if collective else None)  # a2a: its max-logit exchange too
         refuse(Refusal(error=exc, comm_type=self.comm_type, plan=plan, q=qh, k=self.bhsd(k), v=self.bhsd(v),
                        head_chunks=self.head_chunks, hierarchical_groups=self.hierarchical_groups))
 

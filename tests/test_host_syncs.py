@@ -45,6 +45,7 @@ class SyncCase:
     dropout: float = 0.0
     device_seed: bool = False  # the dropout seed as a one-element tensor (derived from device data)
     dims: tuple[int, int] = (16, 16)
+    max_logit: bool = False  # return_max_logit (QK-clip): its pass and accumulator stay on the device
 
     @property
     def id(self) -> str:
@@ -65,6 +66,9 @@ def _sync_cases() -> list[SyncCase]:
             SyncCase(P=4, heads=(8, 4), kv_pieces=4, wire="fp8"),
             SyncCase(P=4, heads=(8, 4), head_chunks=2, kv_pieces=2, wire="fp8"),
             SyncCase(P=2, heads=(8, 4), head_chunks=4, wire="fp16")]
+    out += [SyncCase(P=P, max_logit=True, wire="fp8") for P in (1, 2, 4)]
+    out += [SyncCase(P=4, fmt="thd", window=(20, 0), max_logit=True), SyncCase(P=4, layout="striped", max_logit=True,
+                                                                             heads=(8, 4), kv_pieces=4)]
     return out
 
 
@@ -92,7 +96,11 @@ def _call(case: SyncCase, counter: HostReadCounter) -> None:
             counter.taint(seed)
         kw.update(dropout_p=case.dropout, dropout_seed=seed)
     with counter:
-        out = ring_attention(q, k, v, ring=LoopbackRing(case.P, case.P // 2, q.device), **kw)
+        out = ring_attention(q, k, v, ring=LoopbackRing(case.P, case.P // 2, q.device), return_max_logit=case.max_logit,
+                             **kw)
+        if case.max_logit:
+            out, max_logit = out
+            counter.taint(max_logit)  # a read of it would count too
         out.float().square().sum().backward()
 
 
@@ -186,7 +194,7 @@ def test_a_call_without_backward_reads_once_at_the_forward_end():
 COLLECTIVE_TYPES = ("all_gather", "a2a", "a2a+p2p")
 
 
-def _collective_worker(rank, world, wires, bad_rank=None, old_check=False):
+def _collective_worker(rank, world, wires, bad_rank=None, old_check=False, max_logit=False):
     """Per comm type and wire: the host reads per call of 3 forward+backward calls (fake CUDA device), or,
     with ``bad_rank``, the error every rank raises when that rank's K holds an inf."""
     from megatron_ring.strategies import make_hierarchical_groups
@@ -211,7 +219,9 @@ def _collective_worker(rank, world, wires, bad_rank=None, old_check=False):
                     try:
                         with counter:
                             o = ring_attention(q, k, v, causal=True, comm_type=comm_type, comm_dtype=wire,
-                                               hierarchical_groups=hier if comm_type == "a2a+p2p" else None)
+                                               hierarchical_groups=hier if comm_type == "a2a+p2p" else None,
+                                               return_max_logit=max_logit)
+                            o = o[0] if max_logit else o
                             o.float().square().sum().backward()
                     except Exception as exc:  # noqa: BLE001 - the refusal: reported as its type and text
                         per_call.append(f"{type(exc).__name__}: {exc}")
@@ -229,6 +239,17 @@ def test_collective_comm_types_make_no_host_sync_after_the_first_call():
     from tests.helpers.launch import run_distributed
 
     for rank, res in enumerate(run_distributed(_collective_worker, 4, ("fp8", "fp16", "bf16"), timeout=300)):
+        for case, per_call in res.items():
+            assert per_call[1:] == [{}, {}], (rank, case, per_call)
+
+
+@pytest.mark.slow
+def test_collective_comm_types_with_max_logit_make_no_host_sync_after_the_first_call():
+    """return_max_logit on all_gather, a2a (its rows' all-to-all home) and a2a+p2p: still 0 host reads per call
+    after the first."""
+    from tests.helpers.launch import run_distributed
+
+    for rank, res in enumerate(run_distributed(_collective_worker, 4, ("fp8",), None, False, True, timeout=300)):
         for case, per_call in res.items():
             assert per_call[1:] == [{}, {}], (rank, case, per_call)
 

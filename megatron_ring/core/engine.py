@@ -33,6 +33,7 @@ import torch
 from megatron_ring import breakdown
 from megatron_ring.core.buffers import POOL
 from megatron_ring.kernels.dropout import DropoutKernel, DropoutSpec
+from megatron_ring.core.max_logit import fold_task_max
 from megatron_ring.kernels.sinks import fold_sink, sink_grad
 from megatron_ring.wire.codecs import KVCodec, KVSpec
 from megatron_ring.transport.ring import Transport
@@ -67,6 +68,9 @@ class RingPlan:
     checks: PendingChecks = field(default_factory=PendingChecks, compare=False, repr=False)
     #: in a collective strategy's call: where a refusal is recorded (strategies/refusal.py), else None
     strategy_status: StatusRecorder | None = field(default=None, compare=False, repr=False)
+    #: QK-clip: fp32 ``[h, s]`` running max of the scaled logits per query head and local query row of this
+    #: plan's q, folded in place by the forward (core/max_logit.py); None: not asked, nothing computed
+    row_max: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def tasks(self, step: int, s: int):
         src = (self.ring.rank - step) % self.ring.world
@@ -297,6 +301,9 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
         whole = _covers(rows, s)
         with breakdown.section(step, "kernel"):
             o, l = plan.forward_block(task, q if whole else q[:, :, rows], *_cols(kt, vt, cols), step)
+        if plan.row_max is not None:
+            with breakdown.section(step, "kernel"):  # the max-logit pass is block compute too
+                fold_task_max(plan.row_max, task, q, kt, plan.scale)
         if fresh and whole:  # first result covering every row: copied in
             out.copy_(o)
             lse.copy_(l)
@@ -582,8 +589,12 @@ def refuse_on_ring(plan: RingPlan, k: torch.Tensor, v: torch.Tensor, heads: list
 
 
 def _for_heads(plan: RingPlan, qs: slice) -> RingPlan:
-    """The plan for the query heads ``qs`` of a head-chunked call (dropout keys on global heads)."""
-    return plan if plan.dropout is None else replace(plan, dropout=plan.heads_dropout(qs.start))
+    """The plan for the query heads ``qs`` of a head-chunked call (dropout keys on global heads; the
+    max-logit rows of those heads)."""
+    if plan.dropout is None and plan.row_max is None:
+        return plan
+    return replace(plan, dropout=plan.heads_dropout(qs.start),
+                   row_max=None if plan.row_max is None else plan.row_max[qs])
 
 
 def _as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False) -> torch.Tensor:

@@ -22,6 +22,11 @@ keyword arguments and feature detection (never version-number checks, never posi
   ``ssm/mamba_block.MambaStack`` and ``models/mamba`` (``mamba_stack_spec``) (``hybrid_stack_class``,
   ``megatron_hybrid_stack_spec``); whether TransformerEngine is installed (``has_transformer_engine``); the
   local norm and MoE specs that stand in for TE's (``local_norm_class``, ``local_moe_spec``).
+* QK-clip (``--qk-clip`` / ``--log-max-attention-logit``, megatron-core 0.16.1 - 0.19.x and main: the config fields
+  ``qk_clip`` / ``log_max_attention_logit``, ``megatron.core.optimizer.qk_clip`` reading the core attention's
+  ``current_max_attn_logits``): whether a call asks for it (``qk_clip_requested``), whether this line has it
+  (``has_qk_clip``), and Megatron-LM's argument check, which asks ``is_te_min_version("2.9.0")`` (the TE release
+  that returns max logits) for both flags: ``qk_clip_te_check`` answers it for the ring where TE is missing.
 * How Megatron-LM's stock ``get_batch`` (``pretrain_gpt.py`` / ``pretrain_hybrid.py``, main and core_r0.19)
   split a packed (THD) batch over CP (``megatron_lm_packed_split``): ``--dataloader-inter-document-masking``
   without ``--sft`` passes ``use_per_sequence_balancing=True`` (one zigzag over the whole packed stream);
@@ -42,7 +47,8 @@ __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gp
            "is_gpt_model_config", "default_gpt_layer_spec", "MTP_BLOCK_BUILDERS", "loaded_mtp_block_builders",
            "MTP_ROLL_TENSOR_USERS", "THD_PARTITIONER_USERS", "install_tex_stand_in",
            "has_transformer_engine", "hybrid_stack_class", "megatron_hybrid_stack_spec",
-           "local_norm_class", "local_moe_spec", "megatron_lm_args", "megatron_lm_packed_split"]
+           "local_norm_class", "local_moe_spec", "megatron_lm_args", "megatron_lm_packed_split",
+           "QK_CLIP_FLAGS", "qk_clip_requested", "has_qk_clip", "qk_clip_te_check"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -305,3 +311,55 @@ def local_moe_spec() -> Any:
 
     return call_with_supported_kwargs(get_moe_module_spec, dict(use_te=False, num_experts=8, moe_grouped_gemm=False),
                                       defaults={})
+
+
+#: QK-clip's config fields and their flags (megatron-core 0.16.1 - 0.19.x, main)
+QK_CLIP_FLAGS = (("qk_clip", "--qk-clip"), ("log_max_attention_logit", "--log-max-attention-logit"))
+#: the TransformerEngine release Megatron-LM's argument check asks for with either flag (``return_max_logit``)
+QK_CLIP_TE_VERSION = "2.9.0"
+#: the module of Megatron-LM whose ``is_te_min_version`` makes that check
+QK_CLIP_TE_CHECKER = "megatron.training.arguments"
+
+
+def qk_clip_requested(config: Any) -> str | None:
+    """The flag of the first QK-clip option ``config`` turns on (``--qk-clip``, ``--log-max-attention-logit``), or
+    None: then the core attention computes no max logit."""
+    for field, flag in QK_CLIP_FLAGS:
+        if getattr(config, field, False):
+            return flag
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def has_qk_clip() -> bool:
+    """Whether this megatron-core reads ``current_max_attn_logits`` (``megatron.core.optimizer.qk_clip``)."""
+    try:
+        return importlib.util.find_spec("megatron.core.optimizer.qk_clip") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def qk_clip_te_check(original: Callable | None) -> Callable:
+    """Megatron-LM's ``is_te_min_version`` as the ring answers it where TransformerEngine is missing: the argument
+    check of ``--qk-clip`` / ``--log-max-attention-logit`` asks for TE >= 2.9.0 because that is the attention that
+    returns the max logit; with the ring named by ``--spec`` (``megatron_ring...``) the core attention is the ring,
+    which returns it, so that question is answered True. Every other question, and this one without the ring's
+    spec or with TE installed, goes to ``original`` (Megatron's own answer)."""
+    def is_te_min_version(version, check_equality=True):
+        if str(version) == QK_CLIP_TE_VERSION and not has_transformer_engine() and _ring_spec_named(sys.argv):
+            return True
+        if original is None:
+            raise ImportError("transformer_engine is not installed")
+        return original(version, check_equality)
+    is_te_min_version.ring_answers = QK_CLIP_TE_VERSION
+    return is_te_min_version
+
+
+def _ring_spec_named(argv: list[str]) -> bool:
+    """Whether ``--spec`` on Megatron-LM's command line names a megatron_ring spec module."""
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--spec=") else (argv[i + 1] if a == "--spec" and i + 1 < len(argv)
+                                                                   else None)
+        if value is not None and value.split(".", 1)[0] == "megatron_ring":
+            return True
+    return False

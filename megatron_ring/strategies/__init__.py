@@ -91,7 +91,8 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
         from megatron_ring.strategies.auto import choose  # noqa: PLC0415 - the probe and cost model load on first use
 
         usable = hierarchical_usable(plan, hierarchical_groups, required=False, device=qh.device)  # on every rank
-        comm_type = choose(qh, kh, plan, head_chunks, hierarchical_groups if usable else None, vh, runners=STRATEGIES)
+        probe = dataclasses.replace(plan, row_max=None)  # its timing runs on random tensors: no max logit from them
+        comm_type = choose(qh, kh, probe, head_chunks, hierarchical_groups if usable else None, vh, runners=STRATEGIES)
     if comm_type == "p2p":  # the ring carries its own status (core/status.py)
         if refusal is not None:
             refuse_on_ring(plan, kh, vh, head_groups(kh.shape[1], head_chunks), refusal)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron_ring.wire.codecs import IdentityCodec, KVCodec, KVSpec
 from megatron_ring.transport.ring import LoopbackRing, Ring
 from megatron_ring.core.engine import RingPlan
+from megatron_ring.core.max_logit import new_row_max
 from megatron_ring.core.heads import HeadSplit, check_head_count, head_groups, head_split
 from megatron_ring.transport.collectives import all_to_all
 from megatron_ring.transport.deadline import timeout_seconds
@@ -174,16 +175,30 @@ def run_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: Ring
     mine = split.q[inner.rank]
     q_h = SeqToHead.apply(qh, inner, split.q)
     k_h, v_h = KVSeqToHead.apply(kh, vh, inner, a2a_codec, split, plan)
+    rows = new_row_max(_len(mine), q_h.shape[2], qh.device) if plan.row_max is not None else None
     outs = []
     for qs, ks in split.runs(inner.rank):  # even GQA groupings of this rank's heads (one, usually)
         heads_plan = RingPlan(ring=outer, layout=GroupedView(plan.layout, inner.world), causal=plan.causal,
                               scale=plan.scale, kernel=plan.kernel, codec=ring_codec, mask=plan.mask,
-                              dropout=plan.heads_dropout(mine.start + qs.start), pieces=plan.pieces)
+                              dropout=plan.heads_dropout(mine.start + qs.start), pieces=plan.pieces,
+                              row_max=None if rows is None else rows[qs])
         sink_run = sink[mine][qs] if sink is not None else None
         outs.append(outer_ring(q_h[:, qs], k_h[:, ks], v_h[:, ks], heads_plan, head_groups(_len(ks), head_chunks),
                                sink_run, plan))
     out_h = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if rows is not None:
+        _rows_home(rows, inner, split, plan.row_max)
     return HeadToSeq.apply(out_h, inner, split.q)
+
+
+def _rows_home(rows: torch.Tensor, inner: _A2A, split: HeadSplit, acc: torch.Tensor) -> None:
+    """QK-clip: the max logits of this rank's heads, per row of the inner group's shards ``[h_mine, n*s]``, sent
+    home like the output (shard i's rows to inner rank i) and folded into the caller's ``acc [h, s]`` (every
+    query head of the caller's own rows): each rank then holds the max over its own queries, as on the ring."""
+    with torch.no_grad():
+        back = torch.cat(_head_to_seq(rows.view(1, *rows.shape, 1), inner, split.q, "all-to-all of the max logits"),
+                         dim=1)
+        torch.maximum(acc, back.view(acc.shape), out=acc)
 
 
 def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,

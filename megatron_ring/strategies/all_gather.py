@@ -46,11 +46,12 @@ class GatheredRingPlan(RingPlan):
 
 def _local_plan(plan: RingPlan, device: torch.device, qs: slice) -> RingPlan:
     """The world-size-1 plan for the query heads ``qs`` against the gathered K/V (dropout keyed on the
-    global head numbers and the gathered keys' global positions)."""
+    global head numbers and the gathered keys' global positions; the max logit of this rank's own query
+    rows, as the ring's)."""
     drop = plan.heads_dropout(qs.start)
     return GatheredRingPlan(ring=LoopbackRing(1, 0, device), layout=GatheredView(plan.layout, plan.ring.world,
                         plan.ring.rank), causal=plan.causal, scale=plan.scale, kernel=plan.kernel, codec=plan.codec,
-                        mask=plan.mask, dropout=drop)
+                        mask=plan.mask, dropout=drop, row_max=None if plan.row_max is None else plan.row_max[qs])
 
 
 class _Gatherer:

@@ -103,6 +103,23 @@ def lse_tol(lse_ref: torch.Tensor, **kw) -> float:
     return rel_tol(**kw) * (1.0 + lse_ref.detach().abs().max().item())
 
 
+def max_logit_tol(*, sigma: float, d: int, dtype=torch.float32, ref_max: float = 0.0) -> float:
+    """Bound on max |max_logit - ref| (``ring_attention(..., return_max_logit=True)`` vs the float64 max of the
+    same dtype-rounded inputs). Each score ``q . k`` is a length-``d`` dot product accumulated in fp32 (worst case,
+    deterministic: ``(d + 1) u(fp32)`` relative to ``sum |q_i k_i| <= sigma / scale``), after casting q and k to the
+    pass's dtype (exact from bf16/fp16/fp32; one rounding each, ``2 u(fp32)``, from a wider dtype), then rounded
+    once to that dtype (bf16 for bf16 inputs: ``core/max_logit.score_dtype``); the row max is scaled in fp32.
+    Rounding is monotone, so the max of the rounded scores is the rounding of the max, within
+    ``u(score dtype) * |max|`` of it; a max of values each within delta of their float64 value is within delta
+    of the float64 max. Hence ``(d + 3) u(fp32) sigma + (u(score dtype) + u(fp32)) |ref_max|``, ``ref_max`` the
+    largest |reference max logit|. The wire is not part of it: the reference takes the decoded K the kernel
+    sees. A max over a wrong set of pairs (masked ones, one block only) misses by a whole score gap."""
+    from megatron_ring.core.max_logit import score_dtype  # noqa: PLC0415  (the pass's dtype rule)
+
+    u32 = unit_roundoff(torch.float32)
+    return (d + 3) * u32 * sigma + (unit_roundoff(score_dtype(dtype)) + u32) * abs(ref_max)
+
+
 def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| in float64; inf when ``got`` has a NaN (so a NaN can never pass)."""
     d = (got.detach().double() - ref.detach().double()).abs()

@@ -65,6 +65,22 @@ def feature_reference(q, k, v, *, causal, cu=None, window=None, sink=None, dropo
     return (p @ vh).transpose(1, 2)
 
 
+def max_logit_reference(q, k, *, causal, cu=None, window=None, scale=None, visible_only=True) -> torch.Tensor:
+    """Float64 ``[h, S]``: per query head and GLOBAL query position, the max over the batch and the visible
+    keys (the mask of :func:`feature_reference`) of ``scale * q . k``; ``-inf`` where a query sees no key.
+    ``q [b, S, h, d]``, ``k [b, S, h_kv, d]`` (GQA by repeating K heads). A rank's ``max_logit`` is the max of
+    its own positions' columns. ``visible_only=False`` takes every pair (a negative control: a max that
+    ignores the mask)."""
+    b, S, h, d = q.shape
+    scale = scale if scale is not None else d ** -0.5
+    qh = q.double().transpose(1, 2)
+    kh = k.double().transpose(1, 2).repeat_interleave(h // k.shape[2], 1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    if visible_only:
+        s = s.masked_fill(~visible(S, causal, cu, window), float("-inf"))
+    return s.amax(dim=(0, 3))
+
+
 def attention_reference(q, k, v, causal: bool, scale: float | None = None) -> torch.Tensor:
     """Float64 attention; q ``[b, S, h, d]``, k/v ``[b, S, h_kv, d]``."""
     return feature_reference(q, k, v, causal=causal, scale=scale)

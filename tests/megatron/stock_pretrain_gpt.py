@@ -8,6 +8,8 @@ comes in only through ``--spec``. The data set is the examples' deterministic le
 CPU runs enter megatron_ring's scoped CPU opt-in (Megatron's loop assumes CUDA).
 
 Env: ``MEGATRON_RING_LOSS_LOG``: one line per micro-batch on rank 0, loss sum and token count over DP x CP.
+``MEGATRON_RING_MAX_LOGIT_LOG``: one line per iteration on rank 0, the max attention logit Megatron's QK-clip
+logs (``clip_qk``'s return value, after its MAX all-reduce over DP x CP; ``--qk-clip`` / ``--log-max-attention-logit``).
 ``MEGATRON_RING_GRAD_LOG``: rank 0 saves (``torch.save``) the first step's final gradients, ``{name: main_grad}``
 after Megatron's ``finalize_model_grads`` (reduced over DP x CP, scaled as the optimizer sees them).
 """
@@ -89,12 +91,31 @@ def log_first_step_grads(path: str) -> None:
     training.finalize_model_grads = finalize_model_grads
 
 
+def log_max_attention_logit(path: str) -> None:
+    """Wrap the ``clip_qk`` Megatron-LM's ``train_step`` calls so that rank 0 also writes the value it returns
+    (the max attention logit over the model, reduced over DP x CP) to ``path``, one line per iteration."""
+    import megatron.training.training as training
+
+    original = training.clip_qk
+
+    def clip_qk(model, *args, **kwargs):
+        value = original(model, *args, **kwargs)
+        if dist.get_rank() == 0:
+            with open(path, "a") as f:
+                f.write(f"{float(value):.17g}\n")
+        return value
+
+    training.clip_qk = clip_qk
+
+
 def main(config_from_args=gpt_config_from_args, forward=None, datasets=None) -> None:
     """``config_from_args``: Megatron-LM's model-config builder (``gpt_config_from_args`` for pretrain_gpt.py,
     ``hybrid_config_from_args`` for pretrain_hybrid.py: tests/megatron/stock_pretrain_hybrid.py); ``forward`` /
     ``datasets``: the forward step and data sets provider (default: this file's BSHD ones)."""
     forward = forward or forward_step
     datasets = datasets or datasets_provider
+    if os.environ.get("MEGATRON_RING_MAX_LOGIT_LOG"):
+        log_max_attention_logit(os.environ["MEGATRON_RING_MAX_LOGIT_LOG"])
     if os.environ.get("MEGATRON_RING_GRAD_LOG"):
         log_first_step_grads(os.environ["MEGATRON_RING_GRAD_LOG"])
     cpu = contextlib.nullcontext()

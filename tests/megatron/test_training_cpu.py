@@ -29,6 +29,7 @@ EXPECTED = {
     ("megatron.training.initialize", "_compile_dependencies"),
     ("megatron.training.training", "set_jit_fusion_options"),
     ("megatron.training.arguments", "get_device_arch_version"),
+    ("megatron.training.arguments", "is_te_min_version"),
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
 }

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_ring.megatron import compat
 from megatron_ring_lab import patches
 from megatron_ring_lab.cpu.core import megatron_cpu
 
@@ -165,6 +166,8 @@ _MEGATRON = {
     ("megatron.training.initialize", "_compile_dependencies"): lambda fn: _nothing,  # runs `make`, CUDA kernels
     ("megatron.training.training", "set_jit_fusion_options"): lambda fn: _nothing,  # JIT warm-up on CUDA
     ("megatron.training.arguments", "get_device_arch_version"): lambda fn: _zero,  # CUDA query, TP/CP > 1
+    # --qk-clip / --log-max-attention-logit ask for TE >= 2.9 (max logits): the ring's spec answers it (compat)
+    ("megatron.training.arguments", "is_te_min_version"): compat.qk_clip_te_check,
     # activation recompute saves/restores the "CUDA" RNG state: on CPU that is the CPU generator
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): lambda fn: _cpu_get_rng_state,
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): lambda fn: _cpu_set_rng_state,

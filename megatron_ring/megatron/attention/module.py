@@ -17,7 +17,7 @@ from megatron.core.utils import divide
 import megatron_ring
 
 from megatron_ring.megatron import compat
-from megatron_ring.megatron.attention import comm_types
+from megatron_ring.megatron.attention import comm_types, qk_clip
 from megatron_ring.megatron.groups import resolve as groups
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
 from megatron_ring.megatron.data.documents import DocumentsFromMask, packed_cu_seqlens
@@ -61,6 +61,8 @@ class RingDotProductAttention(MegatronModule):
     ``config.softmax_type`` "off-by-one" / "learnable" (attention sinks; the learnable ``softmax_offset``
     parameter is named and initialised like Megatron's), and ``attention_dropout > 0`` in training mode
     (positional dropout: the same mask at every CP size and layout; see :mod:`.dropout`).
+    QK-clip (``config.qk_clip`` / ``config.log_max_attention_logit``): ``current_max_attn_logits``, the max logit
+    per head of this rank's queries accumulated over micro-batches, as Megatron's QK-clip reads it (:mod:`.qk_clip`).
     """
 
     def __init__(
@@ -136,6 +138,10 @@ class RingDotProductAttention(MegatronModule):
         # inside the softmax: mathematically the plain scale, which is what the ring uses.
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
                               if softmax_scale is None else softmax_scale)
+        # QK-clip (--qk-clip / --log-max-attention-logit): max logit per head of this TP rank, accumulated over
+        # micro-batches; Megatron all-reduces it over DP x CP and resets it to None (see .qk_clip)
+        self.current_max_attn_logits: Optional[Tensor] = None
+        qk_clip.requested(config)  # refused at build on a megatron-core without QK-clip
 
     def _comm_type(self, group: Any, registered: Any, cfg: RingConfig) -> dict[str, Any]:
         """``comm_type`` / ``hierarchical_groups`` of this layer on ``group`` (see :mod:`.comm_types`).
@@ -228,11 +234,19 @@ class RingDotProductAttention(MegatronModule):
             layout = token_order.megatron_thd_layout(group.size(), cfg.layout, packed_seq_params, split)
         strategy = self._comm_type(group, registered, cfg)
         pieces = kv_pieces_from_env()
-        run = lambda q, k, v, fmt, cu=None: megatron_ring.ring_attention(  # noqa: E731
-            q, k, v, group=group, causal=causal, layout=layout, softmax_scale=self.softmax_scale,
-            qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
-            window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed, kv_pieces=pieces,
-            **strategy)
+        max_logit = qk_clip.requested(self.config)
+
+        def run(q, k, v, fmt, cu=None):
+            got = megatron_ring.ring_attention(
+                q, k, v, group=group, causal=causal, layout=layout, softmax_scale=self.softmax_scale,
+                qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
+                window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed, kv_pieces=pieces,
+                return_max_logit=max_logit, **strategy)
+            if not max_logit:
+                return got
+            self.current_max_attn_logits = qk_clip.accumulate(self.current_max_attn_logits, got[1])
+            return got[0]
+
         offset = ring_softmax_offset(self.config, self.softmax_offset)
         p_drop = self.attention_dropout_p if self.training else 0.0
         seed = dropout_seed_base = dropout_seed(self.layer_number, query.device) if p_drop else None
