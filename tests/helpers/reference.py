@@ -112,3 +112,13 @@ def documents_and_filler(cu_padded, lens) -> list[int]:
     for a, n, b in zip(cu_padded[:-1].tolist(), lens, cu_padded[1:].tolist()):
         cu += [a + n, b] if b > a + n else [a + n]
     return sorted(set(cu))
+
+
+def block_reference(q, k, v, causal: bool, scale: float):
+    """One kernel block in float64: ``q [b, h, sq, d]``, ``k, v [b, h_kv, sk, d]`` -> ``(out, lse)``; causal is
+    top-left aligned (query i sees keys j <= i), the block kernels' contract (kernels/block.py)."""
+    g = q.shape[1] // k.shape[1]
+    s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v.double().repeat_interleave(g, 1), torch.logsumexp(s, -1)
