@@ -118,4 +118,6 @@ def test_per_group_facts_are_released_with_the_group(monkeypatch):
     assert len(groups._RANKS) >= 50
     del many
     gc.collect()
-    assert len(groups._RANKS) == 0, "per-group entries must not outlive their groups"
+    # its own groups only: a test before it in this process may leave live groups of its own
+    left = [g for g in groups._RANKS.keys() if isinstance(g, _Group)]
+    assert not left, "per-group entries must not outlive their groups"
