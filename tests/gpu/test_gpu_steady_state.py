@@ -25,11 +25,9 @@ def _inputs(fmt="bshd", seed=0):
     return [t.to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v)]
 
 
-def _fwd_bwd(kw, fmt):
-    q, k, v = _inputs(fmt)
+def _fwd_bwd(kw, q, k, v):
     out = ring_attention(q, k, v, causal=True, layout="zigzag", ring=LoopbackRing(P, 1, q.device), **kw)
     out.float().square().sum().backward()
-    return q.grad
 
 
 @pytest.mark.parametrize("name", sorted(SYNC_CASES))
@@ -38,14 +36,16 @@ def test_no_host_sync_in_steady_state(name):
     if kw.get("dropout_seed") == "device":
         kw["dropout_seed"] = torch.tensor(7, device="cuda")
     fmt = kw.get("qkv_format", "bshd")
-    _fwd_bwd(kw, fmt)  # warm-up: plans, index tensors and kernel choice are made once per signature
+    _fwd_bwd(kw, *_inputs(fmt))  # warm-up: plans, index tensors and kernel choice are made once per signature
+    inputs = _inputs(fmt, seed=1)  # made before the check: a pageable host-to-device copy would count
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _fwd_bwd(kw, fmt)
+        _fwd_bwd(kw, *inputs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+    assert all(torch.isfinite(t.grad).all() for t in inputs)
 
 
 def test_negative_control_sync_debug_mode_catches_a_host_read():
@@ -53,7 +53,9 @@ def test_negative_control_sync_debug_mode_catches_a_host_read():
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(RuntimeError, match="synchroniz"):
-            (x.sum() > 0).item()
+            (x.sum() > 0).item()  # a device-to-host read
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            x.add_(torch.ones(4).to("cuda"))  # a host-to-device copy from pageable memory
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
