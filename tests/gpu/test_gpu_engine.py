@@ -57,13 +57,13 @@ def engine_checks(device, P, layout, heads, fmt, docs, window, wire, dtype=torch
             raise res
     batch = (lambda t: t[None]) if fmt == "thd" else (lambda t: t)
     ref = outputs_and_grads(lambda *t: feature_reference(*(batch(x) for x in t), causal=True, cu=cu, window=window)
-                            [0 if fmt == "thd" else slice(None)], q.double(), k.double(), v.double(), dout.double())
+                            [0 if fmt == "thd" else slice(None)], *(t.double().cpu() for t in (q, k, v, dout)))
     sigma, n = score_bound(q, k), max(T, q.shape[-1])
     checks = Checks(f"engine on {device} P={P} {layout} {fmt} wire={wire} pass {passes}")
     for i, what in enumerate(("out", "dq", "dk", "dv")):
         got = torch.empty_like(ref[i], dtype=dtype)
         for r in range(P):
-            got.index_copy_(dim, pos[r], results[r][i])
+            got.index_copy_(dim, pos[r].cpu(), results[r][i].cpu())  # the reference is on CPU
         m = ref[i].abs().max().item()
         checks.add(what, max_err(got, ref[i]), tol(m, dtype=dtype, n=n, sigma=sigma, wire=wire, blocks=2 * P))
     return checks

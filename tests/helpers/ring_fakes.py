@@ -77,7 +77,9 @@ class NcclLikeWork:
 
 class ThreadRing(Transport):
     """P ranks of one ring as P threads of this process: exchanges go through in-memory queues, so the
-    whole engine (forward and backward rings, codecs, status element) runs without processes.
+    whole engine (forward and backward rings, codecs, status element) runs without processes. On CPU only for
+    a backward: on CUDA one autograd thread runs every rank's backward, so a rank blocked in a receive holds
+    it and the ring deadlocks (tests/helpers/replay_ring.py runs P ranks on one GPU instead).
 
     ``WAIT_S``: how long a receive waits for its message (a test of the message sequence lowers it)."""
 
