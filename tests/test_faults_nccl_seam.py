@@ -81,7 +81,7 @@ def test_nccl_deadline_expiry_aborts_and_raises_nccl_like_text(one_rank_group, m
     ring = ring_as(2, 4, coalesced=True, timeout_s=0.3)
     ring.exchange(torch.zeros(4), torch.empty(4), "bwd_dkv", 2).wait()  # returns: no host block
     deadline = time.monotonic() + 10  # 0.3 s deadline + the note walk (2 s after a time-out)
-    while ring.failure is None and time.monotonic() < deadline:
+    while (ring.failure is None or not ring.aborted) and time.monotonic() < deadline:  # recorded, then aborted
         time.sleep(0.02)
     assert ring.aborted == 1  # the communicators were aborted, releasing a stream stuck on the peer
     with pytest.raises(RingPeerError) as info:  # raised by the ring's next launch
