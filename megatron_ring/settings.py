@@ -5,20 +5,30 @@ calls); a callee that needs the value per call resolves it once and keeps it (th
 A bad value raises :class:`SettingError` (a ``ValueError``) naming the variable and what it accepts.
 
 ==================================== ===================================================== ================
-variable                             meaning                                               read by
+variable                             meaning (default)                                     read by
 ==================================== ===================================================== ================
-``MEGATRON_RING_TIMEOUT_S``          seconds a ring exchange waits for a peer              ring_attention
-``MEGATRON_RING_KV_PIECES``          K/V pieces per ring step (a positive integer)         ring_attention
-``MEGATRON_RING_COMM_DTYPE``         K/V wire format (a key of ``COMM_DTYPE_ALIASES``)     Megatron glue
-``MEGATRON_RING_CP_COMM_TYPE``       comm type, one or one per layer (comma separated)     Megatron glue
-``MEGATRON_RING_LAYOUT``             the layout of a stock script's batch split            Megatron glue
-``MEGATRON_RING_MTP_CP_INVARIANT``   ``1``: MTP loss weighted at CP > 1 as at CP=1         Megatron glue
+``MEGATRON_RING_TIMEOUT_S``          seconds a ring exchange waits for a peer (the         ring_attention
+                                     group's timeout)
+``MEGATRON_RING_KV_PIECES``          K/V pieces per ring step, a positive integer          ring_attention
+                                     (automatic)
+``MEGATRON_RING_COMM_DTYPE``         K/V wire format: a key of ``COMM_DTYPE_ALIASES``      Megatron glue
+                                     (``none``)
+``MEGATRON_RING_CP_COMM_TYPE``       comm type, one or one per layer, comma separated;     Megatron glue
+                                     ``allgather`` reads as ``all_gather`` (Megatron's
+                                     ``--cp-comm-type``)
+``MEGATRON_RING_LAYOUT``             ``zigzag`` only with a stock script, whose batch      Megatron glue
+                                     split is Megatron's (``zigzag``)
+``MEGATRON_RING_MTP_CP_INVARIANT``   ``1``: MTP loss weighted at CP > 1 as at CP=1 (``0``) Megatron glue
 ``MEGATRON_RING_FLOPS`` ...          the machine numbers of ``comm_type="auto"``           auto
+                                     (``MACHINE_VARIABLES``; probed)
 ``MEGATRON_RING_AUTO_*``             ``auto``'s measured tie-break (``AUTO_MEASURE=0``:    auto
                                      off; ``BAND``, ``MEASURE_MIN_S``, ...)
 ``MEGATRON_RING_START_METHOD``       the lab's launcher: ``forkserver`` or ``spawn``       the lab
 ``MEGATRON_RING_PRELOAD``            modules the launcher's fork server imports once       the lab
 ==================================== ===================================================== ================
+
+The Megatron glue's variables are read only when no ring was registered with ``initialize_context_parallel``
+(stock ``pretrain_gpt.py`` with ``--spec``, Megatron-Bridge with ``ring_spec``): a registered ring's settings win.
 """
 from __future__ import annotations
 

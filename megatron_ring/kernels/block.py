@@ -96,8 +96,8 @@ def _cuda_only(q: torch.Tensor) -> str | None:
 def _fused_cuda_case(q: torch.Tensor, d: int, max_head_dim: int) -> str | None:
     """What the fused CUDA attention kernels share: sm80+, fp16/bf16, head dim ``d`` a multiple of 8 and at
     most ``max_head_dim``. Returns why not (None: the case fits)."""
-    if _cuda_only(q):
-        return _cuda_only(q)
+    if why := _cuda_only(q):
+        return why
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes fp16 or bf16, not {q.dtype}"
     if d % 8 or d > max_head_dim:
@@ -272,8 +272,8 @@ class CudaSDPAKernel(_SquareCausal):
     name = "sdpa_cuda"
 
     def unsupported(self, q, d):
-        if _cuda_only(q):
-            return _cuda_only(q)
+        if why := _cuda_only(q):
+            return why
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"it takes fp16, bf16 or fp32, not {q.dtype}"
         if d % 8 or d > 512:

@@ -4,18 +4,8 @@ Read when no ring was registered with :func:`~megatron_ring.megatron.groups.prov
 (stock ``pretrain_gpt.py`` with ``--spec megatron_ring.megatron.spec ring_layer_spec``, Megatron-Bridge with
 :func:`~megatron_ring.megatron.spec.ring_spec`). A registered ring's settings win over the environment.
 
-================================== ======================================================== ==================
-variable                           meaning                                                  default
-================================== ======================================================== ==================
-``MEGATRON_RING_COMM_DTYPE``       K/V wire format: any key of ``COMM_DTYPE_ALIASES``       ``none``
-``MEGATRON_RING_CP_COMM_TYPE``     comm type (one, or one per layer, comma separated);      Megatron's
-                                   ``allgather`` is read as ``all_gather``                  ``--cp-comm-type``
-``MEGATRON_RING_TIMEOUT_S``        seconds a ring exchange waits for a peer                 group timeout
-``MEGATRON_RING_KV_PIECES``        K/V pieces per ring step (overlap granularity)           automatic
-``MEGATRON_RING_LAYOUT``           ``zigzag`` only with a stock script (Megatron's split)   ``zigzag``
-``MEGATRON_RING_MTP_CP_INVARIANT`` ``1``: Megatron's MTP loss weighted at CP > 1 as at      ``0``
-                                   CP=1 (:mod:`.mtp`)
-================================== ======================================================== ==================
+The variables, their meaning and defaults are listed once, in :mod:`megatron_ring.settings` (which reads and
+validates them); here a bad value becomes a :class:`ContextParallelConfigError` naming the variable.
 """
 from __future__ import annotations
 
@@ -25,10 +15,9 @@ from typing import Any, Iterator
 import megatron_ring
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, normalize_comm_type
 
-__all__ = ["ENV_VARS", "ring_config_from_env", "kv_pieces_from_env", "mtp_cp_invariant_from_env"]
+__all__ = ["ring_config_from_env", "kv_pieces_from_env", "mtp_cp_invariant_from_env"]
 
-ENV_VARS = ("MEGATRON_RING_COMM_DTYPE", "MEGATRON_RING_CP_COMM_TYPE", "MEGATRON_RING_TIMEOUT_S",
-            "MEGATRON_RING_KV_PIECES", "MEGATRON_RING_LAYOUT", "MEGATRON_RING_MTP_CP_INVARIANT")
+
 
 @contextlib.contextmanager
 def _named() -> Iterator[None]:
