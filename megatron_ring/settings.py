@@ -25,6 +25,10 @@ variable                             meaning (default)                          
                                      off; ``BAND``, ``MEASURE_MIN_S``, ...)
 ``MEGATRON_RING_START_METHOD``       the lab's launcher: ``forkserver`` or ``spawn``       the lab
 ``MEGATRON_RING_PRELOAD``            modules the launcher's fork server imports once       the lab
+``MEGATRON_RING_DOCTOR_OUT``         the folder a doctor run writes its record to (set by  the lab
+                                     ``python -m megatron_ring_lab.doctor``)
+``MEGATRON_RING_DYNAMIC_DOCS`` ...   the ``--dynamic-cp`` benchmark's mix: documents,      the lab
+                                     length scale, seed (``_SCALE``, ``_SEED``; 64, 16, 0)
 ==================================== ===================================================== ================
 
 The Megatron glue's variables are read only when no ring was registered with ``initialize_context_parallel``
@@ -36,7 +40,7 @@ import os
 
 __all__ = ["SettingError", "timeout_s", "kv_pieces", "comm_dtype", "cp_comm_type", "layout", "mtp_cp_invariant",
            "machine_numbers", "gpus_per_node", "overlap", "auto_measure", "auto_number", "start_method", "preload",
-           "MACHINE_VARIABLES", "AUTO_VARIABLES"]
+           "doctor_out", "dynamic_mix", "DOCTOR_OUT", "MACHINE_VARIABLES", "AUTO_VARIABLES"]
 
 
 class SettingError(ValueError):
@@ -155,3 +159,23 @@ def start_method() -> str | None:
 def preload() -> list[str]:
     """``MEGATRON_RING_PRELOAD`` (the lab's launcher): the modules its fork server imports once."""
     return [m for m in (_raw("MEGATRON_RING_PRELOAD") or "").split(",") if m.strip()]
+
+
+#: the doctor's record folder: set by ``python -m megatron_ring_lab.doctor`` for the script it runs
+DOCTOR_OUT = "MEGATRON_RING_DOCTOR_OUT"
+
+
+def doctor_out() -> str | None:
+    """``MEGATRON_RING_DOCTOR_OUT`` (the lab's doctor): the folder a run writes its record to, or None."""
+    return _raw(DOCTOR_OUT)
+
+
+def dynamic_mix() -> tuple[int, int, int]:
+    """``MEGATRON_RING_DYNAMIC_DOCS`` / ``_SCALE`` / ``_SEED`` (the lab's ``--dynamic-cp`` benchmark): its
+    documents, length scale and seed (default 64, 16, 0)."""
+    docs = _positive_int("MEGATRON_RING_DYNAMIC_DOCS")
+    scale = _positive_int("MEGATRON_RING_DYNAMIC_SCALE")
+    seed = _raw("MEGATRON_RING_DYNAMIC_SEED")
+    if seed is not None and not seed.isdigit():
+        raise SettingError("MEGATRON_RING_DYNAMIC_SEED", "a non-negative integer", seed)
+    return (64 if docs is None else docs, 16 if scale is None else scale, 0 if seed is None else int(seed))

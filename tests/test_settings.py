@@ -13,9 +13,15 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 READ = re.compile(r"(os\.environ\.get|os\.getenv|os\.environ\[|environ\.get)\s*\(?\s*(f?[\"'])")
 
 
+ALIAS = re.compile(r"(\w+)\s*=\s*os\.(?:environ\.get|getenv)\b")
+
+
 def _readers(text: str) -> list[str]:
-    """The lines of ``text`` that read an environment variable whose name is written there."""
-    return [line for line in text.splitlines() if READ.search(line) and "MEGATRON_RING_" in line]
+    """The lines of ``text`` that read an environment variable whose name is written there (directly, or
+    through a local name for ``os.environ.get``: ``env = os.environ.get; env("MEGATRON_RING_X")``)."""
+    aliases = [re.compile(rf"\b{re.escape(a)}\s*\(\s*f?[\"']MEGATRON_RING_") for a in ALIAS.findall(text)]
+    return [line for line in text.splitlines()
+            if (READ.search(line) and "MEGATRON_RING_" in line) or any(a.search(line) for a in aliases)]
 
 
 def test_every_ring_variable_is_read_in_settings_only():
@@ -32,6 +38,7 @@ def test_the_check_sees_a_read():
     """Negative control: a read written the way the code used to write it is found."""
     assert _readers('    raw = os.environ.get("MEGATRON_RING_TIMEOUT_S")\n')
     assert _readers('    raw = os.environ.get(f"MEGATRON_RING_AUTO_{name}")\n')
+    assert _readers('        env = os.environ.get\n        n = int(env("MEGATRON_RING_DYNAMIC_DOCS", "64"))\n')
     assert not _readers('    raw = os.environ.get("RANK")\n')
 
 

@@ -16,10 +16,10 @@ named explicitly that cannot run the case is refused with that reason, before an
 kernels follow torch's deterministic mode (``torch.are_deterministic_algorithms_enabled()``, which
 Megatron's ``--deterministic-mode`` turns on; also :func:`set_deterministic`).
 
-Masks (documents, windows; see :mod:`.masks`): a kernel with ``supports_mask = True`` also accepts the
-keyword ``mask=`` (a :class:`~megatron_ring.schedules.masks.BlockMask`, ``causal`` is then False). With a mask,
-query rows that see no key of the block return out 0 and lse -inf, and ``backward`` accepts lse = -inf
-for rows that see no key at all (their gradients are 0). The engine sends masked tasks to a kernel
+Masks (documents, windows; see :mod:`~megatron_ring.schedules.masks`): a kernel with ``supports_mask = True``
+also accepts the keyword ``mask=`` (a :class:`~megatron_ring.schedules.masks.BlockMask`, ``causal`` is then
+False). With a mask, query rows that see no key of the block return out 0 and lse -inf, and ``backward``
+accepts lse = -inf for rows that see no key at all (their gradients are 0). The engine sends masked tasks to a kernel
 without ``supports_mask`` to :class:`MathKernel` instead, so a new kernel works unchanged.
 
 Kernels are picked once per device by :func:`select_kernel` and can be forced by name.

@@ -3,7 +3,7 @@
 :class:`Transport` is what the engine needs of a ring (the ring's shape, its failure state and
 :meth:`Transport.exchange`); :class:`Ring` implements it over a torch.distributed process group,
 :class:`LoopbackRing` copies locally (the benchmark's "compute only" mode, and the single-process case),
-and the tests' thread ring (``tests/ring_fakes.ThreadRing``) through in-memory queues. Every exchange
+and the tests' thread ring (``ThreadRing`` of ``tests/helpers/ring_fakes.py``) through in-memory queues. Every exchange
 is asynchronous: :meth:`Ring.exchange` returns at once and :meth:`Exchange.wait` joins it. Every
 failure -- when the operations are launched or when they are waited for -- and every time-out becomes
 :class:`RingPeerError` naming the peer(s) (global ranks) and the step, after this rank has left its

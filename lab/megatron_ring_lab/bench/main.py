@@ -341,11 +341,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if a.dynamic_cp:
         from megatron_ring_lab.bench.dynamic_cp import format_dynamic, run_dynamic_cp
 
-        env = os.environ.get
-        res = run_dynamic_cp(dict(world=max(a.world_sizes), mix=a.dynamic_cp,
-                                  num_docs=int(env("MEGATRON_RING_DYNAMIC_DOCS", "64")),
-                                  scale=int(env("MEGATRON_RING_DYNAMIC_SCALE", "16")),
-                                  seed=int(env("MEGATRON_RING_DYNAMIC_SEED", "0")), heads=a.heads,
+        from megatron_ring import settings
+
+        num_docs, scale, seed = settings.dynamic_mix()
+        res = run_dynamic_cp(dict(world=max(a.world_sizes), mix=a.dynamic_cp, num_docs=num_docs, scale=scale,
+                                  seed=seed, heads=a.heads,
                                   kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, layout=a.layout,
                                   iters=a.iters, timeout=a.timeout))
         print(format_dynamic(res), flush=True)

@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 
+from megatron_ring import settings
+
 #: the environment variable naming the folder a run writes to
-OUT_ENV = "MEGATRON_RING_DOCTOR_OUT"
+OUT_ENV = settings.DOCTOR_OUT  # the record folder (read by entry.py through settings)
 
 _state: dict[str, Any] = {"iteration": 0, "iters": {}, "tokens": [], "eval": [], "grads1": None,
                           "init_params": None, "final_params": None, "model": None, "hooked": False,

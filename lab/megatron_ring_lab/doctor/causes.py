@@ -81,7 +81,7 @@ TABLE: list[tuple[Callable[[Comparison, dict], bool], Cause]] = [
         "mtp", "multi-token prediction loss weighted per CP rank",
         "Megatron divides each CP rank's MTP loss by that rank's own rolled-token count (the rank holding the "
         "sequence end has one fewer), so the MTP gradients differ from CP=1; set MEGATRON_RING_MTP_CP_INVARIANT=1 "
-        "(megatron_ring/megatron/mtp.py) with the ring spec",
+        "(megatron_ring/megatron/data/mtp_loss.py) with the ring spec",
         "NVIDIA/Megatron-LM#3959")),
     (lambda c, x: _grads_only(c) and (_router_worst(c, x) or (bool(x.get("moe")) and _row_differs(c, "load_balancing"))),
      Cause("moe_aux", "MoE auxiliary loss scaled differently at CP > 1",

@@ -10,12 +10,13 @@ import os
 import runpy
 import sys
 
+from megatron_ring import settings
 from megatron_ring_lab.doctor import capture
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    folder = os.environ.get(capture.OUT_ENV)
+    folder = settings.doctor_out()
     if not argv or not folder:
         raise SystemExit(f"usage: {capture.OUT_ENV}=DIR python -m megatron_ring_lab.doctor.entry SCRIPT [ARGS...]")
     from megatron_ring_lab.cpu.training import megatron_training_cpu

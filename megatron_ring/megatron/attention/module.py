@@ -146,8 +146,9 @@ class RingDotProductAttention(MegatronModule):
     def _comm_type(self, group: Any, registered: Any, cfg: RingConfig) -> dict[str, Any]:
         """``comm_type`` / ``hierarchical_groups`` of this layer on ``group`` (see :mod:`.comm_types`).
 
-        ``registered``: the registered :class:`RingState` when ``group`` is its group (its hierarchical
-        sub-rings apply), else None (a group Megatron or the caller brought: no sub-rings)."""
+        ``registered``: the registered :class:`~megatron_ring.megatron.groups.provider.RingState` when ``group``
+        is its group (its hierarchical sub-rings apply), else None (a group Megatron or the caller brought: no
+        sub-rings)."""
         ct = comm_types.layer_comm_type(self.config, self.layer_number, self._cp_comm_type_arg, cfg)
         size = group.size() if group is not None else 1
         if ct == "a2a+p2p" and registered is None and size > 1:

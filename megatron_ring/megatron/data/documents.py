@@ -5,7 +5,7 @@
   each document sits at the start of its padded slot; the filler after it becomes a document of its own
   (it attends only to filler, never to a real token, and its loss mask is 0).
 * :class:`DocumentsFromMask` reads the documents of each batch row from Megatron's boolean
-  ``attention_mask`` (True = hidden; ``[b, 1, s_local, S]`` as :func:`get_batch_on_this_cp_rank` shards
+  ``attention_mask`` (True = hidden; ``[b, 1, s_local, S]`` as :func:`~megatron_ring.megatron.data.batch.get_batch_on_this_cp_rank` shards
   it, or ``[b, 1, S, S]`` at CP 1), as built by ``get_ltor_masks_and_position_ids(reset_attention_mask)``.
   Each local query row gives the start of its document; one small all-reduce over the CP group
   (``[b, S]`` bytes, once per mask tensor: every layer reuses it) makes the boundaries global and equal on

@@ -9,9 +9,9 @@ Packed batches (``PackedSeqParams``, ``qkv_format="thd"``): Megatron's THD RoPE 
 2·CP pieces of its own (TransformerEngine's per-document split), which is not how the ring's layouts
 split the packed stream. So for THD batches :class:`LayoutRotaryEmbedding` returns no embedding (Megatron's
 attention then applies none) and the model's ring core attentions, linked by :func:`use_layout_rope`,
-apply RoPE to Q and K themselves (:func:`apply_packed_rope`): each local token at its layout position
-minus its document's start (``cu_seqlens_*_padded`` when given, as Megatron does), with Megatron's own
-``apply_rotary_pos_emb``.
+apply RoPE to Q and K themselves (:func:`~megatron_ring.megatron.data.packed_rope.apply_packed_rope`): each
+local token at its layout position minus its document's start (``cu_seqlens_*_padded`` when given, as
+Megatron does), with Megatron's own ``apply_rotary_pos_emb``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from megatron_ring import get_layout
 
-__all__ = ["LayoutRotaryEmbedding", "use_layout_rope", "apply_packed_rope"]
+__all__ = ["LayoutRotaryEmbedding", "use_layout_rope"]
 
 
 class LayoutRotaryEmbedding(RotaryEmbedding):
