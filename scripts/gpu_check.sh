@@ -6,12 +6,16 @@
 #   2. with 2 or more GPUs: ring attention over NCCL on all of them vs float64 (tests/gpu/nccl_check.py);
 #   3. with TransformerEngine installed and 2 or more GPUs: ours vs TransformerEngine's context parallelism,
 #      side by side (tests/gpu/te_cp_check.py: errors vs float64 and fwd+bwd times);
-#   4. the GPU benchmark rows (each rank's ring schedule on one GPU vs one-GPU SDPA, P = 2 4 8);
+#   4. the GPU benchmark rows (each rank's ring schedule on one GPU vs one-GPU attention, P = 2 4 8 at 2K and 8K
+#      tokens per rank, 32:8 GQA heads of 128, bf16, causal): efficiency eager and CUDA-graphed, host time and
+#      kernel launches per call, peak memory, and packed THD with a real document-length mix against one-GPU
+#      variable-length flash (megatron_ring_lab.bench.gpu);
 # and print one table (tests/gpu/check_table.py); exit 1 if any step failed or ran out of its time budget.
 # Needs no download and no venv: the project venv if there is one, else the system python3 (torch with CUDA,
 # megatron-core, pytest; pytest-timeout is used only where installed). Budget: each step under `timeout`,
 # under 8 minutes in all on one GPU. On a machine without a usable GPU it says so and exits 0.
-# Env: MEGATRON_RING_VENV (default .venv), GPU_CHECK_SEQ (default 8192).
+# Env: MEGATRON_RING_VENV (default .venv), GPU_CHECK_SEQ (default 8192: the NCCL and TE checks),
+# GPU_CHECK_TOKENS_PER_RANK (default "2048 8192": the benchmark rows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # the library and the lab from this checkout, whatever Python runs them (a venv or a system Python)
@@ -19,6 +23,7 @@ export PYTHONPATH="$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH}"
 PY="${MEGATRON_RING_VENV:-.venv}/bin/python"
 [ -x "$PY" ] || PY="$(command -v python3)"
 SEQ="${GPU_CHECK_SEQ:-8192}"
+TOKENS="${GPU_CHECK_TOKENS_PER_RANK:-2048 8192}"  # the benchmark rows' tokens per rank
 if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
   echo "[gpu_check] $PY cannot import torch: install a CUDA build of torch (or set MEGATRON_RING_VENV)." >&2
   exit 1
@@ -56,7 +61,8 @@ if [ "$NGPU" -ge 2 ]; then
     echo $? > "$OUT/te.rc"
   fi
 fi
-timeout 75 "$PY" -m megatron_ring_lab.benchmark --gpu-row --world-sizes 2 4 8 --seq "$SEQ" --heads 16 --kv-heads 4 \
-  --head-dim 128 --dtype bf16 --causal --iters 5 > "$OUT/bench.json" 2> "$OUT/bench.err"
+timeout 120 "$PY" -m megatron_ring_lab.benchmark --gpu-row --world-sizes 2 4 8 --tokens-per-rank $TOKENS \
+  --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --causal --iters 3 --gpu-docs --graphed \
+  > "$OUT/bench.json" 2> "$OUT/bench.err"
 echo $? > "$OUT/bench.rc"
 "$PY" tests/gpu/check_table.py "$OUT" "$NGPU"

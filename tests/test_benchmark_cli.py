@@ -85,3 +85,20 @@ def torch_eps() -> float:
     import torch
 
     return torch.finfo(torch.float32).eps
+
+
+def test_gpu_row_runs_on_cpu_dense_and_packed():
+    """The GPU row's logic (every rank's schedule on one device vs one-device attention; packed documents vs a
+    per-document reference) on CPU, tiny: the fields are there and the packed mix is a real one."""
+    import torch
+
+    from megatron_ring_lab.bench.gpu import gpu_row, packed_lengths
+
+    lens = packed_lengths(4096)
+    assert sum(lens) == 4096 and max(lens) <= 1024 and len(lens) > 8
+    for docs in (False, True):
+        row = gpu_row(2, 256, 4, 2, 16, torch.float32, iters=1, docs=docs, device="cpu")
+        assert row["efficiency"] > 0 and row["host_ms"] > 0 and row["tokens_per_rank"] == 128
+        assert row["layout"] == ("striped" if docs else "zigzag") and (row["docs"] > 1) == docs
+        assert row["reference"] == ("per-document sdpa" if docs else "sdpa")
+        assert row["launches"] is None and row["peak_gib"] is None  # CUDA only

@@ -1,65 +1,197 @@
-"""GPU benchmark row: the ring schedule's compute on one GPU vs one-GPU SDPA on the same problem.
+"""GPU benchmark row: the ring schedule's compute on one GPU vs one-GPU attention on the same problem.
 
 Every rank's schedule (P = 2, 4, 8...) runs through :class:`~megatron_ring.transport.ring.LoopbackRing` on the one
 GPU, one rank after another; the row reports the slowest rank's forward+backward time x P (what P GPUs
-would spend in total) against torch SDPA on the whole sequence: the efficiency the engine leaves on the
-table (block splitting, merges, kernel choice). No communication is timed. Needs CUDA.
+would spend in total) against one-GPU attention on the whole sequence: the efficiency the engine leaves on
+the table (block splitting, merges, kernel choice, host time). No communication is timed.
+
+A row (:func:`gpu_row`) reports, besides the efficiency:
+
+* ``host_ms``: host time of the slowest rank's call (forward+backward launched, not waited for): where it
+  approaches ``ring_slowest_rank_ms`` the call is host-bound;
+* ``launches``: CUDA kernels one call of that rank launches (torch profiler, one call);
+* ``peak_gib``: peak GPU memory of one call above what the inputs hold;
+* ``graphed_*`` (``graphed=True``): the same call captured once into a CUDA graph and replayed (forward and
+  backward, ``torch.autograd.grad``), its time and efficiency; a capture that fails is reported, not raised;
+* packed documents (``docs=True``): ONE packed THD stream of ``seq`` tokens cut into a real document-length mix
+  (:func:`packed_lengths`: web-like, documents at most a quarter of the stream), the ``striped`` layout by
+  default, against one-GPU variable-length flash on the same packed stream
+  (``aten._flash_attention_forward`` with ``cum_seq_q/k``; a per-document loop of SDPA where that op is
+  missing, named in ``reference``).
+
+``device="cpu"`` runs the same row on CPU (host clock; no launches, memory or graphs): how the lab's tests
+check it without a GPU. Nothing here has run on a GPU yet with these fields (the efficiency field did).
 """
 from __future__ import annotations
 
+import random
 import statistics
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from megatron_ring.api import ring_attention
-from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.schedules.layouts import get_layout
+from megatron_ring.transport.ring import LoopbackRing
 
-__all__ = ["gpu_row"]
+__all__ = ["gpu_row", "packed_lengths"]
 
 
-def _time_ms(fn, iters: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+def packed_lengths(seq: int, seed: int = 0) -> list[int]:
+    """A real document-length mix filling ``seq`` tokens: 80% short documents (exponential, mean seq/128),
+    20% long ones (uniform seq/16 .. seq/4); every document at most a quarter of the stream."""
+    rnd = random.Random(seed)
+    lens: list[int] = []
+    while sum(lens) < seq:
+        draw = rnd.expovariate(128 / seq) if rnd.random() < 0.8 else rnd.uniform(seq / 16, seq / 4)
+        lens.append(max(1, min(seq - sum(lens), seq // 4, int(draw))))
+    return lens
+
+
+def _timer(dev: torch.device) -> Callable[[Callable[[], Any], int], tuple[float, float]]:
+    """``time(fn, iters)`` -> (median ms of the work, median ms of host time per call)."""
+    def time_it(fn, iters):
+        fn()  # warm-up
+        work, host = [], []
+        for _ in range(iters):
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(dev)
+                start.record()
+                t0 = time.perf_counter()
+                fn()
+                host.append((time.perf_counter() - t0) * 1e3)
+                end.record()
+                end.synchronize()
+                work.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                work.append((time.perf_counter() - t0) * 1e3)
+                host.append(work[-1])
+        return statistics.median(work), statistics.median(host)
+    return time_it
+
+
+def _launches(fn) -> int | None:
+    """CUDA kernels one call of ``fn`` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _peak_gib(fn, dev: torch.device) -> float:
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    fn()
+    torch.cuda.synchronize(dev)
+    return (torch.cuda.max_memory_allocated(dev) - base) / 2**30
+
+
+def _graphed(call: Callable[[], torch.Tensor], leaves: list[torch.Tensor], dout: torch.Tensor):
+    """``call``'s forward and backward captured into one CUDA graph; returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (lazy init, caches)
+        for _ in range(3):
+            torch.autograd.grad(call(), leaves, dout)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = torch.autograd.grad(call(), leaves, dout)
+    return graph.replay, grads
+
+
+def _one_device_reference(q, k, v, causal: bool, cu: list[int] | None):
+    """One-device attention forward+backward on the whole stream (BSHD ``[1, S, h, d]``): SDPA, or for packed
+    documents variable-length flash on CUDA (a per-document SDPA loop elsewhere). Returns (fn, name)."""
+    if cu is None:
+        def sdpa():
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=causal, enable_gqa=True)
+            out.sum().backward()
+        return sdpa, "sdpa"
+    qt, kt, vt = (x[0].detach().requires_grad_() for x in (q, k, v))  # [T, h, d]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    if q.device.type == "cuda":
+        def varlen():
+            out = torch.ops.aten._flash_attention_forward(qt, kt, vt, cu_t, cu_t, longest, longest, 0.0, causal,
+                                                          False)[0]
+            out.sum().backward()
+        return varlen, "varlen flash"
+    g = q.shape[2] // k.shape[2]
+
+    def per_document():
+        outs = []
+        for a, b in zip(cu, cu[1:]):
+            outs.append(F.scaled_dot_product_attention(
+                qt[a:b].transpose(0, 1), kt[a:b].repeat_interleave(g, 1).transpose(0, 1),
+                vt[a:b].repeat_interleave(g, 1).transpose(0, 1), is_causal=causal))
+        torch.cat(outs, dim=1).sum().backward()
+    return per_document, "per-document sdpa"
 
 
 def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-            layout: str = "zigzag", causal: bool = True, iters: int = 10, kernel: str = "auto") -> dict[str, Any]:
-    if not torch.cuda.is_available():
-        raise RuntimeError("the GPU benchmark row needs CUDA")
-    dev = torch.device("cuda")
+            layout: str | None = None, causal: bool = True, iters: int = 10, kernel: str = "auto",
+            docs: bool = False, graphed: bool = False, device: str = "cuda") -> dict[str, Any]:
+    """One benchmark row (see the module doc). ``seq``: tokens in all (``seq / world`` per rank)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the GPU benchmark row needs CUDA (device='cpu' runs it on CPU)")
+    layout = layout or ("striped" if docs else "zigzag")
+    cu = None
+    if docs:
+        cu = [0]
+        for n in packed_lengths(seq):
+            cu.append(cu[-1] + n)
     q = torch.randn(1, seq, heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
     k = torch.randn(1, seq, kv_heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
     v = torch.randn(1, seq, kv_heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
     lay = get_layout(layout)
-
-    def sdpa():
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=causal, enable_gqa=True)
-        out.sum().backward()
-
-    per_rank = []
+    time_it = _timer(dev)
+    per_rank = []  # (work ms, host ms, rank, its call, leaves)
     for r in range(world):
         pos = lay.positions(seq, world, r).to(dev)
-        leaves = [t[:, pos].detach().clone().requires_grad_() for t in (q, k, v)]
+        leaves = [(t[0, pos] if docs else t[:, pos]).detach().clone().requires_grad_() for t in (q, k, v)]
         ring = LoopbackRing(world, r, dev)
+        kw = dict(qkv_format="thd", cu_seqlens=torch.tensor(cu, dtype=torch.int32)) if docs else {}
 
-        def step(leaves=leaves, ring=ring):
-            ring_attention(*leaves, causal=causal, layout=layout, ring=ring, kernel=kernel).sum().backward()
+        def call(leaves=leaves, ring=ring, kw=kw):
+            return ring_attention(*leaves, causal=causal, layout=layout, ring=ring, kernel=kernel, **kw)
 
-        per_rank.append(_time_ms(step, iters))
-    one = _time_ms(sdpa, iters)
-    return {"P": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "dtype": str(dtype).removeprefix("torch."), "layout": layout, "causal": causal,
-            "ring_slowest_rank_ms": max(per_rank), "ring_total_ms": max(per_rank) * world,
-            "sdpa_one_gpu_ms": one, "efficiency": one / (max(per_rank) * world)}
+        def step(call=call):
+            call().sum().backward()
+
+        work, host = time_it(step, iters)
+        per_rank.append((work, host, r, call, leaves))
+    reference, ref_name = _one_device_reference(q, k, v, causal, cu)
+    one, _ = time_it(reference, iters)
+    work, host, slow_rank, call, leaves = max(per_rank, key=lambda x: x[0])
+    row = {"P": world, "seq": seq, "tokens_per_rank": seq // world, "heads": heads, "kv_heads": kv_heads,
+           "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "layout": layout, "causal": causal,
+           "docs": len(cu) - 1 if cu else 0, "reference": ref_name,
+           "ring_slowest_rank_ms": work, "ring_total_ms": work * world, "one_device_ms": one,
+           "efficiency": one / (work * world), "host_ms": host, "launches": None, "peak_gib": None}
+    if dev.type != "cuda":
+        return row
+
+    def step():
+        call().sum().backward()
+
+    row["launches"] = _launches(step)
+    row["peak_gib"] = _peak_gib(step, dev)
+    if graphed:
+        try:
+            replay, _ = _graphed(call, leaves, torch.randn_like(call()))
+            g_ms, g_host = time_it(replay, iters)
+            row.update(graphed_ms=g_ms, graphed_host_ms=g_host, graphed_efficiency=one / (g_ms * world))
+        except Exception as exc:  # noqa: BLE001 - a capture that fails is a finding of the row
+            row.update(graphed_ms=None, graphed_efficiency=None, graphed_error=f"{type(exc).__name__}: {exc}"[:300])
+    return row

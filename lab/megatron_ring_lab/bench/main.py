@@ -319,6 +319,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     "for realistic document-length mixes over S tokens (no timing)")
     ap.add_argument("--gpu-row", action="store_true", help="CUDA: each rank's ring schedule on one GPU vs "
                                                           "one-GPU SDPA (megatron_ring_lab.bench.gpu)")
+    ap.add_argument("--tokens-per-rank", type=int, nargs="+", default=None,
+                    help="with --gpu-row: rows at these tokens per rank (seq = tokens x P) instead of --seq")
+    ap.add_argument("--gpu-docs", action="store_true", help="with --gpu-row: also a packed-THD row per size, a "
+                    "real document-length mix vs one-GPU variable-length flash on the same stream")
+    ap.add_argument("--graphed", action="store_true", help="with --gpu-row: also each call captured into a CUDA "
+                    "graph and replayed (time, efficiency)")
     ap.add_argument("--breakdown", action="store_true",
                     help="per ring step: time in kernel, merge, decode, copies, waits (megatron_ring_lab.bench.breakdown)")
     ap.add_argument("--host-time", action="store_true",
@@ -392,8 +398,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         import torch  # noqa: PLC0415
 
         from megatron_ring_lab.bench.gpu import gpu_row  # noqa: PLC0415
-        rows = [gpu_row(p, a.seq, a.heads, a.kv_heads or a.heads, a.head_dim, getattr(torch, DTYPES[a.dtype]),
-                        a.layout, a.causal, a.iters) for p in a.world_sizes]
+        sizes = [(p, n * p) for n in a.tokens_per_rank for p in a.world_sizes] if a.tokens_per_rank \
+            else [(p, a.seq) for p in a.world_sizes]
+        dtype = getattr(torch, DTYPES[a.dtype])
+        rows = []
+        for p, seq in sizes:
+            for docs in ((False, True) if a.gpu_docs else (False,)):
+                rows.append(gpu_row(p, seq, a.heads, a.kv_heads or a.heads, a.head_dim, dtype,
+                                    None if docs else a.layout, a.causal, a.iters, docs=docs, graphed=a.graphed))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress, if a later row runs out of time
         print(json.dumps(rows, indent=2))
         return rows
     if a.balance:
