@@ -99,3 +99,35 @@ def test_cuda_graph_capture_and_replay_follows_new_inputs(backward):
         if previous is not None:  # negative control: the replay computed anew (seed 3's output is not seed 2's)
             assert max_err(captured[0], previous) > 10 * bounds[0]
         previous = captured[0].clone()
+
+
+class _RingLayer(torch.nn.Module):
+    """One attention layer calling the ring, as a user graphs it."""
+
+    def forward(self, q, k, v):
+        return _layer(q, k, v)
+
+
+def test_make_graphed_callables_around_the_layer():
+    """The users' path (docs/cuda_graphs.md, "Graphing a layer"): ``torch.cuda.make_graphed_callables`` around
+    the layer; its forward and backward replay follow new inputs (vs eager calls within the derived bound)."""
+    sample = tuple(t.detach().clone().requires_grad_() for t in _inputs(seed=1))
+    graphed = torch.cuda.make_graphed_callables(_RingLayer(), sample, num_warmup_iters=3)
+    outs = []
+    for seed in (2, 3):
+        dout = torch.randn(2, S, H, D, device="cuda", dtype=torch.bfloat16)
+        got_in = [t.detach().clone().requires_grad_() for t in _inputs(seed=seed)]
+        want_in = [t.detach().clone().requires_grad_() for t in got_in]
+        got = graphed(*got_in)
+        got.backward(dout)
+        want = _layer(*want_in)
+        want.backward(dout)
+        sigma = score_bound(want_in[0], want_in[1])
+        for g, w in [(got, want), *((a.grad, b.grad) for a, b in zip(got_in, want_in))]:
+            bound = tol(w.detach().double().abs().max().item(), dtype=torch.bfloat16, n=S, runs=2, blocks=4,
+                        sigma=sigma)
+            assert max_err(g.detach(), w.detach()) <= bound
+        outs.append(got.detach().clone())
+    bound = tol(outs[1].double().abs().max().item(), dtype=torch.bfloat16, n=S, runs=2, blocks=4,
+                sigma=score_bound(*_inputs(seed=3)[:2]))
+    assert max_err(outs[0], outs[1]) > 10 * bound  # negative control: the replay computed anew
