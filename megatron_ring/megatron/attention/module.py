@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -32,6 +32,44 @@ __all__ = ["RingDotProductAttention"]
 
 
 _CAUSAL = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+_KEPT = 8  # resolved settings a layer keeps (one per group it runs on: hybrid CP's sizes, eval rebinding)
+
+
+class _LayerSettings(NamedTuple):
+    """What a layer resolves once per group (:meth:`RingDotProductAttention._settings`)."""
+
+    group: Any
+    cfg: RingConfig
+    registered: Any  # the registered RingState when ``group`` is its group
+    strategy: dict  # comm_type / hierarchical_groups for ring_attention
+    kv_pieces: Optional[int]  # MEGATRON_RING_KV_PIECES (None: the library chooses)
+    max_logit: bool  # QK-clip asks for the max logit
+
+
+def _call_group(layer: Any, packed_seq_params: Any) -> tuple[Any, bool, Any]:
+    """(registered state or None, whether the group is the call's own, the group) -- looked up per call."""
+    state = get_ring_state() if is_context_parallel_initialized() else None
+    per_call, group = groups.per_call_group(packed_seq_params)
+    if not per_call:
+        group = groups.model_group(layer.pg_collection, state)
+    return state, per_call, group
+
+
+def _resolve_ring(layer: Any, state: Any, per_call: bool, group: Any) -> tuple[Any, RingConfig, Any]:
+    """The ring config and the registered state for ``group`` (see :meth:`RingDotProductAttention._ring`)."""
+    cfg = state.config if state is not None else ring_config_from_env(layer.config.context_parallel_size)
+    if not per_call:
+        size = group.size() if group is not None else 1
+        cp_size = layer.config.context_parallel_size
+        if size != cp_size:
+            raise ContextParallelConfigError(
+                "--context-parallel-size", f"the model config has context_parallel_size={cp_size} but its CP "
+                                           f"group has {size} ranks; give the model the group it was configured "
+                                           "for (pg_collection.cp, or initialize_context_parallel)")
+    registered = state if state is not None and groups.same_ranks(group, state) else None
+    if registered is not None:
+        group = state.group  # the registered object: its sub-rings and caches
+    return group, cfg, registered
 
 
 class RingDotProductAttention(MegatronModule):
@@ -48,7 +86,8 @@ class RingDotProductAttention(MegatronModule):
     rebinding), else the group registered by
     :func:`~megatron_ring.megatron.groups.provider.initialize_context_parallel`, else ``parallel_state``'s. The
     options (layout, wire dtype, comm type, timeout) come from the registered ring, else from the
-    ``MEGATRON_RING_*`` environment variables (:mod:`megatron_ring.megatron.env`). ``batch_split="megatron"`` (set by
+    ``MEGATRON_RING_*`` environment variables (:mod:`megatron_ring.megatron.env`), read once per layer and group
+    at the layer's first call on that group and kept (see :meth:`_settings`). ``batch_split="megatron"`` (set by
     :mod:`megatron_ring.megatron.spec`): the batch was split by stock Megatron, so packed THD batches at CP > 1 run
     in the order it split them in: Megatron's per-document zigzag (:class:`~megatron_ring.DocumentZigzag` of
     ``cu_seqlens_q_padded``; ``--sft``, Megatron-Core), or, where Megatron-LM's ``get_batch`` cut the stream as one
@@ -142,6 +181,7 @@ class RingDotProductAttention(MegatronModule):
         # micro-batches; Megatron all-reduces it over DP x CP and resets it to None (see .qk_clip)
         self.current_max_attn_logits: Optional[Tensor] = None
         qk_clip.requested(config)  # refused at build on a megatron-core without QK-clip
+        self._resolved: list[tuple[tuple, _LayerSettings]] = []  # see _settings
 
     def _comm_type(self, group: Any, registered: Any, cfg: RingConfig) -> dict[str, Any]:
         """``comm_type`` / ``hierarchical_groups`` of this layer on ``group`` (see :mod:`.comm_types`).
@@ -189,22 +229,28 @@ class RingDotProductAttention(MegatronModule):
         replaces ``pg_collection`` on live modules); the registered ring's group; ``parallel_state``'s CP
         group. The options come from the registered ring, else from ``MEGATRON_RING_*`` (:mod:`megatron_ring.megatron.env`).
         """
-        state = get_ring_state() if is_context_parallel_initialized() else None
-        cfg = state.config if state is not None else ring_config_from_env(self.config.context_parallel_size)
-        per_call, group = groups.per_call_group(packed_seq_params)
-        if not per_call:
-            group = groups.model_group(self.pg_collection, state)
-            size = group.size() if group is not None else 1
-            cp_size = self.config.context_parallel_size
-            if size != cp_size:
-                raise ContextParallelConfigError(
-                    "--context-parallel-size", f"the model config has context_parallel_size={cp_size} but its CP "
-                                               f"group has {size} ranks; give the model the group it was configured "
-                                               "for (pg_collection.cp, or initialize_context_parallel)")
-        registered = state if state is not None and groups.same_ranks(group, state) else None
-        if registered is not None:
-            group = state.group  # the registered object: its sub-rings and caches
-        return group, cfg, registered
+        return _resolve_ring(self, *_call_group(self, packed_seq_params))
+
+    def _settings(self, packed_seq_params: Optional[PackedSeqParams]) -> "_LayerSettings":
+        """This call's group and options, resolved once per layer and :func:`_call_group` key.
+
+        The group is looked up at every call (cheap: attribute reads); what follows from it -- the ring
+        config (``MEGATRON_RING_*`` when no ring is registered), the size check, the comm type and its
+        checks, ``MEGATRON_RING_KV_PIECES``, QK-clip -- is resolved at the first call on a (group, registered
+        ring, CP size) and kept: a new group (per-call ``packed_seq_params.cp_group``, Megatron's eval-time
+        rebinding of ``pg_collection``), a newly registered ring or a changed ``context_parallel_size``
+        resolves again; an environment variable changed later is not read by this layer for a key it has seen.
+        A failed resolution is not kept (the next call raises again)."""
+        state, per_call, group = _call_group(self, packed_seq_params)
+        key = (group, state, per_call, self.config.context_parallel_size)
+        for seen, resolved in self._resolved:
+            if all(a is b for a, b in zip(seen[:3], key[:3])) and seen[3] == key[3]:
+                return resolved
+        group, cfg, registered = _resolve_ring(self, state, per_call, group)
+        resolved = _LayerSettings(group, cfg, registered, self._comm_type(group, registered, cfg),
+                                  kv_pieces_from_env(), qk_clip.requested(self.config))
+        self._resolved = (self._resolved + [(key, resolved)])[-_KEPT:]  # a few groups (hybrid CP sizes), bounded
+        return resolved
 
     def forward(
         self,
@@ -225,7 +271,7 @@ class RingDotProductAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by RingDotProductAttention")
         causal = self._mask_causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
-        group, cfg, registered = self._ring(packed_seq_params)
+        group, cfg, registered, strategy, pieces, max_logit = self._settings(packed_seq_params)
         layout = cfg.layout
         if packed_seq_params is not None and self.batch_split == "megatron" and group is not None \
                 and group.size() > 1:  # run in the order stock Megatron split the packed batch in
@@ -233,9 +279,6 @@ class RingDotProductAttention(MegatronModule):
             if split == "sequence":
                 token_order.check_sequence_split(group.size())  # RoPE (GPT models; hybrids at build time)
             layout = token_order.megatron_thd_layout(group.size(), cfg.layout, packed_seq_params, split)
-        strategy = self._comm_type(group, registered, cfg)
-        pieces = kv_pieces_from_env()
-        max_logit = qk_clip.requested(self.config)
 
         def run(q, k, v, fmt, cu=None):
             got = megatron_ring.ring_attention(

@@ -1,0 +1,103 @@
+"""The glue resolves its settings once per layer and group: ``RingDotProductAttention`` reads the ring config
+(``MEGATRON_RING_*`` without a registered ring), the comm type, ``MEGATRON_RING_KV_PIECES`` and QK-clip at its
+first call on a group and keeps them; a new group (Megatron's eval-time rebinding of ``pg_collection``, a
+per-call ``packed_seq_params.cp_group``) resolves them again; a failed resolution is not kept.
+
+Negative control: the counts below are what a per-call resolution would make 3 (one per forward), and a layer
+that kept its settings across groups would keep the first group's."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+import megatron_ring
+from megatron_ring.megatron import ContextParallelConfigError, RingDotProductAttention
+from megatron_ring.megatron.attention import comm_types, module as attn, qk_clip
+from tests.helpers.ring_fakes import one_rank_group  # noqa: F401  (fixture)
+
+
+def _module(group):
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            use_cpu_initialization=True, context_parallel_size=1, transformer_impl="local",
+                            attention_dropout=0.0)
+    return RingDotProductAttention(cfg, 1, AttnMaskType.causal, "self",
+                                   pg_collection=SimpleNamespace(cp=group, tp=SimpleNamespace(size=lambda: 1)))
+
+
+def _qkv(s=8, b=1):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(s, b, 4, 8, generator=g), torch.randn(s, b, 2, 8, generator=g), \
+        torch.randn(s, b, 2, 8, generator=g)
+
+
+def _count(monkeypatch):
+    """Counts the resolutions the glue makes (each spied function, by name)."""
+    counts: dict[str, int] = {}
+
+    def spy(owner, name):
+        real = getattr(owner, name)
+
+        def counted(*a, **kw):
+            counts[name] = counts.get(name, 0) + 1
+            return real(*a, **kw)
+        monkeypatch.setattr(owner, name, counted)
+
+    for owner, name in ((attn, "ring_config_from_env"), (attn, "kv_pieces_from_env"),
+                        (comm_types, "layer_comm_type"), (qk_clip, "requested")):
+        spy(owner, name)
+    return counts
+
+
+def _pieces_seen(monkeypatch):
+    seen: list = []
+    real = megatron_ring.ring_attention
+
+    def spy(*a, **kw):
+        seen.append(kw["kv_pieces"])
+        return real(*a, **kw)
+    monkeypatch.setattr(megatron_ring, "ring_attention", spy)
+    return seen
+
+
+def test_settings_are_resolved_once_per_layer_and_group(one_rank_group, monkeypatch):  # noqa: F811
+    m = _module(dist.group.WORLD)
+    counts = _count(monkeypatch)
+    q, k, v = _qkv()
+    outs = [m(q, k, v, None) for _ in range(3)]
+    assert counts == {"ring_config_from_env": 1, "kv_pieces_from_env": 1, "layer_comm_type": 1, "requested": 1}
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    other = dist.new_group([0])  # Megatron rebinds pg_collection on the live module (eval-time CP)
+    m.pg_collection = SimpleNamespace(cp=other, tp=m.pg_collection.tp)
+    assert torch.equal(m(q, k, v, None), outs[0])
+    assert counts["ring_config_from_env"] == 2 and counts["layer_comm_type"] == 2
+    m(q, k, v, None)
+    assert counts["ring_config_from_env"] == 2  # the second group's settings are kept too
+
+
+def test_environment_is_read_at_a_layers_first_call(one_rank_group, monkeypatch):  # noqa: F811
+    seen = _pieces_seen(monkeypatch)
+    q, k, v = _qkv()
+    m = _module(dist.group.WORLD)
+    m(q, k, v, None)
+    monkeypatch.setenv("MEGATRON_RING_KV_PIECES", "2")
+    m(q, k, v, None)  # the layer keeps what it read at its first call
+    _module(dist.group.WORLD)(q, k, v, None)  # a new layer (a new run) reads the variable
+    assert seen == [None, None, 2]
+
+
+def test_a_failed_resolution_is_not_kept(one_rank_group, monkeypatch):  # noqa: F811
+    q, k, v = _qkv()
+    m = _module(dist.group.WORLD)
+    monkeypatch.setenv("MEGATRON_RING_KV_PIECES", "0")
+    for _ in range(2):
+        with pytest.raises(ContextParallelConfigError) as e:
+            m(q, k, v, None)
+        assert e.value.flag == "MEGATRON_RING_KV_PIECES"
+    monkeypatch.delenv("MEGATRON_RING_KV_PIECES")
+    m(q, k, v, None)
