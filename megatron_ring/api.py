@@ -47,7 +47,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    window: tuple[int, int] | None = None, comm_type: str = "p2p",
                    hierarchical_groups: Any = None, softmax_offset: Any = None,
                    dropout_p: float = 0.0, dropout_seed: int | torch.Tensor | None = None,
-                   kv_pieces: int | None = None,
+                   kv_pieces: int | None = None, deterministic: bool | None = None,
                    return_max_logit: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -106,6 +106,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             compute, more and smaller kernel calls). Rounded down to a divisor of the K/V heads. Default
             (None): ``MEGATRON_RING_KV_PIECES`` if set, else automatic: as many as keep each piece's
             work large (on CPU up to 8; see ``rotation.piece_count``).
+        deterministic: run CUDA backward kernels deterministically (kernels without a deterministic backward
+            are not chosen by "auto" and refused by name). None: the process default, torch's deterministic
+            mode (``torch.use_deterministic_algorithms``) unless :func:`~megatron_ring.set_deterministic` set
+            one. A property of this call only.
         ring: advanced: a prepared :class:`~megatron_ring.transport.ring.Transport` (a ``Ring`` over a
             group, or ``LoopbackRing`` for compute-only timing); overrides ``group``.
         comm_type: the exchange: "p2p" (the ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
@@ -135,7 +139,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             comm_dtype=comm_dtype, kernel=kernel, check_consistency=check_consistency, timeout_s=timeout_s,
             head_chunks=head_chunks, ring=ring, cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
             hierarchical_groups=hierarchical_groups, softmax_offset=softmax_offset, dropout_p=dropout_p,
-            dropout_seed=dropout_seed, kv_pieces=kv_pieces, return_max_logit=return_max_logit)
+            dropout_seed=dropout_seed, kv_pieces=kv_pieces, deterministic=deterministic,
+            return_max_logit=return_max_logit)
     _check_tensors(q, k, v)
     if not isinstance(return_max_logit, bool):
         raise ValueError(f"return_max_logit must be a bool, got {return_max_logit!r}")
@@ -154,7 +159,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     scale = call.checked_scale(softmax_scale)
     qh = call.bhsd(q)
     # head dim: with MLA head dims the kernel's operands are padded to the larger one (kernels.head_dim)
-    block_kernel = call.refusing(select_kernel, qh, kernel, max(qh.shape[-1], v.shape[-1]))
+    block_kernel = call.refusing(select_kernel, qh, kernel, max(qh.shape[-1], v.shape[-1]), deterministic)
     plan = call.plan(scale, block_kernel, qh, dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world))
     out = call.repack(_dispatch(call, q, k, v, qh, plan, sink_logits(softmax_offset, qh)))
     return (out, plan.row_max.amax(dim=1)) if return_max_logit else out

@@ -12,9 +12,13 @@ block with a fully masked query row (see ``layouts``).
 ``unsupported(q, head_dim)`` says why a kernel cannot run a case (device, dtype, head dim, GPU
 architecture; None: it can) and ``supports`` is its negation; ``auto`` takes the first kernel of
 ``_AUTO_ORDER`` (fastest first) that supports the case and so falls back instead of crashing, and a kernel
-named explicitly that cannot run the case is refused with that reason, before any kernel runs. CUDA
-kernels follow torch's deterministic mode (``torch.are_deterministic_algorithms_enabled()``, which
-Megatron's ``--deterministic-mode`` turns on; also :func:`set_deterministic`).
+named explicitly that cannot run the case is refused with that reason, before any kernel runs. Determinism
+is a property of the kernel object a call's plan holds (``BlockKernel.deterministic``; set by
+:func:`select_kernel` from the call's ``deterministic``): a deterministic kernel refuses cases it has no
+deterministic backward for and asks its library for a deterministic one. A call that does not say follows
+the process default, :func:`deterministic` (torch's deterministic mode,
+``torch.are_deterministic_algorithms_enabled()``, which Megatron-LM's ``--deterministic-mode`` turns on;
+:func:`set_deterministic` overrides it for the process).
 
 Masks (documents, windows; see :mod:`~megatron_ring.schedules.masks`): a kernel with ``supports_mask = True``
 also accepts the keyword ``mask=`` (a :class:`~megatron_ring.schedules.masks.BlockMask`, ``causal`` is then
@@ -41,6 +45,12 @@ __all__ = ["BlockKernel", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel", "Tor
 class BlockKernel(abc.ABC):
     name: str = "abstract"
     supports_mask: bool = False  # True: forward/backward accept mask= (a masks.BlockMask)
+    #: deterministic backward: True/False as the call asked (select_kernel), None: the process default
+    deterministic: bool | None = None
+
+    def is_deterministic(self) -> bool:
+        """Whether this kernel must run a deterministic backward (its own flag, else :func:`deterministic`)."""
+        return deterministic() if self.deterministic is None else bool(self.deterministic)
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -65,13 +75,19 @@ _deterministic: bool | None = None
 
 
 def set_deterministic(flag: bool | None) -> None:
-    """Force deterministic CUDA backward kernels on/off (None: follow torch's deterministic mode)."""
+    """The process default for calls that do not say (``ring_attention(deterministic=None)``): deterministic
+    CUDA backward kernels on/off (None: follow torch's deterministic mode). Process-wide; a call's own
+    ``deterministic=`` wins, and the Megatron glue passes its layer's ``config.deterministic_mode`` per call."""
     global _deterministic
     _deterministic = flag
 
 
 def deterministic() -> bool:
+    """The process default: :func:`set_deterministic`'s flag, else torch's deterministic mode."""
     return torch.are_deterministic_algorithms_enabled() if _deterministic is None else bool(_deterministic)
+
+
+_process_default = deterministic  # for select_kernel, whose argument has the same name
 
 
 def causal_sub_blocks(sq: int, sk: int, causal: bool) -> list[tuple[slice, slice, bool]]:
@@ -108,8 +124,8 @@ def _fused_cuda_case(q: torch.Tensor, d: int, max_head_dim: int) -> str | None:
     return None
 
 
-def _deterministic_refusal() -> str | None:
-    return "it has no deterministic backward and deterministic mode is on" if deterministic() else None
+def _deterministic_refusal(kernel: BlockKernel) -> str | None:
+    return "it has no deterministic backward and deterministic mode is on" if kernel.is_deterministic() else None
 
 
 class _SquareCausal(BlockKernel):
@@ -349,7 +365,7 @@ class FlashAttnKernel(_SquareCausal):
         dq, dk, dv = bshd(q), bshd(k), bshd(v)
         # rng_state: flash_attn's own autograd passes its forward's; without dropout it is unread (None)
         self._impl()._flash_attn_backward(t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), dq, dk, dv,
-                                          0.0, scale, causal, -1, -1, 0.0, None, deterministic(), rng_state=None)
+                                          0.0, scale, causal, -1, -1, 0.0, None, self.is_deterministic(), rng_state=None)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -360,7 +376,7 @@ class TorchFlashCudaKernel(_SquareCausal):
     name = "flash_cuda"
 
     def unsupported(self, q, head_dim):
-        return _fused_cuda_case(q, head_dim, 256) or _deterministic_refusal()
+        return _fused_cuda_case(q, head_dim, 256) or _deterministic_refusal(self)
 
     def _fwd(self, q, k, v, causal, scale):
         g = q.shape[1] // k.shape[1]
@@ -387,7 +403,7 @@ class CudnnKernel(_SquareCausal):
     name = "cudnn"
 
     def unsupported(self, q, head_dim):
-        why = _fused_cuda_case(q, head_dim, 128) or _deterministic_refusal()
+        why = _fused_cuda_case(q, head_dim, 128) or _deterministic_refusal(self)
         if why is None and not torch.backends.cudnn.is_available():
             return "cuDNN is not available to this torch"
         return why
@@ -476,7 +492,7 @@ class TEFusedKernel(_SquareCausal):
                                            kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_kv"), t(q), t(k), t(v),
                                            t(out), t(dout), q.dtype, self._te_dtype[dout.dtype], aux,
                                            fa.FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale,
-                                           dropout=0.0, deterministic=deterministic(), **kw)
+                                           dropout=0.0, deterministic=self.is_deterministic(), **kw)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -495,23 +511,31 @@ KERNELS: dict[str, Callable[[], BlockKernel]] = {
 _AUTO_ORDER = ("cudnn", "flash_attn", "te_fused", "flash_cuda", "flash_cpu", "math")
 #: kernels refused by name until a GPU run passes (their classes and conformance tests stay)
 UNVERIFIED = {"sdpa_cuda": "torch's memory-efficient CUDA op"}
-_instances: dict[str, BlockKernel] = {}
+_instances: dict[tuple[str, bool], BlockKernel] = {}
 _auto_choice: dict[tuple, BlockKernel] = {}
 
 
-def _instance(name: str) -> BlockKernel:
-    if name not in _instances:
-        _instances[name] = KERNELS[name]()
-    return _instances[name]
+def _instance(name: str, det: bool) -> BlockKernel:
+    """The kernel ``name`` with its determinism fixed to ``det`` (one object per pair; kernels keep no per-call
+    state, so one object serves every call and layer)."""
+    if (name, det) not in _instances:
+        kernel = KERNELS[name]()
+        kernel.deterministic = det
+        _instances[name, det] = kernel
+    return _instances[name, det]
 
 
-def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim: int | None = None) -> BlockKernel:
+def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim: int | None = None,
+                  deterministic: bool | None = None) -> BlockKernel:
     """The kernel for ``q``: ``"auto"`` picks the first kernel of ``_AUTO_ORDER`` that supports the case,
-    once per (device, dtype, head dim, deterministic mode), and caches it. ``head_dim``: the head dim the
+    once per (device, dtype, head dim, determinism), and caches it. ``head_dim``: the head dim the
     kernel's operands will have (default q's; with MLA head dims, the larger of Q/K's and V's: they are
-    padded to it). A kernel named that cannot run the case is refused here, with the reason."""
+    padded to it). ``deterministic``: the call's determinism (None: the process default, :func:`deterministic`);
+    the kernel returned carries it. A kernel named that cannot run the case is refused here, with the reason.
+    A kernel object is returned as it is (its own ``deterministic`` applies)."""
     if isinstance(kernel, BlockKernel):
         return kernel
+    det = _process_default() if deterministic is None else bool(deterministic)
     d = q.shape[-1] if head_dim is None else head_dim
     if kernel != "auto":
         if kernel not in KERNELS:
@@ -520,13 +544,13 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim:
             raise ValueError(f"kernel {kernel!r} ({UNVERIFIED[kernel]}) is not verified on a GPU yet and is "
                              "refused; use kernel='auto', 'cudnn' or 'flash_cuda' (fp16/bf16, sm80+) or "
                              "kernel='math' (any dtype, fp32 included)")
-        why = _instance(kernel).unsupported(q, d)
+        why = _instance(kernel, det).unsupported(q, d)
         if why:
             raise ValueError(f"kernel {kernel!r} does not support {q.dtype} tensors with head dim {d} on "
                              f"{q.device.type}: {why}; use kernel='auto' (it picks a kernel that can) or "
                              "kernel='math'")
-        return _instance(kernel)
-    key = (q.device, q.dtype, d, deterministic())
+        return _instance(kernel, det)
+    key = (q.device, q.dtype, d, det)
     if key not in _auto_choice:
-        _auto_choice[key] = next(k for k in map(_instance, _AUTO_ORDER) if k.unsupported(q, d) is None)
+        _auto_choice[key] = next(k for k in (_instance(n, det) for n in _AUTO_ORDER) if k.unsupported(q, d) is None)
     return _auto_choice[key]

@@ -90,6 +90,30 @@ def test_deterministic_mode_refuses_the_kernels_without_a_deterministic_backward
         K.set_deterministic(None)
 
 
+def test_determinism_is_a_property_of_the_call_not_of_the_process():
+    """``deterministic=`` of one call wins over the process default, leaves it as it was, and ``auto``'s cached
+    choice keys on it (a deterministic call never gets the choice of a non-deterministic one, nor back)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    before = K.deterministic()
+    with device.use("cuda", FakeCuda(capability=(9, 0))), FakeTensorMode():
+        q = torch.empty(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="no deterministic backward"):
+            K.select_kernel(q, "flash_cuda", deterministic=True)
+        free = K.select_kernel(q, "auto", deterministic=False)
+        det = K.select_kernel(q, "auto", deterministic=True)
+        assert free.name == "cudnn" and not free.is_deterministic()
+        assert det.name not in ("cudnn", "flash_cuda") and det.is_deterministic()
+        assert K.select_kernel(q, "auto", deterministic=False) is free  # the cache keeps both, apart
+        K.set_deterministic(True)
+        try:
+            assert K.select_kernel(q, "auto") is det  # the process default, for a call that does not say
+            assert K.select_kernel(q, "flash_cuda", deterministic=False).name == "flash_cuda"
+        finally:
+            K.set_deterministic(None)
+    assert K.deterministic() == before
+
+
 @pytest.mark.parametrize("cap, dtype", [((9, 0), torch.float32), ((7, 5), torch.float16)])
 def test_auto_runs_what_no_fused_kernel_takes_on_the_math_kernel(cap, dtype):
     """fp32 on CUDA (and fp16 before sm80): no fused kernel takes it, sdpa_cuda is out of auto, so auto picks

@@ -101,3 +101,27 @@ def test_a_failed_resolution_is_not_kept(one_rank_group, monkeypatch):  # noqa: 
         assert e.value.flag == "MEGATRON_RING_KV_PIECES"
     monkeypatch.delenv("MEGATRON_RING_KV_PIECES")
     m(q, k, v, None)
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_deterministic_mode_is_passed_per_call_and_sets_no_process_state(one_rank_group, monkeypatch, mode):  # noqa: F811
+    """``--deterministic-mode`` reaches the layer's own calls (``deterministic=True``); off, the calls follow the
+    process default (None); building the layer changes no process-wide setting (it used to set it for good)."""
+    from megatron_ring.kernels import block as K
+
+    asked: list = []
+    real = megatron_ring.ring_attention
+
+    def spy(*a, **kw):
+        asked.append(kw["deterministic"])
+        return real(*a, **kw)
+    monkeypatch.setattr(megatron_ring, "ring_attention", spy)
+    before = K.deterministic()
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            use_cpu_initialization=True, context_parallel_size=1, transformer_impl="local",
+                            attention_dropout=0.0, deterministic_mode=mode)
+    m = RingDotProductAttention(cfg, 1, AttnMaskType.causal, "self",
+                                pg_collection=SimpleNamespace(cp=dist.group.WORLD, tp=SimpleNamespace(size=lambda: 1)))
+    assert K.deterministic() == before
+    m(*_qkv(), None)
+    assert asked == [True if mode else None] and K.deterministic() == before

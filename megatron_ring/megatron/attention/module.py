@@ -139,8 +139,9 @@ class RingDotProductAttention(MegatronModule):
         self.packed_rope: Optional[tuple] = None  # (RotaryEmbedding,): THD RoPE applied here (rope.py)
         self._documents = DocumentsFromMask()
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
-        if getattr(config, "deterministic_mode", False):  # --deterministic-mode: deterministic CUDA backward
-            megatron_ring.set_deterministic(True)
+        # --deterministic-mode: deterministic CUDA backward kernels for this layer's calls (passed per call;
+        # off: the process default, torch's deterministic mode, which Megatron-LM's flag also turns on)
+        self.deterministic = True if getattr(config, "deterministic_mode", False) else None
         if batch_split not in ("ring", "megatron"):
             raise ValueError(f"batch_split must be 'ring' or 'megatron', got {batch_split!r}")
         # "megatron": the batch is split by stock Megatron (zigzag sequences; packed THD per document)
@@ -285,7 +286,7 @@ class RingDotProductAttention(MegatronModule):
                 q, k, v, group=group, causal=causal, layout=layout, softmax_scale=self.softmax_scale,
                 qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
                 window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed, kv_pieces=pieces,
-                return_max_logit=max_logit, **strategy)
+                deterministic=self.deterministic, return_max_logit=max_logit, **strategy)
             if not max_logit:
                 return got
             self.current_max_attn_logits = qk_clip.accumulate(self.current_max_attn_logits, got[1])
