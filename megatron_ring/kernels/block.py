@@ -430,7 +430,13 @@ class TEFusedKernel(_SquareCausal):
 
     TransformerEngine's low-level API moves between releases, so this kernel verifies itself once per
     (device, dtype, head dim) against :class:`MathKernel` on a small block (forward and lse) and is
-    reported unsupported -- ``auto`` falls back -- if the call fails or disagrees."""
+    reported unsupported -- ``auto`` falls back -- if the call fails or disagrees.
+
+    Stateless between forward and backward (one object serves every layer and call): the backward rebuilds
+    TransformerEngine's ``aux_ctx_tensors``, which for ``F16_arbitrary_seqlen`` without dropout or bias are
+    ``[softmaxStats [b, h, sq, 1] fp32, rng_state [2] int64]``: the stats from the (global) lse it is given,
+    the rng state as an unused placeholder on the device (read only with dropout, which this kernel never
+    runs)."""
 
     name = "te_fused"
 
@@ -480,14 +486,14 @@ class TEFusedKernel(_SquareCausal):
                                      kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_kv"), t(q), t(k), t(v),
                                      q.dtype, fa.FusedAttnBackend["F16_arbitrary_seqlen"],
                                      attn_scale=scale, dropout=0.0, **kw)
-        self._aux = aux
         return out.transpose(1, 2), aux[0].reshape(q.shape[:3]).float()
 
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
         fa = self._impl()
         t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
         kw = self._args(q, k, causal)
-        aux = [lse.reshape(*lse.shape, 1).contiguous()] + list(self._aux[1:])
+        rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused without dropout
+        aux = [lse.reshape(*lse.shape, 1).contiguous(), rng_state]
         dq, dk, dv, *_ = fa.fused_attn_bwd(kw.pop("max_seqlen_q"), kw.pop("max_seqlen_kv"),
                                            kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_kv"), t(q), t(k), t(v),
                                            t(out), t(dout), q.dtype, self._te_dtype[dout.dtype], aux,
