@@ -17,6 +17,15 @@ which is the noise to compare against. Uses only ``ring_attention``, whose signa
 library, order alternating; printed per causal: each revision's median fitted host time per ring step and
 fixed per call, and the medians over rounds of the within-round ratios B/A with their spread.
 
+    .venv/bin/python scripts/bench_revisions.py 57a9467 HEAD --layer-host-time --rounds 5
+
+``--layer-host-time``: per round each revision runs THIS checkout's
+``lab/megatron_ring_lab/bench/layer_host_time.py`` (host time of one Megatron core-attention layer call,
+``RingDotProductAttention`` forward+backward at CP = 1, and the same ``ring_attention`` call made directly)
+against its own library, order alternating; printed: each revision's median per mode and the medians over rounds
+of the within-round ratios B/A with their spread, and whether the layer's outputs and gradients are
+bit-identical between the revisions.
+
     .venv/bin/python scripts/bench_revisions.py aa3e893 HEAD --outputs
 
 ``--outputs``: no timing; checks that the two revisions compute bit-identical results. Per world size
@@ -35,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 WORKER = r"""
 import json, os, sys, time
@@ -181,12 +191,13 @@ def _spawn(tree: str, world: int, worker: str, payload, timeout: float) -> list:
 
 HOST_TIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "lab", "megatron_ring_lab", "bench",
                          "host_time.py")
+LAYER_HOST_TIME = os.path.join(os.path.dirname(HOST_TIME), "layer_host_time.py")
 
 
-def _host_time(tree: str, iters: int, timeout: float) -> list[dict]:
-    """One run of the host-time row (this checkout's script) against the library in ``tree``."""
+def _host_time(tree: str, iters: int, timeout: float, script: str = HOST_TIME) -> Any:
+    """One run of a host-time row (this checkout's ``script``) against the library in ``tree``."""
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, os.path.abspath(HOST_TIME), "--json", "--iters", str(iters)], env=env,
+    res = subprocess.run([sys.executable, os.path.abspath(script), "--json", "--iters", str(iters)], env=env,
                          cwd=tree, capture_output=True, text=True, timeout=timeout)
     if res.returncode:
         raise RuntimeError(f"host-time run failed in {tree}:\n{res.stderr[-2000:]}")
@@ -222,6 +233,24 @@ def _host_time_rows(trees: list[str], a) -> list[dict]:
     return rows
 
 
+def _layer_host_time_rows(trees: list[str], a) -> list[dict]:
+    runs: dict[int, list[dict]] = {0: [], 1: []}
+    for rnd in range(a.rounds):
+        for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
+            runs[i].append(_host_time(trees[i], a.iters, a.timeout, LAYER_HOST_TIME))
+    row: dict[str, Any] = dict(outputs_identical=len({r["outputs_sha256"] for r in runs[0] + runs[1]}) == 1)
+    for key in ("layer_s", "ring_s", "glue_s"):
+        xa, xb = [r[key] for r in runs[0]], [r[key] for r in runs[1]]
+        ratios = [b / x for x, b in zip(xa, xb)]
+        row[key] = dict(a=statistics.median(xa), b=statistics.median(xb), ratio=statistics.median(ratios),
+                        ratio_min=min(ratios), ratio_max=max(ratios), a_rounds=xa, b_rounds=xb)
+        m = row[key]
+        print(f"{key[:-2]:>5} fwd+bwd: {a.rev_a} {m['a'] * 1e3:.3f} ms  {a.rev_b} {m['b'] * 1e3:.3f} ms  ratio "
+              f"{m['ratio']:.3f} ({m['ratio_min']:.3f}-{m['ratio_max']:.3f})", flush=True)
+    print("layer outputs and gradients: " + ("bit-identical" if row["outputs_identical"] else "DIFFERENT"), flush=True)
+    return [row]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rev_a")
@@ -236,11 +265,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json")
     ap.add_argument("--host-time", action="store_true", help="compare the engine's host time per ring step and "
                     "per call instead (lab/megatron_ring_lab/bench/host_time.py; --iters calls per P, default 200)")
+    ap.add_argument("--layer-host-time", action="store_true", help="compare the host time of one Megatron "
+                    "core-attention layer call, glue and engine (lab/megatron_ring_lab/bench/layer_host_time.py; "
+                    "--iters calls, default 400)")
     ap.add_argument("--outputs", action="store_true", help="check that the two revisions' outputs and gradients "
                     "are bit-identical (OUTPUT_CASES) instead of timing")
     a = ap.parse_args(argv)
     if a.host_time and a.iters == 3:
         a.iters = 200
+    if a.layer_host_time and a.iters == 3:
+        a.iters = 400
     repo = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()
     with tempfile.TemporaryDirectory() as tmp:
         trees = []
@@ -249,8 +283,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             subprocess.check_call(["git", "-C", repo, "worktree", "add", "-q", "--detach", path, rev])
             trees.append(path)
         try:
-            rows = _host_time_rows(trees, a) if a.host_time else _output_rows(trees, a) if a.outputs else []
-            for world in ([] if a.host_time or a.outputs else a.world_sizes):
+            rows = _host_time_rows(trees, a) if a.host_time else _output_rows(trees, a) if a.outputs else \
+                _layer_host_time_rows(trees, a) if a.layer_host_time else []
+            for world in ([] if a.host_time or a.outputs or a.layer_host_time else a.world_sizes):
                 for causal in (True, False):
                     cfg = dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, iters=a.iters, causal=causal)
                     t = {0: [], 1: []}

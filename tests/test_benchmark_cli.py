@@ -52,6 +52,13 @@ def test_host_time_row_fits_per_step_and_fixed():
     assert host_time.fit({2: 1.0, 4: 2.0, 6: 3.0}) == pytest.approx((0.25, 0.0))
 
 
+def test_layer_host_time_row_times_the_layer_and_the_bare_call():
+    rows = benchmark.main(["--layer-host-time", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--iters", "20"])
+    (r,) = rows
+    assert r["layer_s"] > 0 and r["ring_s"] > 0 and r["glue_s"] == pytest.approx(r["layer_s"] - r["ring_s"])
+    assert len(r["outputs_sha256"]) == 64 and (r["heads"], r["kv_heads"]) == (2, 1)
+
+
 def test_instant_kernel_leaves_the_engine_running_unchanged():
     """The host-time row's kernel does nothing, yet the engine runs its whole schedule: every merge,
     wire copy and gradient add happens (zero kernel results give zero gradients; the ring's bytes move)."""

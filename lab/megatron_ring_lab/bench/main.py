@@ -332,6 +332,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                          "P = --world-sizes (default 2..8), blocks of --block-len tokens per rank "
                          "(megatron_ring_lab.bench.host_time)")
     ap.add_argument("--block-len", type=int, default=64, help="with --host-time: tokens per rank")
+    ap.add_argument("--layer-host-time", action="store_true",
+                    help="host time of one Megatron core-attention layer call (RingDotProductAttention forward+"
+                         "backward, CP = 1, tiny causal sbhd block) vs the same ring_attention call made directly: "
+                         "the glue's share (megatron_ring_lab.bench.layer_host_time)")
     ap.add_argument("--torch-ring", action="store_true",
                     help="ours vs PyTorch's own context-parallel ring, side by side, for --seq (one or more "
                          "values with --torch-ring-seqs) x --world-sizes x causal and not "
@@ -372,6 +376,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=2)
         return rows
+    if a.layer_host_time:
+        from megatron_ring_lab.bench import layer_host_time as lh
+
+        iters = a.iters if a.iters != 5 else 400
+        print(f"# layer host time: RingDotProductAttention fwd+bwd at CP=1 (loopback), [16, 1, {a.heads}, "
+              f"{a.head_dim}] sbhd causal, vs ring_attention directly; one thread; medians of {iters} calls",
+              flush=True)
+        row = lh.layer_host_times(heads=a.heads, kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, iters=iters)
+        print(lh.format_layer_host_time(row), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(row, f, indent=2)
+        return [row]
     if a.host_time:
         from megatron_ring_lab.bench import host_time as ht
 

@@ -1,0 +1,110 @@
+"""Host time of one Megatron core-attention layer call, glue and engine (``python -m megatron_ring_lab.benchmark
+--layer-host-time``).
+
+What a GPU pays per layer call before any kernel runs when the host cannot run ahead of the device: the
+Megatron glue (``RingDotProductAttention.forward``: group lookup, settings, argument plumbing) on top of
+``ring_attention``'s own host work. One process, one thread, CP = 1 (no process group: the one-rank loopback
+ring), causal, a tiny ``sbhd`` shape so that the kernels' own work is small next to the host's. Timed, taking
+turns every :data:`BURST` calls: the layer's forward+backward (``layer``) and the same ``ring_attention`` call
+made directly (``ring``); ``glue`` = layer - ring. Medians of the calling thread's CPU time (the machine's other
+load does not count). Also printed: a hash of the layer's output and input gradients (the same bytes before and
+after a change: ``scripts/bench_revisions.py --layer-host-time`` compares them).
+
+This file imports only public pieces of the library (``ring_attention``, ``RingDotProductAttention``) and
+megatron-core, nothing of ``megatron_ring_lab``, so ``scripts/bench_revisions.py`` runs it against an older
+revision side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+__all__ = ["layer_host_times", "format_layer_host_time"]
+
+#: calls in a row per mode before the other takes its turn
+BURST = 10
+
+
+def _layer(heads: int, kv_heads: int, head_dim: int):
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ring.megatron import RingDotProductAttention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                            num_query_groups=kv_heads, use_cpu_initialization=True, context_parallel_size=1,
+                            transformer_impl="local", attention_dropout=0.0)
+    return RingDotProductAttention(cfg, 1, AttnMaskType.causal, "self",
+                                   pg_collection=SimpleNamespace(cp=None, tp=SimpleNamespace(size=lambda: 1)))
+
+
+def layer_host_times(seq: int = 16, batch: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
+                     iters: int = 400, warmup: int = 20) -> dict[str, Any]:
+    """Median seconds (this thread's CPU time) of one forward+backward, through the layer and directly."""
+    from megatron_ring import ring_attention
+
+    torch.set_num_threads(1)
+    layer = _layer(heads, kv_heads, head_dim)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(seq, batch, heads, head_dim, generator=g).requires_grad_()
+    k, v = (torch.randn(seq, batch, kv_heads, head_dim, generator=g).requires_grad_() for _ in range(2))
+    dout = torch.randn(seq, batch, heads * head_dim, generator=g)
+
+    def through_layer():
+        layer(q, k, v, None).backward(dout)
+
+    def direct():
+        ring_attention(q, k, v, causal=True, layout="zigzag", qkv_format="sbhd",
+                       softmax_scale=layer.softmax_scale).backward(dout.view(seq, batch, heads, head_dim))
+
+    through_layer()
+    digest = hashlib.sha256()
+    for t in (layer(q, k, v, None).detach(), q.grad, k.grad, v.grad):
+        digest.update(t.contiguous().numpy().tobytes())
+    modes = {"layer": through_layer, "ring": direct}
+    for _ in range(warmup):
+        for call in modes.values():
+            call()
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    clock = time.thread_time_ns
+    for _ in range(max(1, iters // BURST)):
+        for mode, call in modes.items():
+            for _ in range(BURST):
+                q.grad = k.grad = v.grad = None
+                t0 = clock()
+                call()
+                times[mode].append((clock() - t0) * 1e-9)
+    layer_s, ring_s = statistics.median(times["layer"]), statistics.median(times["ring"])
+    return dict(seq=seq, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, iters=iters,
+                layer_s=layer_s, ring_s=ring_s, glue_s=layer_s - ring_s, outputs_sha256=digest.hexdigest())
+
+
+def format_layer_host_time(row: dict[str, Any]) -> str:
+    return (f"layer fwd+bwd {row['layer_s'] * 1e3:.3f} ms | ring_attention alone {row['ring_s'] * 1e3:.3f} ms | "
+            f"glue {row['glue_s'] * 1e3:.3f} ms | outputs sha256 {row['outputs_sha256'][:16]}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--json", action="store_true", help="print the row as one JSON line (RESULT ...)")
+    a = ap.parse_args(argv)
+    row = layer_host_times(a.seq, 1, a.heads, a.kv_heads, a.head_dim, a.iters)
+    print("RESULT " + json.dumps(row) if a.json else format_layer_host_time(row), flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
