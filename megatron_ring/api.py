@@ -1,6 +1,7 @@
 """Public entry point: :func:`ring_attention`."""
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -74,9 +75,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             the ``MEGATRON_RING_TIMEOUT_S`` environment variable, else the timeout of ``group``; note
             that Megatron creates its CP groups with ``distributed_timeout_minutes``, not the default
             group's timeout).
-        head_chunks: run the ring over this many groups of K/V heads one after another (capped at
-            h_kv): per-rank extra memory (wire buffers, dK/dV accumulators, temporaries) shrinks by
-            this factor, for proportionally more (smaller) ring steps. Same bytes, same compute.
+        head_chunks: deprecated (a FutureWarning when not 1): use ``kv_pieces``, which streams the K/V heads
+            in pieces within each ring step (lower peak memory, no extra ring steps). Still runs as before:
+            the ring over this many groups of K/V heads one after another (capped at h_kv), more and
+            smaller ring steps; with "all_gather", the number of head groups K/V are gathered in. Same bytes,
+            same compute, exact.
         cu_seqlens: ("thd" only) int tensor ``[n_docs + 1]``: the GLOBAL document boundaries of the
             packed stream, the same on every rank (``0``, non-decreasing, ``<= T``). Attention never
             crosses a boundary (``causal`` is causal within each document); tokens at or past
@@ -142,6 +145,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             dropout_seed=dropout_seed, kv_pieces=kv_pieces, deterministic=deterministic,
             return_max_logit=return_max_logit)
     _check_tensors(q, k, v)
+    if head_chunks != 1:
+        warnings.warn("ring_attention(head_chunks=...) is deprecated: use kv_pieces=..., which streams K/V heads in "
+                      "pieces within each ring step (lower peak memory, no extra ring steps); head_chunks still runs "
+                      "as before for now", FutureWarning, stacklevel=2)
     if not isinstance(return_max_logit, bool):
         raise ValueError(f"return_max_logit must be a bool, got {return_max_logit!r}")
     if ring is None:

@@ -187,3 +187,33 @@ def test_bad_kv_pieces_names_the_argument():
     q = torch.randn(1, 8, 2, 8)
     with pytest.raises(ValueError, match="kv_pieces"):
         ring_attention(q, q, q, kv_pieces=0)
+
+
+def test_head_chunks_is_a_deprecated_alias_that_still_runs_exactly():
+    """``head_chunks`` warns, naming ``kv_pieces``, and computes what it did: the same outputs and gradients as
+    ``kv_pieces`` at the same count and as the float64 reference; the default (1) does not warn."""
+    import warnings
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 32, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    dout = torch.randn(1, 32, 4, 8, generator=g, dtype=torch.float64)
+
+    def run(**kw):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*x, causal=True, kernel="math", **kw)
+        return (out, *torch.autograd.grad(out, x, dout))
+
+    with pytest.warns(FutureWarning, match=r"head_chunks=\.\.\.\) is deprecated: use kv_pieces"):
+        old = run(head_chunks=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # negative control: neither the default nor kv_pieces warns
+        new, whole = run(kv_pieces=2), run()
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (x[0], x[1].repeat_interleave(2, 2), x[2].repeat_interleave(2, 2))),
+        is_causal=True).transpose(1, 2)
+    ref = (ref_out, *torch.autograd.grad(ref_out, x, dout))
+    sigma = score_bound(q, k)  # the math kernel accumulates in fp32: the fp32 bound of tests/helpers/numerics.py
+    for a, b, w, r in zip(old, new, whole, ref):
+        bound = tol(r.abs().max().item(), dtype=torch.float32, n=32, sigma=sigma, blocks=2)
+        assert max_err(a, r) <= bound and max_err(b, r) <= bound and max_err(w, r) <= bound, (max_err(a, r), bound)
