@@ -36,8 +36,8 @@ def test_an_entry_goes_with_its_group(one_rank_group):
 
 
 def test_a_destroyed_groups_ring_is_dropped_when_a_new_group_comes(one_rank_group):
-    """A cached Ring holds its group alive; the entry must still go once the group is destroyed, and a
-    new group (which may sit where the old one did) must not find it."""
+    """The entry of a destroyed group that is still referenced (here by ``old``) goes when a new group comes,
+    and the new group (which may sit where the old one did) does not find it."""
     cache = PerGroup()
     old = dist.new_group([0])
     old_ring = cache.setdefault(old, "ring", lambda: Ring(old, torch.device("cpu")))
@@ -64,3 +64,25 @@ def test_the_librarys_caches_hold_no_stale_group(one_rank_group):
         gc.collect()
         assert [g for g in table.groups() if g is not None] == [new]
         table.clear()
+
+
+def test_a_destroyed_groups_ring_is_released_with_no_new_group(one_rank_group):
+    """The Ring ``ring_attention`` keeps per group (``api._rings``) holds its group weakly, so once torch has
+    destroyed the group and the caller dropped it, the Ring and the entry go at the next collection: no new
+    group has to come (that sweep used to be the only way out). Negative control: while the caller still holds
+    the group (not destroyed), the Ring stays and is reused."""
+    from megatron_ring import api, ring_attention
+
+    q = torch.randn(1, 8, 2, 4)
+    g = dist.new_group([0])
+    ring_attention(q, q, q, group=g)
+    ring = api._rings.get(g, (q.device, None))
+    assert isinstance(ring, Ring) and ring.group is g
+    gc.collect()
+    assert api._rings.get(g, (q.device, None)) is ring  # kept while the group lives
+    ring_ref, group_ref = weakref.ref(ring), weakref.ref(g)
+    dist.destroy_process_group(g)
+    del g, ring
+    gc.collect()
+    assert group_ref() is None and ring_ref() is None
+    assert not [x for x in api._rings.groups() if x is not None and x is not dist.group.WORLD]

@@ -3,8 +3,11 @@
 A cache keyed by ``id(group)`` can hand a destroyed group's entry to a new group that Python happens to
 place at the same address. :class:`PerGroup` keys on the group object itself and holds it weakly
 (``torch`` process groups accept weak references): an entry goes when its group is garbage-collected.
-A value that itself holds its group (a ``Ring`` does) keeps that group alive, so entries whose group was
-destroyed (``torch.distributed.destroy_process_group``) are also dropped whenever a new group is added.
+A value must not hold its group strongly or the entry keeps the group alive: a ``Ring`` holds its group
+weakly (:attr:`~megatron_ring.transport.ring.Transport.group`), so a group that torch.distributed destroyed
+and its caller dropped goes with its Ring. As a second net, entries whose group was destroyed
+(``torch.distributed.destroy_process_group``) but is still referenced elsewhere are dropped whenever a new
+group is added.
 ``None`` (no process group: one process) is a key like any other.
 """
 from __future__ import annotations

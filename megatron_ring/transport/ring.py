@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import weakref
 from collections import Counter
 from typing import Any, Sequence
 
@@ -119,6 +120,21 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:
         """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+
+    @property
+    def group(self) -> Any:
+        """The process group (None for a loopback). Held weakly where the group allows it: a transport kept in a
+        per-group table (``api``, ``strategies``; :class:`~.groups.PerGroup`) must not keep its group alive, so
+        the table entry goes with the group once torch.distributed has destroyed it and nobody else holds it."""
+        ref = self._group_ref
+        return ref() if isinstance(ref, weakref.ref) else ref
+
+    @group.setter
+    def group(self, group: Any) -> None:
+        try:
+            self._group_ref: Any = weakref.ref(group) if group is not None else None
+        except TypeError:  # an object without weak references (a test's stand-in): held as it is
+            self._group_ref = group
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
