@@ -37,7 +37,8 @@ from megatron_ring.core.max_logit import fold_task_max
 from megatron_ring.kernels.sinks import fold_sink, sink_grad
 from megatron_ring.wire.codecs import KVCodec, KVSpec
 from megatron_ring.transport.ring import Transport
-from megatron_ring.kernels.block import BlockKernel, MathKernel, ReversedKernel
+from megatron_ring.kernels.block import BlockKernel, ReversedKernel
+from megatron_ring.kernels.varlen import masked_kernel
 from megatron_ring.schedules.layouts import Schedule, TaskKind
 from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
 from megatron_ring.schedules.on_device import positions_on
@@ -117,8 +118,9 @@ class RingPlan:
 
 
 def _mask_kernel(kernel: BlockKernel) -> BlockKernel:
-    """The kernel for tasks with an explicit mask: ``kernel`` if it takes masks, else the math kernel."""
-    return kernel if kernel.supports_mask else MathKernel()
+    """The kernel for tasks with an explicit mask (kernels/varlen.py): the variable-length flash kernel for a
+    fused CUDA kernel, ``kernel`` if it takes masks, else the math kernel."""
+    return masked_kernel(kernel)
 
 
 class _KVStream:

@@ -1,0 +1,259 @@
+"""Masked tasks (packed documents, window edges, padding) on a variable-length flash kernel.
+
+A masked task's :class:`~megatron_ring.schedules.masks.BlockMask` becomes a segment plan
+(:mod:`megatron_ring.kernels.varlen_plan`): a few calls of a variable-length kernel, each over consecutive
+query rows and key rows cut into segments, with one window per call. Two kernels run such plans:
+
+* :class:`VarlenFlashCudaKernel` (``varlen_cuda``): torch's ``aten._flash_attention_forward`` /
+  ``aten._flash_attention_backward`` with ``cum_seq_q/k`` (THD-packed ``[rows, heads, d]`` views of the BHSD
+  block; a batch of ``b`` is ``b`` times the segments), GQA native (K/V heads are not repeated). The backward
+  gets what torch's autograd formula for ``_flash_attention_forward`` passes (``tests/fake_cuda/test_conformance.py``):
+  the lse in the forward's layout ``[heads, rows]`` with ``+inf`` for rows that see no key, the forward's
+  (unused, no dropout) rng_state and offset. sm80+, fp16/bf16, head dim <= 256 and a multiple of 8; not in
+  deterministic mode (as ``flash_cuda``). NOT RUN ON A GPU yet: checked on the fake-CUDA tier (shapes) and by
+  the conformance test (arguments) only.
+* :class:`VarlenCPUKernel` (``varlen_cpu``): a CPU stand-in with the same documented semantics (per segment:
+  bottom-right aligned causal and window, GQA, rows that see no key give out 0 and lse ``+inf``), fp32 math
+  per segment, written from those semantics; :func:`cpu_stand_in` makes the engine send masked tasks on CPU
+  to it, so the same plans are checked against float64 in CI.
+
+:func:`masked_kernel` is the engine's choice for masked tasks: the variable-length kernel where the plan's
+kernel is a fused CUDA kernel and the case fits, else :class:`~megatron_ring.kernels.block.MathKernel` (fp32 on
+CUDA, deterministic mode, a mask with no exact plan). :data:`COUNTS` counts the tasks each ran.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter
+
+import torch
+
+from megatron_ring.kernels.block import (BlockKernel, MathKernel, _deterministic_refusal, _fused_cuda_case,
+                                         _unused_rng, deterministic)
+from megatron_ring.kernels.head_dim import HeadDimPadKernel
+from megatron_ring.kernels.varlen_plan import SegmentPlan, VarlenCall, plan_for, visible_in_segment
+
+__all__ = ["VarlenFlashCudaKernel", "VarlenCPUKernel", "masked_kernel", "cpu_stand_in", "COUNTS", "FUSED_CUDA"]
+
+#: masked tasks run, by kernel: "varlen_cuda", "varlen_cpu", "math" (a fallback: the case or the mask does not fit)
+COUNTS: Counter = Counter()
+#: dense kernels whose masked tasks go to the variable-length flash kernel on CUDA
+FUSED_CUDA = ("cudnn", "flash_cuda", "flash_attn", "te_fused", "sdpa_cuda")
+
+_MATH = MathKernel()
+_stand_in = False
+
+
+@contextlib.contextmanager
+def cpu_stand_in(on: bool = True):
+    """Within: masked tasks on CPU run on :class:`VarlenCPUKernel` (the plans of the CUDA path, checked on CPU)."""
+    global _stand_in
+    before, _stand_in = _stand_in, on
+    try:
+        yield
+    finally:
+        _stand_in = before
+
+
+def _thd(x: torch.Tensor) -> torch.Tensor:
+    """BHSD ``[b, h, s, d]`` -> packed ``[b * s, h, d]`` (a view where the memory allows, else a copy)."""
+    b, h, s, d = x.shape
+    return x.transpose(1, 2).reshape(b * s, h, d)
+
+
+def _bhsd(x: torch.Tensor, b: int) -> torch.Tensor:
+    """Packed ``[b * s, h, d]`` -> BHSD view ``[b, h, s, d]``."""
+    n, h, d = x.shape
+    return x.view(b, n // b, h, d).transpose(1, 2)
+
+
+class _VarlenKernel(BlockKernel):
+    """Runs a masked task as its segment plan's calls (``_fwd`` / ``_bwd`` on packed rows); a task without a
+    plan, or a case the kernel does not take, runs on the math kernel (counted in :data:`COUNTS`)."""
+
+    supports_mask = True
+
+    def __init__(self) -> None:
+        self._fits: dict[tuple, bool] = {}
+
+    def _plan(self, q, v, mask) -> SegmentPlan | None:
+        key = (q.device, q.dtype, max(q.shape[-1], v.shape[-1]), deterministic())
+        fits = self._fits.get(key)
+        if fits is None:
+            fits = self._fits[key] = self.unsupported(q, key[2]) is None
+        plan = plan_for(mask) if fits and mask is not None else None
+        COUNTS[self.name if plan is not None else "math"] += 1
+        return plan
+
+    def forward(self, q, k, v, causal, scale, mask=None):
+        plan = self._plan(q, v, mask)
+        if plan is None:
+            return _MATH.forward(q, k, v, causal, scale, mask=mask)
+        b = q.shape[0]
+        results = []
+        for call, (cq, ck) in zip(plan.calls, plan.cum(q.device, b)):
+            o, lse = self._fwd(_thd(q[:, :, call.q]), _thd(k[:, :, call.kv]), _thd(v[:, :, call.kv]), cq, ck,
+                               call, b, scale)
+            results.append((call, _bhsd(o, b), lse.view(lse.shape[0], b, -1).transpose(0, 1)))
+        if len(results) == 1 and not plan.shared_keys:
+            _, out, lse = results[0]
+        elif not plan.shared_keys:
+            out = q.new_empty((*q.shape[:3], v.shape[-1]))
+            lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        else:  # rows no call covers see no key
+            out = q.new_zeros((*q.shape[:3], v.shape[-1]))
+            lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        if len(results) > 1 or plan.shared_keys:
+            for call, o, l_ in results:
+                out[:, :, call.q] = o
+                lse[:, :, call.q] = l_
+        return out, lse.masked_fill(lse == float("inf"), float("-inf"))  # rows that see no key: our -inf
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+        plan = self._plan(q, v, mask)
+        if plan is None:
+            return _MATH.backward(dout, q, k, v, out, lse, causal, scale, mask=mask)
+        b, h = q.shape[:2]
+        # the kernel's lse layout [heads, rows] with +inf where a row sees no key (the forward's values)
+        lse_k = lse.masked_fill(lse == float("-inf"), float("inf")).transpose(0, 1)
+        grads = []
+        for call, (cq, ck) in zip(plan.calls, plan.cum(q.device, b)):
+            dq, dk, dv = self._bwd(_thd(dout[:, :, call.q]), _thd(q[:, :, call.q]), _thd(k[:, :, call.kv]),
+                                   _thd(v[:, :, call.kv]), _thd(out[:, :, call.q]),
+                                   lse_k[:, :, call.q].reshape(h, -1), cq, ck, call, b, scale)
+            grads.append((call, _bhsd(dq, b), _bhsd(dk, b), _bhsd(dv, b)))
+        if len(grads) == 1 and not plan.shared_keys:
+            return grads[0][1:]
+        dq = q.new_zeros(q.shape) if plan.shared_keys else torch.empty_like(q)
+        dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
+        for call, a, b_, c in grads:
+            dq[:, :, call.q] = a
+            if plan.shared_keys:
+                dk[:, :, call.kv] += b_
+                dv[:, :, call.kv] += c
+            else:
+                dk[:, :, call.kv] = b_
+                dv[:, :, call.kv] = c
+        return dq, dk, dv
+
+    def _fwd(self, q, k, v, cum_q, cum_k, call: VarlenCall, b: int, scale: float):
+        """``(out [rows, h, d_v], lse [h, rows] fp32, +inf where a row sees no key)`` of packed rows."""
+        raise NotImplementedError
+
+    def _bwd(self, dout, q, k, v, out, lse, cum_q, cum_k, call: VarlenCall, b: int, scale: float):
+        """``(dq, dk, dv)`` packed; ``lse`` as ``_fwd`` returns it."""
+        raise NotImplementedError
+
+
+class VarlenFlashCudaKernel(_VarlenKernel):
+    """torch's variable-length CUDA flash kernel (see the module doc)."""
+
+    name = "varlen_cuda"
+
+    def unsupported(self, q, head_dim):
+        return _fused_cuda_case(q, head_dim, 256) or _deterministic_refusal()
+
+    @staticmethod
+    def _args(call: VarlenCall, scale: float) -> dict:
+        left, right = call.window
+        return dict(scale=scale, window_size_left=left, window_size_right=right)
+
+    def _fwd(self, q, k, v, cum_q, cum_k, call, b, scale):
+        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cum_q, cum_k, call.max_q, call.max_k, 0.0, call.causal, False, **self._args(call, scale))
+        return out, lse
+
+    def _bwd(self, dout, q, k, v, out, lse, cum_q, cum_k, call, b, scale):
+        # without dropout the forward's rng_state and offset are not read: made as the forward makes them
+        rng_state, unused = _unused_rng(q, torch.uint64, (2,))
+        return torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, call.max_q, call.max_k, 0.0, call.causal, rng_state, unused,
+            **self._args(call, scale))
+
+
+class VarlenCPUKernel(_VarlenKernel):
+    """The CPU stand-in: the variable-length flash kernel's documented semantics in fp32, per segment."""
+
+    name = "varlen_cpu"
+
+    def unsupported(self, q, head_dim):
+        return None if q.device.type == "cpu" else f"it runs on CPU only, not {q.device.type}"
+
+    @staticmethod
+    def _segments(call: VarlenCall, b: int):
+        cq, ck = call.batched(b)
+        return [(qa, qb, ka, kb) for qa, qb, ka, kb in zip(cq, cq[1:], ck, ck[1:]) if qb > qa]
+
+    @staticmethod
+    def _scores(q, k, call, qa, qb, ka, kb, scale):
+        """fp32 scores ``[h_kv, g, sq, sk]`` of one segment, hidden pairs -inf."""
+        h, hk = q.shape[1], k.shape[1]
+        qs = q[qa:qb].float().transpose(0, 1).reshape(hk, h // hk, qb - qa, -1)
+        s = torch.einsum("kgqd,ksd->kgqs", qs, k[ka:kb].float().transpose(0, 1)) * scale
+        ok = visible_in_segment(qb - qa, kb - ka, call.causal, *call.window)
+        return s.masked_fill(~ok, float("-inf"))
+
+    def _fwd(self, q, k, v, cum_q, cum_k, call, b, scale):
+        n, h, _ = q.shape
+        out = torch.zeros(n, h, v.shape[-1], dtype=q.dtype)
+        lse = torch.full((h, n), float("inf"))  # rows that see no key: the kernel's +inf, out 0
+        for qa, qb, ka, kb in self._segments(call, b):
+            if kb == ka:
+                continue
+            s = self._scores(q, k, call, qa, qb, ka, kb, scale)
+            m = torch.logsumexp(s, -1)  # [h_kv, g, sq]
+            p = torch.exp(s - m.masked_fill(torch.isneginf(m), 0.0)[..., None])
+            o = torch.einsum("kgqs,ksd->kgqd", p, v[ka:kb].float().transpose(0, 1))
+            out[qa:qb] = o.reshape(h, qb - qa, -1).transpose(0, 1).to(q.dtype)
+            lse[:, qa:qb] = m.reshape(h, qb - qa).masked_fill(torch.isneginf(m.reshape(h, qb - qa)), float("inf"))
+        return out, lse
+
+    def _bwd(self, dout, q, k, v, out, lse, cum_q, cum_k, call, b, scale):
+        n, h, _ = q.shape
+        hk = k.shape[1]
+        dq = torch.zeros(q.shape, dtype=torch.float32)
+        dk = torch.zeros(k.shape, dtype=torch.float32)
+        dv = torch.zeros(v.shape, dtype=torch.float32)
+        grouped = lambda x, a, z: x[a:z].float().transpose(0, 1).reshape(hk, h // hk, z - a, -1)  # noqa: E731
+        for qa, qb, ka, kb in self._segments(call, b):
+            if kb == ka:
+                continue
+            s = self._scores(q, k, call, qa, qb, ka, kb, scale)
+            p = torch.exp(s - lse[:, qa:qb].reshape(hk, h // hk, qb - qa)[..., None])  # lse +inf: p = 0
+            do, o, qs = grouped(dout, qa, qb), grouped(out, qa, qb), grouped(q, qa, qb)
+            ks, vs = k[ka:kb].float().transpose(0, 1), v[ka:kb].float().transpose(0, 1)
+            delta = (do * o).sum(-1, keepdim=True)
+            dp = torch.einsum("kgqd,ksd->kgqs", do, vs)
+            ds = p * (dp - delta) * scale
+            dq[qa:qb] = torch.einsum("kgqs,ksd->kgqd", ds, ks).reshape(h, qb - qa, -1).transpose(0, 1)
+            dk[ka:kb] = torch.einsum("kgqs,kgqd->ksd", ds, qs).transpose(0, 1)
+            dv[ka:kb] = torch.einsum("kgqs,kgqd->ksd", p, do).transpose(0, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_VARLEN_CUDA = VarlenFlashCudaKernel()
+_VARLEN_CPU = VarlenCPUKernel()
+_chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a padded kernel -> its padded choice
+
+
+def masked_kernel(kernel: BlockKernel) -> BlockKernel:
+    """The kernel for the masked tasks of a plan whose kernel is ``kernel`` (once per kernel object): the
+    variable-length flash kernel for a fused CUDA kernel (it falls back to the math kernel per case it does not
+    take), the CPU stand-in within :func:`cpu_stand_in`, ``kernel`` itself if it takes masks, else the math
+    kernel. MLA's head-dim padding (:class:`HeadDimPadKernel`) wraps the chosen kernel as it wraps ``kernel``."""
+    base = kernel.base if isinstance(kernel, HeadDimPadKernel) else kernel
+    if _stand_in and base.name in ("flash_cpu", "math"):
+        chosen = _VARLEN_CPU
+    elif base.name in FUSED_CUDA:
+        chosen = _VARLEN_CUDA
+    elif kernel.supports_mask:
+        return kernel
+    else:
+        chosen = _MATH
+    if chosen is _MATH or not isinstance(kernel, HeadDimPadKernel):
+        return chosen
+    got = _chosen.get(kernel)
+    if got is None or got.base is not chosen:
+        got = _chosen[kernel] = HeadDimPadKernel(chosen)
+    return got

@@ -1,0 +1,320 @@
+"""A masked task as calls of a variable-length flash kernel: the host-side segment plan.
+
+A variable-length flash kernel (torch's ``aten._flash_attention_forward`` with ``cum_seq_q/k``; flash-attention
+2's ``varlen`` functions) takes packed query rows and key rows cut into consecutive segments and attends each
+query segment to its own key segment only, with one ``is_causal`` flag and one window for the whole call.
+Its documented semantics, per segment of ``sq`` query and ``sk`` key rows (:func:`visible_in_segment`):
+query ``a`` sees key ``b`` iff ``a + sk - sq - left <= b <= a + sk - sq + right`` (a window bound of -1 is
+unbounded; causal is ``right = 0``): causal and windows are aligned to the bottom-right corner of each
+segment. A query row that sees no key gets output 0 and lse ``+inf`` (our convention is ``-inf``).
+
+:func:`plan_for` turns a :class:`~megatron_ring.schedules.masks.BlockMask` (read through its host vectors
+and ``allowed()``: the kernels do not import the schedules) (one masked task: documents,
+window edges, padding) into such calls. Within a local block positions increase along the rows of every
+layout and documents are contiguous runs, so each document present in both the task's query and key rows is
+one segment; keys no query of the segment sees and query rows that see no key are trimmed off (into
+segments of their own with no keys, or no queries), which makes the visible band of the segment end in its
+bottom-right corner; then its rows' visible key ranges fix the window the call needs. Segments needing
+different windows go to different calls (consecutive row ranges of the task). The plan is verified against
+the mask on the host, pair by pair; a task it cannot express exactly gets no plan (None: the caller falls
+back to the math kernel). Plans are cached with the mask (which lives in the schedule cache) and their
+index tensors are copied to a device once per (device, batch size).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["VarlenCall", "SegmentPlan", "plan_for", "build_plan", "visible_in_segment"]
+
+
+def visible_in_segment(sq: int, sk: int, causal: bool, left: int, right: int) -> torch.Tensor:
+    """Bool ``[sq, sk]``: the pairs a variable-length flash kernel computes in one segment (flash-attention's
+    documented rule: query ``a`` attends keys ``[a + sk - sq - left, a + sk - sq + right]``, -1 unbounded,
+    causal meaning ``right = 0``)."""
+    a = torch.arange(sq)[:, None]
+    b = torch.arange(sk)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    shift = sk - sq
+    if causal:
+        right = 0
+    if left >= 0:
+        ok &= b >= a + shift - left
+    if right >= 0:
+        ok &= b <= a + shift + right
+    return ok
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One kernel call: query rows ``q`` and key rows ``kv`` of the task (slices), cut into segments by
+    ``cum_q`` / ``cum_k`` (cumulative, relative to those rows, for a batch of one), the window
+    ``(left, right)`` (-1: unbounded) and ``causal`` flag of the whole call."""
+
+    q: slice
+    kv: slice
+    cum_q: tuple[int, ...]
+    cum_k: tuple[int, ...]
+    causal: bool
+    window: tuple[int, int]
+
+    @property
+    def max_q(self) -> int:
+        return max(b - a for a, b in zip(self.cum_q, self.cum_q[1:]))
+
+    @property
+    def max_k(self) -> int:
+        return max(b - a for a, b in zip(self.cum_k, self.cum_k[1:]))
+
+    def batched(self, b: int) -> tuple[list[int], list[int]]:
+        """``cum_q``, ``cum_k`` for ``b`` batch rows packed one after another (each its own segments)."""
+        nq, nk = self.q.stop - self.q.start, self.kv.stop - self.kv.start
+        cq = [x + i * nq for i in range(b) for x in self.cum_q[:-1]] + [b * nq]
+        ck = [x + i * nk for i in range(b) for x in self.cum_k[:-1]] + [b * nk]
+        return cq, ck
+
+    def visible(self) -> torch.Tensor:
+        """Bool ``[rows, keys]`` of this call's rows: what the kernel computes (block-diagonal segments)."""
+        ok = torch.zeros(self.q.stop - self.q.start, self.kv.stop - self.kv.start, dtype=torch.bool)
+        for qa, qb, ka, kb in zip(self.cum_q, self.cum_q[1:], self.cum_k, self.cum_k[1:]):
+            if qb > qa and kb > ka:
+                ok[qa:qb, ka:kb] = visible_in_segment(qb - qa, kb - ka, self.causal, *self.window)
+        return ok
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentPlan:
+    """The calls of one masked task. ``cum(device, b)``: per call, its int32 ``(cum_q, cum_k)`` on ``device`` for batch size ``b``,
+    copied there once."""
+
+    calls: tuple[VarlenCall, ...]
+    #: False: the calls' query rows, and their key rows, are consecutive and cover the task's once. True: the
+    #: calls cover disjoint query rows but may share key rows (their dK/dV are added), and query rows no call
+    #: covers see no key (out 0, lse -inf)
+    shared_keys: bool = False
+    _on: dict = field(default_factory=dict, repr=False)
+
+    def cum(self, device: torch.device, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        key = (torch.device(device), b)
+        got = self._on.get(key)
+        if got is None:
+            got = self._on[key] = [tuple(torch.tensor(c, dtype=torch.int32).to(device) for c in call.batched(b))
+                                   for call in self.calls]
+        return got
+
+    def visible(self, sq: int, sk: int) -> torch.Tensor:
+        """Bool ``[sq, sk]``: the pairs the plan's calls compute."""
+        ok = torch.zeros(sq, sk, dtype=torch.bool)
+        for call in self.calls:
+            ok[call.q, call.kv] |= call.visible()
+        return ok
+
+
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BlockMask -> SegmentPlan or None
+
+
+def plan_for(mask) -> SegmentPlan | None:
+    """The segment plan of ``mask`` (a BlockMask; host work, once per mask); None if not expressible."""
+    try:
+        return _PLANS[mask]
+    except KeyError:
+        plan = _PLANS[mask] = build_plan(mask)
+        return plan
+
+
+def _runs(ids: list[int]) -> dict[int, tuple[int, int]]:
+    """Each id's run ``(start, stop)`` (ids contiguous and non-decreasing; -1: padding, left out)."""
+    out: dict[int, tuple[int, int]] = {}
+    for i, d in enumerate(ids):
+        if d < 0:
+            continue
+        a, _ = out.get(d, (i, i))
+        out[d] = (a, i + 1)
+    return out
+
+
+@dataclass
+class _Need:
+    """What one segment needs of one window side: ``exact`` (that value) or any value >= ``least`` (or -1)."""
+
+    exact: int | None
+    least: int
+
+
+def _segment(ok: torch.Tensor, qa: int, qb: int, ka: int, kb: int):
+    """A document's query rows ``[qa, qb)`` and key rows ``[ka, kb)`` trimmed to the rows that see a key and
+    the keys some row sees; with what its right and left window need. None when nothing is visible."""
+    sub = ok[qa:qb, ka:kb]
+    rows = sub.any(1).nonzero().flatten().tolist()
+    cols = sub.any(0).nonzero().flatten().tolist()
+    if not rows:
+        return None
+    ra, rb, ca, cb = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
+    sub = sub[ra:rb, ca:cb]
+    sq, sk = rb - ra, cb - ca
+    shift = sk - sq
+    right, left = _Need(None, sq - 1), _Need(None, sk - 1)
+    for a, row in enumerate(sub.tolist()):
+        if True not in row:
+            continue
+        lo, hi = row.index(True), sk - 1 - row[::-1].index(True)
+        if hi < sk - 1:  # the row's upper bound is effective: right = hi - a - shift
+            right = _Need(hi - a - shift, 0) if right.exact is None else right
+        if lo > 0:
+            left = _Need(a + shift - lo, 0) if left.exact is None else left
+    if (right.exact is not None and right.exact < 0) or (left.exact is not None and left.exact < 0):
+        return "inexpressible"
+    return (qa + ra, qa + rb, ka + ca, ka + cb), right, left
+
+
+def _join(a: _Need, b: _Need) -> _Need | None:
+    """One window value for two needs (None: none fits)."""
+    if a.exact is not None and b.exact is not None:
+        return a if a.exact == b.exact else None
+    e = a if a.exact is not None else b if b.exact is not None else None
+    least = max(a.least, b.least)
+    if e is None:
+        return _Need(None, least)
+    return _Need(e.exact, 0) if e.exact >= least else None
+
+
+def _call(segs: list[tuple[int, int, int, int]], q: slice, kv: slice, right: _Need, left: _Need) -> VarlenCall:
+    """The call over rows ``q`` and keys ``kv`` with ``segs`` (task row indices): rows and keys between
+    segments become segments without keys (their rows see nothing) or without queries."""
+    cq, ck = [0], [0]
+    at_q, at_k = q.start, kv.start
+
+    def add(nq: int, nk: int) -> None:
+        cq.append(cq[-1] + nq)
+        ck.append(ck[-1] + nk)
+
+    for qa, qb, ka, kb in segs:
+        if qa > at_q:
+            add(qa - at_q, 0)
+        if ka > at_k:
+            add(0, ka - at_k)
+        add(qb - qa, kb - ka)
+        at_q, at_k = qb, kb
+    if q.stop > at_q:
+        add(q.stop - at_q, 0)
+    if kv.stop > at_k:
+        add(0, kv.stop - at_k)
+    r = -1 if right.exact is None else right.exact
+    lft = -1 if left.exact is None else left.exact
+    causal = r == 0 and lft == -1
+    return VarlenCall(q, kv, tuple(cq), tuple(ck), causal, (lft, r))
+
+
+def build_plan(mask) -> SegmentPlan | None:
+    """The segment plan of a BlockMask (see the module doc), verified pair by pair; None if the mask has no
+    exact plan (then the math kernel runs the task).
+
+    A task whose query rows jump in position stride (zigzag's two chunks in one task) and that has no plan
+    as a whole gets one plan per run of query rows of one stride: those calls share key rows (their dK/dV
+    are added, :attr:`SegmentPlan.shared_keys`)."""
+    ok = mask.allowed()
+    qdoc, kdoc = mask.qdoc.tolist(), mask.kdoc.tolist()
+    whole = _build(ok, qdoc, kdoc)
+    if whole:
+        return SegmentPlan(tuple(whole))
+    calls = []
+    for a, b in _pairs(_cuts(ok, mask.qpos.tolist(), mask.kpos.tolist())):
+        part = _build(ok[a:b], qdoc[a:b], kdoc)
+        pieces = [(a, b, part)] if part is not None else _greedy(ok, qdoc, kdoc, a, b)
+        if pieces is None:
+            return None
+        for a_, _, part_ in pieces:
+            calls += [VarlenCall(slice(c.q.start + a_, c.q.stop + a_), c.kv, c.cum_q, c.cum_k, c.causal, c.window)
+                      for c in part_]
+    return SegmentPlan(tuple(calls), shared_keys=True) if len(calls) <= MAX_CALLS else None
+
+
+#: more calls than this for one task: the math kernel runs it instead (a fragmented plan is no faster)
+MAX_CALLS = 8
+
+
+def _pairs(cuts: list[int]) -> list[tuple[int, int]]:
+    return list(zip(cuts, cuts[1:]))
+
+
+def _greedy(ok: torch.Tensor, qdoc: list[int], kdoc: list[int], a: int, b: int):
+    """Query rows ``[a, b)`` as consecutive pieces, each as long as a plan of its own allows (a key stride
+    that differs from the rows' makes a window's bounds step unevenly); None past :data:`MAX_CALLS` pieces."""
+    pieces = []
+    while a < b:
+        best = None
+        for end in range(a + 1, b + 1):
+            part = _build(ok[a:end], qdoc[a:end], kdoc)
+            if part is None and best is not None:
+                break
+            if part is not None:
+                best = (a, end, part)
+        if best is None or len(pieces) >= MAX_CALLS:
+            return None
+        pieces.append(best)
+        a = best[1]
+    return pieces
+
+
+def _stride_runs(pos: list[int]) -> list[int]:
+    """Run number of each row: a run is a stretch of rows of one position stride (a jump opens a new one)."""
+    run, out = 0, [0] * len(pos)
+    for i in range(2, len(pos)):
+        if pos[i] - pos[i - 1] != pos[i - 1] - pos[i - 2] and (i < 3 or out[i - 1] == out[i - 2]):
+            run += 1
+        out[i] = run
+    return out
+
+
+def _cuts(ok: torch.Tensor, qpos: list[int], kpos: list[int]) -> list[int]:
+    """Where to cut the query rows of a task that has no plan as a whole: at a jump in their position stride
+    and where the runs of key rows a row sees change (a row that sees nothing goes with the row before)."""
+    qrun, krun = _stride_runs(qpos), _stride_runs(kpos)
+    seen = [tuple(sorted({krun[j] for j, x in enumerate(row) if x})) for row in ok.tolist()]
+    first = next((x for x in seen if x), ())
+    sig, last = [], first  # leading rows that see nothing go with the first row that sees a key
+    for i, x in enumerate(seen):
+        last = x or last
+        sig.append((qrun[i], last))
+    return [0] + [i for i in range(1, len(sig)) if sig[i] != sig[i - 1]] + [len(sig)]
+
+
+def _build(ok: torch.Tensor, qdoc: list[int], kdoc: list[int]) -> list[VarlenCall] | None:
+    """The calls of one plan for the pairs ``ok`` (query and key rows consecutive), verified; or None."""
+    sq, sk = ok.shape
+    if any(b < a for a, b in zip(qdoc, qdoc[1:]) if a >= 0 and b >= 0) or \
+            any(b < a for a, b in zip(kdoc, kdoc[1:]) if a >= 0 and b >= 0):
+        return None  # documents out of order along the rows: not consecutive segments
+    qruns, kruns = _runs(qdoc), _runs(kdoc)
+    groups: list[tuple[list, _Need, _Need]] = []
+    for d, (qa, qb) in sorted(qruns.items()):
+        if d not in kruns:
+            continue
+        seg = _segment(ok, qa, qb, *kruns[d])
+        if seg is None:
+            continue
+        if seg == "inexpressible":
+            return None
+        rows, right, left = seg
+        if groups:
+            segs, r0, l0 = groups[-1]
+            r1, l1 = _join(r0, right), _join(l0, left)
+            if r1 is not None and l1 is not None:
+                groups[-1] = (segs + [rows], r1, l1)
+                continue
+        groups.append(([rows], right, left))
+    if not groups:
+        return []  # nothing visible: no call (rows no call covers see no key)
+    calls = []
+    for i, (segs, right, left) in enumerate(groups):
+        q0 = 0 if i == 0 else segs[0][0]
+        k0 = 0 if i == 0 else segs[0][2]
+        q1 = sq if i == len(groups) - 1 else groups[i + 1][0][0][0]
+        k1 = sk if i == len(groups) - 1 else groups[i + 1][0][0][2]
+        calls.append(_call(segs, slice(q0, q1), slice(k0, k1), right, left))
+    seen = torch.zeros(sq, sk, dtype=torch.bool)
+    for call in calls:
+        seen[call.q, call.kv] = call.visible()
+    return calls if torch.equal(seen, ok) else None

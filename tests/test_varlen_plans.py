@@ -1,0 +1,173 @@
+"""Masked tasks as segment plans of a variable-length flash kernel (kernels/varlen_plan.py, kernels/varlen.py),
+run on CPU by the stand-in with that kernel's documented semantics (``varlen_cpu``), against the float64
+reference (tests/helpers/reference.py).
+
+What runs on a GPU is the same plan on ``aten._flash_attention_forward/_backward``; here every masked task of
+the ring runs through the plan on the stand-in (the engine asked with ``varlen.cpu_stand_in()``), P = 1, 2, 4
+ranks as threads (ThreadRing): packed documents (causal and not; contiguous, zigzag, striped and the
+per-document zigzag), windows with and without documents, end padding, MHA/GQA/MQA, fp32 and bf16; outputs
+AND dq/dk/dv within the derived bound of tests/helpers/numerics.py. No task falls back to the math kernel.
+
+Negative control: a plan with one alignment off by one (one call's window shifted by a key) fails the bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+import torch
+
+from megatron_ring import ring_attention
+from megatron_ring.kernels import varlen, varlen_plan
+from megatron_ring.schedules.layouts import TaskKind, get_layout
+from megatron_ring.schedules.masks import AttentionMask, DocumentZigzag, schedule
+from tests.helpers.numerics import max_err, score_bound, tol
+from tests.helpers.reference import doc_attention_reference, outputs_and_grads
+from tests.helpers.ring_fakes import run_threads
+
+
+def _docs(T: int, seed: int) -> list[int]:
+    """Random document lengths (1 included), then 1-3 padding tokens at the end."""
+    rnd = random.Random(seed)
+    cu = [0]
+    while cu[-1] < T - 3:
+        cu.append(min(T - 1, cu[-1] + rnd.choice([1, 2, 3, 5, 7, 13, 17])))
+    return cu
+
+
+def _layout(name: str, T: int, world: int):
+    if name == "doc-zigzag":  # documents padded to multiples of 2P: the per-document zigzag of Megatron/TE
+        c = 2 * world
+        return DocumentZigzag([0, 2 * c, 3 * c, T]), [0, 2 * c, 3 * c, T]
+    return get_layout(name), None
+
+
+def _ring(world, layout, causal, cu, window, heads, dtype, seed):
+    """Outputs and gradients of the whole ring (P threads) and of the float64 reference, global order."""
+    T = 12 * world if not isinstance(layout, DocumentZigzag) else layout.cu[-1]
+    h, hk = heads
+    d = 16
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(T, h, d, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(T, hk, d, generator=g).to(dtype) for _ in range(2))
+    ref = outputs_and_grads(lambda *t: doc_attention_reference(*t, cu or [0, T], causal, window),
+                            q.double(), k.double(), v.double(), dout.double())
+    pos = [layout.positions(T, world, r) for r in range(world)]
+    cu_t = torch.tensor(cu, dtype=torch.int32) if cu is not None else None
+
+    def rank(r, ring):
+        leaves = [t[pos[r]].detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*leaves, qkv_format="thd", cu_seqlens=cu_t, causal=causal, layout=layout,
+                             window=window, ring=ring)
+        out.backward(dout[pos[r]])
+        return [out.detach()] + [t.grad for t in leaves]
+
+    res = run_threads(rank, world)
+    for x in res:
+        if isinstance(x, BaseException):
+            raise x
+    got = []
+    for i in range(4):
+        full = torch.empty((T,) + res[0][i].shape[1:], dtype=res[0][i].dtype)
+        for r in range(world):
+            full[pos[r]] = res[r][i]
+        got.append(full)
+    sigma = score_bound(q, k)
+    return [(what, max_err(a, b), tol(b.abs().max().item(), dtype=dtype, n=max(T, d), sigma=sigma,
+                                      blocks=2 * world))
+            for what, a, b in zip(("out", "dq", "dk", "dv"), got, ref)]
+
+
+def _cases(world):
+    T = 12 * world
+    docs = _docs(T, world)
+    rules = [(True, docs, None), (False, docs, None), (True, None, (5, 0)), (False, None, (7, 3)),
+             (True, docs, (4, 0)), (False, docs, (2, 1))]
+    layouts = ("contiguous", "zigzag", "striped", "doc-zigzag")
+    for i, (lay, (causal, cu, window)) in enumerate(itertools.product(layouts, rules)):
+        heads = [(4, 4), (4, 2), (4, 1)][i % 3]
+        dtype = (torch.float32, torch.bfloat16)[i % 2]
+        yield lay, causal, cu, window, heads, dtype, i
+
+
+@dataclasses.dataclass
+class _Run:
+    rows: list
+    counts: dict
+
+
+def _run_all(world) -> _Run:
+    rows = []
+    varlen.COUNTS.clear()
+    with varlen.cpu_stand_in():
+        for lay, causal, cu, window, heads, dtype, seed in _cases(world):
+            layout, doc_cu = _layout(lay, 12 * world, world)
+            if doc_cu is not None:  # the per-document zigzag: its own documents (and a window or not)
+                cu = doc_cu if cu is not None else None
+            for what, err, bound in _ring(world, layout, causal, cu, window, heads, dtype, seed):
+                rows.append(((lay, causal, cu, window, heads, str(dtype), what), err, bound))
+    return _Run(rows, dict(varlen.COUNTS))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_segment_plans_on_the_stand_in_match_float64(world):
+    run = _run_all(world)
+    bad = [(label, err, bound) for label, err, bound in run.rows if not err <= bound]
+    assert not bad, bad[:5]
+    assert run.counts.get("varlen_cpu", 0) > 0 and run.counts.get("math", 0) == 0, run.counts
+
+
+def test_an_off_by_one_alignment_fails(monkeypatch):
+    """Not vacuous: one call of each plan with its window (or causal diagonal) one key off fails the bound."""
+    real = varlen_plan.build_plan
+
+    def off_by_one(mask):
+        plan = real(mask)
+        if plan is None:
+            return None
+        c = plan.calls[0]
+        left, right = c.window
+        shifted = dataclasses.replace(c, causal=False, window=(left, right + 1) if right >= 0 else (left + 1, right))
+        return varlen_plan.SegmentPlan((shifted,) + plan.calls[1:], plan.shared_keys)
+
+    monkeypatch.setattr(varlen_plan, "build_plan", off_by_one)
+    varlen_plan._PLANS.clear()
+    try:
+        run = _run_all(2)
+    finally:
+        varlen_plan._PLANS.clear()
+    assert any(not err <= bound for _, err, bound in run.rows)
+
+
+def test_every_masked_task_has_a_plan():
+    """Every masked task of these schedules (documents, windows, padding; every layout; P = 1, 2, 4; local
+    lengths 12 and 64) is expressed by a verified segment plan: none falls back to the math kernel."""
+    missing, tasks = [], 0
+    for world, s in itertools.product((1, 2, 4), (12, 64)):
+        T = s * world
+        docs = tuple(_docs(T, s + world))
+        for lay, causal, (cu, window) in itertools.product(
+                ("contiguous", "zigzag", "striped"), (True, False),
+                ((docs, None), (None, (40, 0)), (None, (17, 3)), (docs, (2, 1)), (None, (64, 64)),
+                 ((0, 37, T // 2 + 5, T - 9), None))):
+            rule = AttentionMask(causal, cu, window)
+            for r, src in itertools.product(range(world), range(world)):
+                for t in schedule(get_layout(lay), rule, world, r, src, s):
+                    if t.kind is TaskKind.MASKED:
+                        tasks += 1
+                        plan = varlen_plan.build_plan(t.mask)
+                        if plan is None:
+                            missing.append((world, s, lay, causal, cu, window, r, src))
+                        else:
+                            assert torch.equal(plan.visible(len(t.mask.qpos), len(t.mask.kpos)), t.mask.allowed())
+    assert tasks > 500 and missing == [], missing[:5]
+
+
+def test_segment_semantics_are_bottom_right_aligned():
+    """The rule the plans are built on, spelled out: 2 queries, 4 keys, causal: query 0 sees keys 0-2."""
+    ok = varlen_plan.visible_in_segment(2, 4, True, -1, -1)
+    assert ok.tolist() == [[True, True, True, False], [True, True, True, True]]
+    ok = varlen_plan.visible_in_segment(3, 3, False, 1, 0)  # window (1, 0): the key before and the diagonal
+    assert ok.tolist() == [[True, False, False], [True, True, False], [False, True, True]]
