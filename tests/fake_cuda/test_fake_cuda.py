@@ -36,6 +36,7 @@ from tests.helpers.fake_device import FakeCuda, StreamChecker
 from megatron_ring import device, ring_attention
 from megatron_ring.core.engine import RingAttentionFunction
 from megatron_ring.kernels import block as K
+from megatron_ring.kernels import varlen as V
 from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.transport.streams import SideStream
 
@@ -100,6 +101,11 @@ def _cases() -> list[Case]:
     # MLA head dims (d_qk 192 > cuDNN's 128: auto falls back to flash_cuda); cuDNN with d_qk 128, d_v 64
     out += [Case(kernel=k, P=2, dims=(192, 128)) for k in ("sdpa_cuda", "flash_cuda", "auto")]
     out.append(Case(kernel="cudnn", P=2, dims=(128, 64)))
+    # masked tasks on the variable-length flash kernel: MLA head dims (padded), GQA striped, documents + window
+    out += [Case(kernel="auto", P=2, fmt="thd", dims=(192, 128)),
+            Case(kernel="flash_cuda", P=4, fmt="thd", heads=(8, 2), layout="striped"),
+            Case(kernel="cudnn", P=2, fmt="thd", causal=False, window=(10, 3), layout="contiguous"),
+            Case(kernel="cudnn", P=1, fmt="thd", heads=(4, 1))]
     out += [Case(kernel="auto", P=P, dropout=0.1) for P in (1, 4)]  # dropout runs its own fp32 kernel
     out += [Case(kernel="auto", P=1, comm_type=c) for c in ("all_gather", "a2a", "a2a+p2p", "auto")]
     return out
@@ -183,7 +189,16 @@ def _inputs(case: Case):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    calls: dict[str, list[int]] = {n: [0, 0] for n in _KERNEL_CLASSES}
+    """Forward and backward calls per CUDA kernel class; ``varlen_cuda``: the variable-length flash kernel
+    (masked tasks), ``math``: the math kernel's calls (on CUDA a masked task that fell back)."""
+    calls: dict[str, list[int]] = {n: [0, 0] for n in (*_KERNEL_CLASSES, "varlen_cuda", "math")}
+    for name, cls, f_name, b_name in (("varlen_cuda", V.VarlenFlashCudaKernel, "_fwd", "_bwd"),
+                                      ("math", K.MathKernel, "forward", "backward")):
+        fwd, bwd = getattr(cls, f_name), getattr(cls, b_name)
+        monkeypatch.setattr(cls, f_name, lambda self, *a, _f=fwd, _n=name, **kw: (
+            calls[_n].__setitem__(0, calls[_n][0] + 1), _f(self, *a, **kw))[1])
+        monkeypatch.setattr(cls, b_name, lambda self, *a, _b=bwd, _n=name, **kw: (
+            calls[_n].__setitem__(1, calls[_n][1] + 1), _b(self, *a, **kw))[1])
     for name, cls in _KERNEL_CLASSES.items():
         fwd, bwd = cls._fwd, cls._bwd
 
@@ -200,21 +215,36 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def _plan_on_host(case: Case, rank: int) -> None:
+def _task_kinds(case: Case, rank: int) -> set[str]:
+    """The kinds of task rank ``rank`` computes in ``case`` ("dense": any kind but masked; "masked": documents,
+    unaligned window edges, which run on the variable-length flash kernel)."""
+    return _plan_on_host(case, rank)
+
+
+def _plan_on_host(case: Case, rank: int) -> set[str]:
     """Build the masked schedules (documents, windows) with real host tensors first: the engine plans on
-    the host from CPU index tensors (cached per signature), which FakeTensorMode would make fake."""
+    the host from CPU index tensors (cached per signature), which FakeTensorMode would make fake. Returns
+    the kinds of task the rank has (:func:`_task_kinds`)."""
     from megatron_ring.call import attention_mask as _attention_mask
+    from megatron_ring.kernels.varlen_plan import plan_for
+    from megatron_ring.schedules.layouts import TaskKind
     from megatron_ring.schedules.layouts import get_layout
     from megatron_ring.schedules.masks import needed_steps, schedule
 
     total = S_LOCAL * case.P
     cu = [0, 37, total // 2 + 5, total - 9] if case.fmt == "thd" else None
     rule = _attention_mask(case.causal, cu, case.window, total)
+    kinds = {"dense"}
     if not rule.plain:
+        kinds = set()
         lay = get_layout(case.layout)
         needed_steps(lay, rule, case.P, S_LOCAL)
         for t in range(case.P):
-            schedule(lay, rule, case.P, rank, (rank - t) % case.P, S_LOCAL)
+            for task in schedule(lay, rule, case.P, rank, (rank - t) % case.P, S_LOCAL):
+                if task.kind is TaskKind.MASKED:
+                    plan_for(task.mask)  # the masked task's segment plan (kernels/varlen_plan.py), host work
+                kinds.add("masked" if task.kind is TaskKind.MASKED else "dense")
+    return kinds
 
 
 def run_case(case: Case, rank: int | None = None, dev: FakeCuda | None = None):
@@ -246,10 +276,13 @@ def test_forward_and_backward_on_fake_cuda(case, kernel_calls):
         assert (g.shape, g.dtype, g.device, g.stride()) == (leaf.shape, leaf.dtype, leaf.device, leaf.stride())
     # the CUDA kernel asked for (or auto's choice) ran, forward and backward
     want = _expected_kernel(case)
-    if want is not None and not (case.fmt == "thd" and not case.causal):  # there documents split every tile:
-        # all its tasks are masked ones, which the math kernel runs (kernels without supports_mask)
+    kinds = _task_kinds(case, case.P // 2)
+    if want is not None and "dense" in kinds:  # (with documents every tile may be masked: then it never runs)
         assert kernel_calls[want][0] > 0 and kernel_calls[want][1] > 0, kernel_calls
-    assert all(c == [0, 0] for n, c in kernel_calls.items() if n != want), kernel_calls
+    varlen = "varlen_cuda" if want is not None and "masked" in kinds else None
+    if varlen:  # masked tasks reach the fused variable-length kernel, never the math kernel
+        assert kernel_calls[varlen][0] > 0 and kernel_calls[varlen][1] > 0, kernel_calls
+    assert all(c == [0, 0] for n, c in kernel_calls.items() if n not in (want, varlen)), kernel_calls
     # streams: every consumer waits, every tensor used on the side stream is recorded there
     assert checker.problems == [], checker.problems[:5]
     assert checker.unrecorded() == [], checker.unrecorded()[:5]

@@ -8,7 +8,9 @@ copies are counted here, where the device is fake CUDA and the host is the CPU.
 The cases where a GPU run found host-to-device copies at every call: packed THD with documents (the
 explicit masks' index vectors) and dropout (the global positions its hash keys on, and its row ids);
 windows take the same mask path. The plan's index tensors now live on the device, copied once per
-signature (``schedules/on_device.py``, ``BlockMask.vectors``): the first call copies, later ones do not.
+signature (``schedules/on_device.py``, ``BlockMask.vectors``; a masked task's segment plan on the
+variable-length flash kernel, ``SegmentPlan.cum`` in ``kernels/varlen_plan.py``): the first call copies, later
+ones do not.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from megatron_ring import device, ring_attention
 from megatron_ring.core import engine
+from megatron_ring.kernels import varlen_plan
 from megatron_ring.schedules import masks
 from megatron_ring.transport.ring import LoopbackRing
 from tests.fake_cuda.test_fake_cuda import Case, _inputs, _plan_on_host, fake_backward
@@ -29,7 +32,8 @@ CASES = [Case(P=4), Case(P=4, wire="fp8"), Case(P=4, heads=(8, 2), kv_pieces=2),
          Case(P=2, causal=False, window=(64, 64), layout="contiguous"),
          Case(kernel="auto", P=4, dropout=0.1),  # the seed a CUDA tensor (P > 1)
          Case(kernel="auto", P=1, dropout=0.1, comm_type="all_gather"),
-         Case(kernel="auto", P=4, fmt="thd", dropout=0.1), Case(kernel="auto", P=2, dtype=torch.float32)]
+         Case(kernel="auto", P=4, fmt="thd", dropout=0.1), Case(kernel="auto", P=2, dtype=torch.float32),
+         Case(kernel="auto", P=4, fmt="thd", dtype=torch.float32)]  # fp32 on CUDA: masked tasks on the math kernel
 
 
 def transfers_per_call(case: Case, calls: int = 3) -> list[dict]:
@@ -60,14 +64,19 @@ def _copy_every_call(self, device="cpu"):
     return tuple(t.to(device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))
 
 
+def _cum_every_call(self, device, b):
+    return [tuple(torch.tensor(c, dtype=torch.int32).to(device) for c in call.batched(b)) for call in self.calls]
+
+
 def _positions_every_call(schedule, seq_len, world, rank, device):
     return schedule.positions(seq_len, world, rank).to(device)
 
 
 @pytest.mark.parametrize("case, patch", [
-    (Case(P=4, fmt="thd"), (masks.BlockMask, "vectors", _copy_every_call)),
+    (Case(P=4, fmt="thd"), (varlen_plan.SegmentPlan, "cum", _cum_every_call)),
+    (Case(kernel="auto", P=4, fmt="thd", dtype=torch.float32), (masks.BlockMask, "vectors", _copy_every_call)),
     (Case(kernel="auto", P=4, dropout=0.1), (engine, "positions_on", _positions_every_call)),
-], ids=["thd-mask-copied-per-call", "dropout-positions-copied-per-call"])
+], ids=["thd-segments-copied-per-call", "thd-fp32-mask-copied-per-call", "dropout-positions-copied-per-call"])
 def test_the_counter_sees_the_copies_the_gpu_run_found(monkeypatch, case, patch):
     """Not vacuous: with the index tensors copied to the device at every call (as before), every call
     counts host-to-device copies."""
