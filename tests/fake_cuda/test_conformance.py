@@ -13,6 +13,11 @@ transport: BSHD and SBHD, zigzag and striped, GQA, fp16, windows), against torch
 v and dout; the only difference allowed there is the batch stride of ``out``/``dout`` when the engine hands
 over a task's rows as a view of the whole block (``_row_slice_only``).
 
+The variable-length flash kernel of masked tasks (``kernels/varlen.py``: ``aten._flash_attention_forward`` /
+``_flash_attention_backward`` with ``cum_seq_q/k`` and a window) is compared the same way, call by call: each
+forward call it makes is repeated with ``requires_grad`` inputs and torch's autograd node gives the backward
+call ours must equal.
+
 Why this matters: the meta kernels FakeTensorMode runs check shapes, not which optional tensors are
 defined or which layout a kernel assumes. On a real GPU, defined empty ``cum_seq_q/k`` send the flash and
 cuDNN backward down their variable-length path (an error), and the memory-efficient backward reads ``out``
@@ -242,3 +247,88 @@ def test_the_engine_comparison_flags_the_calls_found_wrong_on_a_gpu(monkeypatch)
                         _flash_as_before(dout, q, k, v, out, lse, causal))
     found = engine_differences("flash_cuda", dict(P=2, heads=(4, 4)))
     assert sorted({d[0] for d in found if not _row_slice_only(d)}) == [6, 7, 12, 13], found
+
+
+# --- the variable-length flash kernel of masked tasks (kernels/varlen.py) ---------------------------------
+
+VARLEN_OP = "aten::_flash_attention_backward"
+VARLEN_MASKS = [(True, (0, 5, 20, 40), None), (False, (0, 5, 20, 37), None), (True, None, (7, 0)),
+                (False, (0, 13, 40), (6, 3)), (True, (0, 30, 50, 80), None, 20)]  # the last: two calls
+
+
+def _block_mask(causal, cu, window, q_from=0, s=40):
+    """A masked task: query rows at global positions ``q_from..q_from+s-1``, key rows at ``0..s-1`` (documents
+    ``cu``, ``window``), its plan built on the host (before the fake mode: it would make the host vectors
+    fake)."""
+    from megatron_ring.kernels.varlen_plan import plan_for
+    from megatron_ring.schedules.masks import AttentionMask, BlockMask
+
+    rule = AttentionMask(causal, cu, window)
+    pos, qpos = torch.arange(s), torch.arange(q_from, q_from + s)
+    mask = BlockMask(rule, qpos, rule.doc_ids(qpos), pos, rule.doc_ids(pos))
+    assert plan_for(mask) is not None
+    return mask
+
+
+def _values(call) -> dict:
+    func, args, kwargs = call
+    return dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+
+
+def _varlen_torch_call(forward_call, backward_call):
+    """torch's own backward call for one of our kernel's calls: our recorded forward call
+    (``_flash_attention_forward``) repeated with ``requires_grad`` inputs, then its autograd node applied to
+    the dout of our backward call."""
+    func, args, kwargs = forward_call
+    with torch.enable_grad():
+        args = [a.detach().requires_grad_() if i < 3 else a for i, a in enumerate(args)]
+        out = func(*args, **kwargs)[0]
+    with torch.no_grad(), BackwardRecorder(VARLEN_OP) as rec:
+        out.grad_fn(torch.empty_like(out).copy_(_values(backward_call)["grad_out"]))
+    (theirs,) = rec.calls
+    return theirs
+
+
+def varlen_differences(mask, bwd=None) -> list:
+    """Differences of each backward call our variable-length kernel makes for ``mask`` (b = 2, GQA 4/2 heads)
+    from torch's call on the same inputs; ``bwd`` replaces the kernel's ``_bwd`` (a negative control)."""
+    from megatron_ring.kernels.varlen import VarlenFlashCudaKernel
+
+    kern = VarlenFlashCudaKernel()
+    if bwd is not None:
+        kern._bwd = bwd.__get__(kern)
+    seam, fake = _fake()
+    with seam, fake:
+        q = torch.randn(2, 4, 40, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 2, 40, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+        with torch.no_grad():
+            with BackwardRecorder("aten::_flash_attention_forward") as fwd:
+                out, lse = kern.forward(q, k, v, False, SCALE, mask=mask)
+            with BackwardRecorder(VARLEN_OP) as rec:
+                kern.backward(dout, q, k, v, out.contiguous(), lse.contiguous(), False, SCALE, mask=mask)
+        assert rec.calls and len(rec.calls) == len(fwd.calls)
+        return [d for f, call in zip(fwd.calls, rec.calls) for d in differing(_varlen_torch_call(f, call), call)]
+
+
+@pytest.mark.parametrize("mask", VARLEN_MASKS)
+def test_the_varlen_backward_call_is_torchs(mask):
+    """Each ``_flash_attention_backward`` call of a masked task (packed rows of a batch of 2, GQA, documents,
+    windows, causal and not) equals torch's autograd call for the same forward: defined tensors, dtypes
+    (int32 cumulative lengths), shapes and strides (the lse ``[heads, rows]``), the forward's rng outputs, the
+    window and scale."""
+    assert varlen_differences(_block_mask(*mask)) == []
+
+
+def _varlen_bwd_int64(self, dout, q, k, v, out, lse, cum_q, cum_k, call, b, scale):
+    """The backward call with int64 cumulative lengths and without the window (two mistakes)."""
+    rng_state, unused = K._unused_rng(q, torch.uint64, (2,))
+    return torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q.long(), cum_k.long(), call.max_q, call.max_k, 0.0, call.causal,
+        rng_state, unused, scale=scale)
+
+
+def test_the_varlen_comparison_flags_a_wrong_call():
+    """Not vacuous: int64 ``cum_seq_q/k`` (arguments 6, 7) and a missing window (15, 16) are reported."""
+    found = varlen_differences(_block_mask(False, (0, 13, 40), (6, 3)), bwd=_varlen_bwd_int64)
+    assert sorted({d[0] for d in found}) == [6, 7, 15, 16], found
