@@ -23,8 +23,9 @@ the process default, :func:`deterministic` (torch's deterministic mode,
 Masks (documents, windows; see :mod:`~megatron_ring.schedules.masks`): a kernel with ``supports_mask = True``
 also accepts the keyword ``mask=`` (a :class:`~megatron_ring.schedules.masks.BlockMask`, ``causal`` is then
 False). With a mask, query rows that see no key of the block return out 0 and lse -inf, and ``backward``
-accepts lse = -inf for rows that see no key at all (their gradients are 0). The engine sends masked tasks to a kernel
-without ``supports_mask`` to :class:`MathKernel` instead, so a new kernel works unchanged.
+accepts lse = -inf for rows that see no key at all (their gradients are 0). The engine sends the masked tasks
+of a kernel without ``supports_mask`` to the variable-length flash kernel for a fused CUDA kernel
+(:mod:`~megatron_ring.kernels.varlen`), else to :class:`MathKernel`, so a new kernel works unchanged.
 
 Kernels are picked once per device by :func:`select_kernel` and can be forced by name.
 """
