@@ -171,3 +171,17 @@ def test_segment_semantics_are_bottom_right_aligned():
     assert ok.tolist() == [[True, True, True, False], [True, True, True, True]]
     ok = varlen_plan.visible_in_segment(3, 3, False, 1, 0)  # window (1, 0): the key before and the diagonal
     assert ok.tolist() == [[True, False, False], [True, True, False], [False, True, True]]
+
+
+def test_one_query_segments_keep_a_bounded_right_window():
+    """Segments of at most one query and no window: torch's varlen flash forward then folds the query heads
+    into rows assuming one query per segment (GQA), which key-only filler segments break; the plan spells the
+    unbounded right window as the longest key segment instead (the same pairs)."""
+    from megatron_ring.schedules.masks import BlockMask
+
+    rule = AttentionMask(False, (0, 3, 6, 9))
+    qpos, kpos = torch.tensor([1, 4, 7]), torch.arange(9)
+    plan = varlen_plan.build_plan(BlockMask(rule, qpos, rule.doc_ids(qpos), kpos, rule.doc_ids(kpos)))
+    assert plan is not None
+    for call in plan.calls:
+        assert not (call.max_q == 1 and call.window == (-1, -1)), call

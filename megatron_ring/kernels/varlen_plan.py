@@ -203,6 +203,11 @@ def _call(segs: list[tuple[int, int, int, int]], q: slice, kv: slice, right: _Ne
         add(0, kv.stop - at_k)
     r = -1 if right.exact is None else right.exact
     lft = -1 if left.exact is None else left.exact
+    if r == lft == -1 and max(b - a for a, b in zip(cq, cq[1:])) == 1:
+        # flash's varlen forward takes segments of at most one query row, GQA and no window as one query per
+        # segment (it folds the query heads into rows), which segments without queries break: an unbounded
+        # right window spelled as the longest segment's length (the same pairs) keeps it off that path
+        r = max(b - a for a, b in zip(ck, ck[1:]))
     causal = r == 0 and lft == -1
     return VarlenCall(q, kv, tuple(cq), tuple(ck), causal, (lft, r))
 
