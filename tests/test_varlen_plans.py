@@ -44,14 +44,16 @@ def _layout(name: str, T: int, world: int):
     return get_layout(name), None
 
 
-def _ring(world, layout, causal, cu, window, heads, dtype, seed):
-    """Outputs and gradients of the whole ring (P threads) and of the float64 reference, global order."""
+def _ring(world, layout, causal, cu, window, heads, dtype, seed, d_v=16):
+    """Outputs and gradients of the whole ring (P threads) and of the float64 reference, global order
+    (``d_v`` != 16: MLA head dims, the kernel's operands zero-padded)."""
     T = 12 * world if not isinstance(layout, DocumentZigzag) else layout.cu[-1]
     h, hk = heads
     d = 16
     g = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(T, h, d, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(T, hk, d, generator=g).to(dtype) for _ in range(2))
+    k, v = torch.randn(T, hk, d, generator=g).to(dtype), torch.randn(T, hk, d_v, generator=g).to(dtype)
+    dout = dout[..., :d_v].contiguous()
     ref = outputs_and_grads(lambda *t: doc_attention_reference(*t, cu or [0, T], causal, window),
                             q.double(), k.double(), v.double(), dout.double())
     pos = [layout.positions(T, world, r) for r in range(world)]
@@ -117,6 +119,15 @@ def test_segment_plans_on_the_stand_in_match_float64(world):
     bad = [(label, err, bound) for label, err, bound in run.rows if not err <= bound]
     assert not bad, bad[:5]
     assert run.counts.get("varlen_cpu", 0) > 0 and run.counts.get("math", 0) == 0, run.counts
+
+
+def test_mla_head_dims_on_the_stand_in():
+    """MLA (V's head dim 8, Q/K's 16): the masked tasks' operands are zero-padded as for the dense kernels."""
+    varlen.COUNTS.clear()
+    with varlen.cpu_stand_in():
+        rows = _ring(2, get_layout("zigzag"), True, _docs(24, 5), None, (4, 2), torch.float32, 0, d_v=8)
+    assert all(err <= bound for _, err, bound in rows), rows
+    assert varlen.COUNTS["varlen_cpu"] > 0 and varlen.COUNTS["math"] == 0, varlen.COUNTS
 
 
 def test_an_off_by_one_alignment_fails(monkeypatch):
