@@ -8,14 +8,15 @@ query ``a`` sees key ``b`` iff ``a + sk - sq - left <= b <= a + sk - sq + right`
 unbounded; causal is ``right = 0``): causal and windows are aligned to the bottom-right corner of each
 segment. A query row that sees no key gets output 0 and lse ``+inf`` (our convention is ``-inf``).
 
-:func:`plan_for` turns a :class:`~megatron_ring.schedules.masks.BlockMask` (read through its host vectors
-and ``allowed()``: the kernels do not import the schedules) (one masked task: documents,
-window edges, padding) into such calls. Within a local block positions increase along the rows of every
+:func:`plan_for` turns a :class:`~megatron_ring.schedules.masks.BlockMask` (one masked task: documents,
+window edges, padding; read through its host vectors and ``allowed()``, the kernels do not import the
+schedules) into such calls. Within a local block positions increase along the rows of every
 layout and documents are contiguous runs, so each document present in both the task's query and key rows is
 one segment; keys no query of the segment sees and query rows that see no key are trimmed off (into
 segments of their own with no keys, or no queries), which makes the visible band of the segment end in its
 bottom-right corner; then its rows' visible key ranges fix the window the call needs. Segments needing
-different windows go to different calls (consecutive row ranges of the task). The plan is verified against
+different windows go to different calls (consecutive row ranges of the task); a task whose rows jump in
+position stride and has no plan as a whole is cut into row pieces sharing its keys. The plan is verified against
 the mask on the host, pair by pair; a task it cannot express exactly gets no plan (None: the caller falls
 back to the math kernel). Plans are cached with the mask (which lives in the schedule cache) and their
 index tensors are copied to a device once per (device, batch size).
@@ -86,8 +87,8 @@ class VarlenCall:
 
 @dataclass(frozen=True, eq=False)
 class SegmentPlan:
-    """The calls of one masked task. ``cum(device, b)``: per call, its int32 ``(cum_q, cum_k)`` on ``device`` for batch size ``b``,
-    copied there once."""
+    """The calls of one masked task. ``cum(device, b)``: per call, its int32 ``(cum_q, cum_k)`` on ``device``
+    for batch size ``b``, copied there once."""
 
     calls: tuple[VarlenCall, ...]
     #: False: the calls' query rows, and their key rows, are consecutive and cover the task's once. True: the
