@@ -19,7 +19,11 @@ def _no_fake_tensors_kept_between_tests():
     """Device copies of the plan's index tensors are cached (schedules/on_device.py, and each BlockMask of the
     schedule cache); under FakeTensorMode they are fake tensors of that test's mode: forget them after it."""
     yield
+    from megatron_ring.kernels import varlen
     from megatron_ring.schedules import masks, on_device
 
     on_device.clear()
     masks._CACHE.clear()
+    # whether a case fits the variable-length kernel is asked once per (device, dtype, head dim): tests change the
+    # fake GPU's architecture under the same device name
+    varlen._VARLEN_CUDA._fits.clear()
