@@ -19,7 +19,8 @@ query rows and key rows cut into segments, with one window per call. Two kernels
 
 :func:`masked_kernel` is the engine's choice for masked tasks: the variable-length kernel where the plan's
 kernel is a fused CUDA kernel and the case fits, else :class:`~megatron_ring.kernels.block.MathKernel` (fp32 on
-CUDA, deterministic mode, a mask with no exact plan). :data:`COUNTS` counts the tasks each ran.
+CUDA, deterministic mode -- the plan's kernel's, ``BlockKernel.is_deterministic`` --, a mask with no exact
+plan). :data:`COUNTS` counts the tasks each ran.
 """
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ from collections import Counter
 
 import torch
 
-from megatron_ring.kernels.block import (BlockKernel, MathKernel, _deterministic_refusal, _fused_cuda_case,
-                                         _unused_rng, deterministic)
+from megatron_ring.kernels.block import BlockKernel, MathKernel, _deterministic_refusal, _fused_cuda_case, _unused_rng
 from megatron_ring.kernels.head_dim import HeadDimPadKernel
 from megatron_ring.kernels.varlen_plan import SegmentPlan, VarlenCall, plan_for, visible_in_segment
 
@@ -78,7 +78,7 @@ class _VarlenKernel(BlockKernel):
         self._fits: dict[tuple, bool] = {}
 
     def _plan(self, q, v, mask) -> SegmentPlan | None:
-        key = (q.device, q.dtype, max(q.shape[-1], v.shape[-1]), deterministic())
+        key = (q.device, q.dtype, max(q.shape[-1], v.shape[-1]), self.is_deterministic())
         fits = self._fits.get(key)
         if fits is None:
             fits = self._fits[key] = self.unsupported(q, key[2]) is None
@@ -152,7 +152,7 @@ class VarlenFlashCudaKernel(_VarlenKernel):
     name = "varlen_cuda"
 
     def unsupported(self, q, head_dim):
-        return _fused_cuda_case(q, head_dim, 256) or _deterministic_refusal()
+        return _fused_cuda_case(q, head_dim, 256) or _deterministic_refusal(self)
 
     @staticmethod
     def _args(call: VarlenCall, scale: float) -> dict:
@@ -232,7 +232,14 @@ class VarlenCPUKernel(_VarlenKernel):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-_VARLEN_CUDA = VarlenFlashCudaKernel()
+def _with_flag(det: bool | None) -> VarlenFlashCudaKernel:
+    kernel = VarlenFlashCudaKernel()
+    kernel.deterministic = det
+    return kernel
+
+
+#: per determinism flag of the plan's kernel (True/False: the call's, None: the process default)
+_VARLEN_CUDA = {det: _with_flag(det) for det in (None, True, False)}
 _VARLEN_CPU = VarlenCPUKernel()
 _chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a padded kernel -> its padded choice
 
@@ -246,7 +253,7 @@ def masked_kernel(kernel: BlockKernel) -> BlockKernel:
     if _stand_in and base.name in ("flash_cpu", "math"):
         chosen = _VARLEN_CPU
     elif base.name in FUSED_CUDA:
-        chosen = _VARLEN_CUDA
+        chosen = _VARLEN_CUDA[base.deterministic]  # the call's determinism, as the plan's kernel has it
     elif kernel.supports_mask:
         return kernel
     else:

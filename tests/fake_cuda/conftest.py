@@ -26,4 +26,5 @@ def _no_fake_tensors_kept_between_tests():
     masks._CACHE.clear()
     # whether a case fits the variable-length kernel is asked once per (device, dtype, head dim): tests change the
     # fake GPU's architecture under the same device name
-    varlen._VARLEN_CUDA._fits.clear()
+    for kernel in varlen._VARLEN_CUDA.values():
+        kernel._fits.clear()

@@ -42,6 +42,23 @@ def test_masked_tasks_on_cuda_run_on_the_varlen_kernel_where_it_fits(dtype, capa
     assert dict(V.COUNTS) == {want: 2}, V.COUNTS
 
 
+def test_the_calls_determinism_reaches_the_varlen_kernel():
+    """Determinism is the call's (``ring_attention(deterministic=)`` sets it on the plan's kernel): the masked
+    tasks' kernel has the same flag, so a deterministic call's masked tasks fall back to the math kernel and a
+    call that says False keeps them on the variable-length kernel whatever the process default."""
+    for det in (True, False, None):
+        dense = K.TorchFlashCudaKernel()
+        dense.deterministic = det
+        assert V.masked_kernel(dense).deterministic is det
+    K.set_deterministic(True)
+    try:
+        dense = K.TorchFlashCudaKernel()
+        dense.deterministic = False
+        assert not V.masked_kernel(dense).is_deterministic()
+    finally:
+        K.set_deterministic(None)
+
+
 def test_the_kernels_own_masked_tasks_stay_where_they_are():
     """A kernel that takes masks keeps its masked tasks (CPU flash, math); on CPU the stand-in takes them
     only when asked (``cpu_stand_in``)."""

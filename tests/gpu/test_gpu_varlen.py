@@ -53,7 +53,7 @@ def varlen_checks(device, mask_args, corrupt=False):
     assert plan is not None
     if corrupt:
         varlen_plan._PLANS[mask] = _off_by_one(plan)
-    kern = varlen._VARLEN_CUDA if device == "cuda" else varlen._VARLEN_CPU
+    kern = varlen._VARLEN_CUDA[None] if device == "cuda" else varlen._VARLEN_CPU
     g = torch.Generator().manual_seed(len(plan.calls))
     q, dout = (torch.randn(2, 4, S, 64, generator=g).to(device, dtype) for _ in range(2))
     k, v = (torch.randn(2, 2, S, 64, generator=g).to(device, dtype) for _ in range(2))
