@@ -40,6 +40,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import types
 from typing import Any, Callable
 
 __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gpt_layer_local_spec",
@@ -48,7 +49,8 @@ __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gp
            "MTP_ROLL_TENSOR_USERS", "THD_PARTITIONER_USERS", "install_tex_stand_in",
            "has_transformer_engine", "hybrid_stack_class", "megatron_hybrid_stack_spec",
            "local_norm_class", "local_moe_spec", "megatron_lm_args", "megatron_lm_packed_split",
-           "QK_CLIP_FLAGS", "qk_clip_requested", "has_qk_clip", "qk_clip_te_check"]
+           "QK_CLIP_FLAGS", "qk_clip_requested", "has_qk_clip", "qk_clip_te_check",
+           "qk_clip_passes_layers_without_attention"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -337,6 +339,27 @@ def has_qk_clip() -> bool:
         return importlib.util.find_spec("megatron.core.optimizer.qk_clip") is not None
     except (ImportError, ValueError):
         return False
+
+
+@functools.lru_cache(maxsize=1)
+def qk_clip_passes_layers_without_attention() -> bool:
+    """Whether this megatron-core's ``clip_qk`` passes over decoder layers that have no ``self_attention`` (the
+    Mamba layers of a hybrid stack). Asked of ``clip_qk`` itself: it runs (``log_max_only``, no attention layer,
+    so no collective) on a stand-in model whose one layer has no ``self_attention``, reachable as Megatron walks
+    it (``chunk.module.module.decoder.layers``, or unwrapped). megatron-core 0.19.x and Megatron-LM main (through
+    d98e8a6, Aug 2026) read ``layer.self_attention`` on every layer: AttributeError, so False there."""
+    try:
+        from megatron.core.optimizer.qk_clip import clip_qk
+    except ImportError:
+        return False
+    layer = types.SimpleNamespace()  # no self_attention, as MambaLayer
+    model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[layer]))
+    model.module = model  # every depth of .module wrapping resolves to the model
+    try:
+        clip_qk([model], log_max_only=True)
+    except Exception:  # noqa: BLE001 - AttributeError on the lines above; anything else: not shown to pass
+        return False
+    return True
 
 
 def qk_clip_te_check(original: Callable | None) -> Callable:

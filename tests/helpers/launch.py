@@ -35,7 +35,7 @@ def torchrun(script, nproc: int, *args: str, env: dict | None = None, timeout: f
              name: str = "torchrun") -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --nproc-per-node N`` on 127.0.0.1 and a free port, this repository
     on PYTHONPATH, one thread per process; asserts exit code 0 (the output's tail in the message)."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), str(script), *map(str, args)]
     p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout or TIMEOUT_S)

@@ -124,6 +124,42 @@ def test_te_version_question_answered_for_the_ring_only(monkeypatch):
     assert check("2.9.0") is False
 
 
+def test_hybrid_stack_refused_where_clip_qk_cannot_walk_it(monkeypatch):
+    from megatron_ring.megatron.spec.hybrid import _check_qk_clip
+
+    attention, mamba = SimpleNamespace(self_attention=object()), SimpleNamespace()  # MambaLayer has no self_attention
+    stack = SimpleNamespace(layer_type_list=list("*-M-"), layers=[attention, attention, mamba, attention])
+    assert not compat.qk_clip_passes_layers_without_attention()  # 0.16.1, 0.19.x (and main) read it on every layer
+    for field, flag in compat.QK_CLIP_FLAGS:
+        with pytest.raises(ContextParallelConfigError, match=r"layer\(s\) 5 \('M'\)") as e:
+            _check_qk_clip(stack, SimpleNamespace(**{field: True}), offset=2)
+        assert e.value.flag == flag
+    _check_qk_clip(stack, SimpleNamespace(), offset=0)  # no QK-clip asked: nothing refused
+    _check_qk_clip(SimpleNamespace(layer_type_list=list("*-*-"), layers=[attention] * 4), SimpleNamespace(qk_clip=True),
+                   offset=0)  # every layer has self_attention: Megatron's clip_qk walks it
+    monkeypatch.setattr(compat, "qk_clip_passes_layers_without_attention", lambda: True)  # a line that skips them
+    _check_qk_clip(stack, SimpleNamespace(qk_clip=True), offset=0)
+
+
+def test_probe_asks_clip_qk_itself(monkeypatch):
+    import megatron.core.optimizer.qk_clip as megatron_qk_clip
+
+    def tolerant(model, log_max_only=False):  # a clip_qk that passes over layers without self_attention
+        for chunk in model:
+            assert [getattr(layer, "self_attention", None) for layer in chunk.module.module.decoder.layers] == [None]
+        return 0.0
+
+    compat.qk_clip_passes_layers_without_attention.cache_clear()
+    try:
+        monkeypatch.setattr(megatron_qk_clip, "clip_qk", tolerant)
+        assert compat.qk_clip_passes_layers_without_attention()
+        monkeypatch.undo()
+        compat.qk_clip_passes_layers_without_attention.cache_clear()
+        assert not compat.qk_clip_passes_layers_without_attention()  # control: Megatron's own reads it
+    finally:
+        compat.qk_clip_passes_layers_without_attention.cache_clear()
+
+
 # ---- model level: CP > 1 equals CP = 1 -------------------------------------------------------------------------
 STEPS, THRESHOLD = 3, 0.1  # the first step's max logits are ~0.08-0.15: some heads clip at once
 _REF: dict = {}

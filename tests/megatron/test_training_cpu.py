@@ -30,6 +30,7 @@ EXPECTED = {
     ("megatron.training.training", "set_jit_fusion_options"),
     ("megatron.training.arguments", "get_device_arch_version"),
     ("megatron.training.arguments", "is_te_min_version"),
+    ("megatron.training.training", "clip_qk"),
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
 }
@@ -150,3 +151,37 @@ def test_each_replaced_cuda_function_is_its_own_object():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=root))
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+def test_clip_qk_gets_fp32_chunks_in_the_shape_it_walks():
+    """Megatron's clip_qk walks ``chunk.module.module`` (DDP, then the bf16/fp16 wrapper): an fp32 chunk (DDP around
+    the model) raises AttributeError there; the opt-in's entry hands it the model at that depth, bf16 chunks as
+    they are."""
+    from megatron.core.optimizer.qk_clip import clip_qk
+    from megatron_ring_lab.cpu.training import _clip_qk_any_precision
+
+    seen = set()  # the layers clip_qk reached
+
+    class Attention:
+        core_attention = types.SimpleNamespace(current_max_attn_logits=None)  # reset: clip_qk skips it
+
+        def clip_qk(self):
+            raise AssertionError("nothing to clip")
+
+    class Layer:
+        @property
+        def self_attention(self):
+            seen.add(self)
+            return Attention()
+
+    class Model(torch.nn.Module):  # a module without .module, as GPTModel
+        def __init__(self):
+            super().__init__()
+            self.decoder = types.SimpleNamespace(layers=[Layer(), Layer()])
+
+    fp32 = types.SimpleNamespace(module=Model())  # DDP(model)
+    with pytest.raises(AttributeError, match="module"):  # control: Megatron's own walk
+        clip_qk([fp32], log_max_only=True)
+    assert _clip_qk_any_precision(clip_qk)([fp32], log_max_only=True) == 0 and len(seen) == 2
+    bf16 = types.SimpleNamespace(module=types.SimpleNamespace(module=Model()))  # DDP(Float16Module(model))
+    assert _clip_qk_any_precision(clip_qk)([bf16], log_max_only=True) == 0 and len(seen) == 4

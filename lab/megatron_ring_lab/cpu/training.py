@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import importlib
 import threading
 from typing import Any, Callable, Iterator
@@ -139,6 +140,26 @@ def _allow_no_cuda(fn: Callable) -> Callable:
     return wrapper
 
 
+class _ChunkView:
+    """An fp32 model chunk as Megatron's ``clip_qk`` walks it: ``chunk.module.module`` is the model (it assumes
+    DDP around the bf16/fp16 wrapper, which an fp32 run does not build)."""
+
+    def __init__(self, model: Any) -> None:
+        self.module = types.SimpleNamespace(module=model)
+
+
+def _clip_qk_any_precision(fn: Callable) -> Callable:
+    """Megatron's own ``clip_qk`` (reduce, clip, reset unchanged), handed fp32 chunks the way it walks them: in an
+    fp32 run ``chunk.module`` is the model itself and ``chunk.module.module`` raised AttributeError after the first
+    optimizer step, whatever the attention (a Megatron-LM bug of every line up to main, not a CPU gap: on GPUs
+    fp32 runs with --qk-clip fail the same way). bf16/fp16 chunks pass through as they are."""
+    @functools.wraps(fn)
+    def clip_qk(model: Any, *args: Any, **kwargs: Any) -> Any:
+        chunks = [c if hasattr(c.module, "module") else _ChunkView(c.module) for c in model]
+        return fn(chunks, *args, **kwargs)
+    return clip_qk
+
+
 def _cpu_stream_context(stream: Any = None) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
@@ -168,6 +189,8 @@ _MEGATRON = {
     ("megatron.training.arguments", "get_device_arch_version"): lambda fn: _zero,  # CUDA query, TP/CP > 1
     # --qk-clip / --log-max-attention-logit ask for TE >= 2.9 (max logits): the ring's spec answers it (compat)
     ("megatron.training.arguments", "is_te_min_version"): compat.qk_clip_te_check,
+    # Megatron's clip_qk walks chunk.module.module (DDP, then the bf16/fp16 wrapper): fp32 runs give it that shape
+    ("megatron.training.training", "clip_qk"): _clip_qk_any_precision,
     # activation recompute saves/restores the "CUDA" RNG state: on CPU that is the CPU generator
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): lambda fn: _cpu_get_rng_state,
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): lambda fn: _cpu_set_rng_state,

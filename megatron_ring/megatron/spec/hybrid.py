@@ -40,6 +40,7 @@ from typing import Any
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ring.megatron import compat
+from megatron_ring.megatron.config import ContextParallelConfigError
 from megatron_ring.megatron.data import token_order
 from megatron_ring.megatron.spec.layers import with_ring_attention
 from megatron_ring.megatron.spec.stock import check_stock_layout, ring_core
@@ -215,9 +216,29 @@ class RingHybridStack:
             stack.final_norm = compat.local_norm_class()(config=config, hidden_size=config.hidden_size,
                                                          eps=config.layernorm_epsilon)
             stack.post_layer_norm = True
+        _check_qk_clip(stack, config, int(kwargs.get("pp_layer_offset", 0) or 0))
         if _ring:
             _announce_stack(stack, config, kwargs)
         return stack
+
+
+def _check_qk_clip(stack: Any, config: Any, offset: int) -> None:
+    """QK-clip on a hybrid stack: refused by name where this Megatron line's ``clip_qk`` cannot walk the stack
+    (it reads ``self_attention`` on every decoder layer, which Mamba layers lack: AttributeError after the first
+    optimizer step). Stacks whose layers all have ``self_attention`` (attention, MLP, MoE, GDN: ``*-*-``) pass."""
+    flag = compat.qk_clip_requested(config)
+    if flag is None:
+        return
+    bare = [(offset + i + 1, t) for i, (t, layer) in enumerate(zip(getattr(stack, "layer_type_list", None)
+                                                                    or ["?"] * len(stack.layers), stack.layers))
+            if not hasattr(layer, "self_attention")]
+    if bare and not compat.qk_clip_passes_layers_without_attention():
+        where = ", ".join(f"{n} ('{t}')" for n, t in bare)
+        raise ContextParallelConfigError(
+            flag, f"this megatron-core's QK-clip (megatron.core.optimizer.qk_clip.clip_qk) reads self_attention on "
+                  f"every decoder layer, and hybrid layer(s) {where} of --hybrid-layer-pattern have none (Mamba): it "
+                  f"would fail after the first optimizer step. Use a pattern without Mamba layers (e.g. '*-*-') or "
+                  f"drop {flag}")
 
 
 def _announce_stack(stack: Any, config: Any, kwargs: dict) -> None:
