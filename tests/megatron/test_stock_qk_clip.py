@@ -66,7 +66,8 @@ def _compare(label: str, runs: dict, sizes: dict) -> None:
             dl, dm = abs(losses[i] - ref_losses[i]), abs(logits[i] - ref_logits[i])
             print(f"{cp} | {i + 1} | {losses[i]:.7f} | {logits[i]:.7f} | {dl:.2e} | {dm:.2e}")
             if cp > 1:
-                c.add(f"CP={cp} iteration {i + 1} loss", dl, min(1e-5, model_loss_tol(ref_losses[i], step=i + 1, **sizes)))
+                rule = model_loss_tol(ref_losses[i], step=i + 1, **sizes)
+                c.add(f"CP={cp} iteration {i + 1} loss", dl, min(1e-5, rule))  # 1e-5: issue 35's acceptance
                 c.add(f"CP={cp} iteration {i + 1} max logit", dm, model_loss_tol(ref_logits[i], step=i + 1, **sizes))
     c.check(min_rows=2 * 2 * ITERS)
 
