@@ -306,17 +306,13 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
         if plan.row_max is not None:
             with breakdown.section(step, "kernel"):  # the max-logit pass is block compute too
                 fold_task_max(plan.row_max, task, q, kt, plan.scale)
-        if fresh and whole:  # first result covering every row: copied in
-            out.copy_(o)
-            lse.copy_(l)
-        else:
-            if fresh:
-                _init_acc(out, lse)
-            with breakdown.section(step, "merge"):
-                if whole:
-                    merge_into(out, lse, o, l)
-                else:
-                    merge_into(out[:, :, rows], lse[:, :, rows], o, l)
+        if fresh and not whole:  # the rows this task leaves out start empty
+            _init_acc(out, lse)
+        with breakdown.section(step, "merge"):  # first result covering every row: copied in (one op on CUDA)
+            if whole:
+                merge_into(out, lse, o, l, fresh=fresh)
+            else:
+                merge_into(out[:, :, rows], lse[:, :, rows], o, l)
         fresh = False
         del o, l
     return fresh
@@ -344,13 +340,14 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     views = [(dout_j, q_j, out_j, lse_j.contiguous(), dq_j)
              for dout_j, q_j, out_j, lse_j, dq_j in (_heads(qs, q.shape[1], dout, q, out, lse, dq)
                                                      for qs, _ in pieces)]
+    lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
     for step in range(steps):
         tasks = plan.tasks(step, s)
         for j, (_, piece_plan) in enumerate(pieces):
             kt, vt = kv.block(step, j)
             dout_j, q_j, out_j, lse_j, dq_j = views[j]
             _backward_step(dout_j, q_j, kt, vt, out_j, lse_j, piece_plan, step, dq_j,
-                           lambda: dkv.arrived(j, step), *dkv.views(j), tasks)
+                           lambda: dkv.arrived(j, step), *dkv.views(j), tasks, lse_rows[j])
             dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
         kv.advance()
         dkv.advance()
@@ -419,10 +416,18 @@ class _Accumulators:
 
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, plan: RingPlan, step: int, dq: torch.Tensor,
-                   wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks) -> None:
+                   wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks,
+                   lse_rows: dict | None = None) -> None:
     """``tasks`` of one visiting block: dQ into ``dq``; dK/dV into the travelling accumulator, after
-    ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute)."""
-    partial = []
+    ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute).
+
+    ``lse_rows``: the contiguous lse row slices of earlier steps (the same rows recur every step), filled here.
+    On CUDA every add of the step (dQ, dK, dV of each task) is ONE ``torch._foreach_add_`` after the wait
+    (one launch instead of three per task); on CPU, where ``_foreach`` ops are a loop, each dQ is added as soon
+    as its task is done (its block freed at once)."""
+    fused = dq.device.type == "cuda"
+    partial: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
+    adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]] = []  # CUDA: (accumulator, its rows, view, block)
     s, sk = q.shape[2], kt.shape[2]
     for task in tasks:
         rows = task.q
@@ -432,17 +437,51 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
             else:
                 dq_b, dk_b, dv_b = plan.backward_block(
                     task, dout[:, :, rows], q[:, :, rows], *_cols(kt, vt, task.kv),
-                    out[:, :, rows], lse[:, :, rows].contiguous(), step)
-        with breakdown.section(step, "copies"):  # add_ into the view: no write-back copy as ``+=`` on a slice does
-            (dq if _covers(rows, s) else dq[:, :, rows]).add_(dq_b)
+                    out[:, :, rows], _lse_rows(lse, rows, lse_rows), step)
+        dq_view = dq if _covers(rows, s) else dq[:, :, rows]
+        if fused:
+            adds.append(("dq", rows, dq_view, dq_b))
+        else:
+            with breakdown.section(step, "copies"):  # add_ into the view: no write-back copy as ``+=`` does
+                dq_view.add_(dq_b)
         del dq_b
         partial.append((task.kv, dk_b, dv_b))
     wait_for_acc()
     with breakdown.section(step, "copies"):
         for cols, dk_b, dv_b in partial:
             dk_view, dv_view = (dk_acc, dv_acc) if _covers(cols, sk) else _cols(dk_acc, dv_acc, cols)
-            dk_view.add_(dk_b)
-            dv_view.add_(dv_b)
+            if fused:
+                adds += (("dk", cols, dk_view, dk_b), ("dv", cols, dv_view, dv_b))
+            else:
+                dk_view.add_(dk_b)
+                dv_view.add_(dv_b)
+        _add_all(adds)
+
+
+def _add_all(adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]]) -> None:
+    """``view.add_(block)`` for each entry, in as few ``torch._foreach_add_`` calls as can be: one, unless two
+    entries overlap in the same accumulator (a foreach kernel updates its tensors in parallel, so overlapping
+    ones go to the next call, which keeps each accumulator's additions in their order: the same result)."""
+    batch: list[tuple[str, slice, torch.Tensor, torch.Tensor]] = []
+    for entry in adds:
+        name, sl = entry[0], entry[1]
+        if any(n == name and sl.start < o.stop and o.start < sl.stop for n, o, _, _ in batch):
+            torch._foreach_add_([e[2] for e in batch], [e[3] for e in batch])
+            batch = []
+        batch.append(entry)
+    if batch:
+        torch._foreach_add_([e[2] for e in batch], [e[3] for e in batch])
+
+
+def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict | None) -> torch.Tensor:
+    """``lse[:, :, rows]`` contiguous (as the kernels take it), made once per row slice where ``cache`` is given."""
+    if cache is None:
+        return lse[:, :, rows].contiguous()
+    key = (rows.start, rows.stop, rows.step)
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = lse[:, :, rows].contiguous()
+    return got
 
 
 def _heads(qs: slice, h: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

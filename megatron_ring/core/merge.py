@@ -5,21 +5,28 @@ and ``lse_A = log sum exp(s_A)``. Two partials over disjoint key sets combine ex
 ``lse = m + log(exp(lse_A - m) + exp(lse_B - m))`` with ``m = max(lse_A, lse_B)`` and
 ``o = o_A exp(lse_A - lse) + o_B exp(lse_B - lse)``: every exponent is <= 0, so nothing overflows.
 A row with no keys yet has ``lse = -inf`` and weight 0.
+
+On CUDA the merge of a step is ONE op, ``torch.ops.megatron_ring.merge_`` (a Triton kernel,
+:mod:`.merge_triton`; Triton is imported at its first launch); it has a fake implementation, so it traces under
+FakeTensorMode (and ``torch.compile``) as one op. Its CPU implementation is :func:`merge_reference`, the torch
+expression, which is also what :func:`merge_into` runs on CPU directly (no dispatcher round trip).
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_into"]
+from megatron_ring.core.merge_triton import merge_triton  # imports Triton at its first launch only
+
+__all__ = ["merge_into", "merge_reference"]
 
 
-def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor,
-               blk_lse: torch.Tensor) -> None:
-    """Fold a block result into the running accumulator, in place.
-
-    acc_out: ``[b, h, n, d]`` float32 (may be a row-slice view); acc_lse: ``[b, h, n]`` float32.
-    blk_out: ``[b, h, n, d]`` any float dtype; blk_lse: ``[b, h, n]`` float32.
-    """
+def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor,
+                    blk_lse: torch.Tensor, fresh: bool = False) -> None:
+    """The merge as a torch expression (the CPU path and the fused kernel's reference); see :func:`merge_into`."""
+    if fresh:
+        acc_out.copy_(blk_out)
+        acc_lse.copy_(blk_lse)
+        return
     # lse is never +inf or NaN, so the max is finite or -inf; both -inf: m = 0 keeps the weights at 0, not NaN
     m = torch.maximum(acc_lse, blk_lse).nan_to_num_(neginf=0.0)
     w_acc = torch.exp(acc_lse - m)
@@ -28,3 +35,33 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tens
     inv = total.reciprocal().nan_to_num_(posinf=0.0)  # 1/0 = inf -> 0: the row stays 0
     acc_out.mul_((w_acc * inv).unsqueeze(-1)).add_(blk_out * (w_blk * inv).unsqueeze(-1))
     acc_lse.copy_(m.add_(torch.log(total)))
+
+
+@torch.library.custom_op("megatron_ring::merge_", mutates_args=("acc_out", "acc_lse"))
+def _merge_op(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
+              fresh: bool) -> None:
+    merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh)
+
+
+@_merge_op.register_kernel("cuda")
+def _merge_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh) -> None:
+    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh)
+
+
+@_merge_op.register_fake
+def _merge_fake(acc_out, acc_lse, blk_out, blk_lse, fresh) -> None:
+    return None
+
+
+def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor,
+               blk_lse: torch.Tensor, fresh: bool = False) -> None:
+    """Fold a block result into the running accumulator, in place.
+
+    acc_out: ``[b, h, n, d]`` float32 (may be a row-slice view); acc_lse: ``[b, h, n]`` float32.
+    blk_out: ``[b, h, n, d]`` any float dtype; blk_lse: ``[b, h, n]`` float32.
+    ``fresh``: the accumulator holds nothing yet: the block is copied in (the first result of a ring).
+    """
+    if acc_out.device.type == "cuda":
+        torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh)
+    else:
+        merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh)

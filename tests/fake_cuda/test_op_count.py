@@ -81,15 +81,16 @@ def count(case: Case, rank: int = 1) -> OpCounter:
     counter = OpCounter()
     with device.use("cuda", FakeCuda()), FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v, kw, leaves = _inputs(case)  # made before counting: the caller's tensors
+        dout = torch.ones(*q.shape[:-1], v.shape[-1], device="cuda", dtype=q.dtype)  # the caller's gradient
         with counter:
             out = ring_attention(q, k, v, ring=LoopbackRing(case.P, rank, q.device), **kw)
-            fake_backward(out, torch.ones_like(out), leaves)
+            fake_backward(out, dout, leaves)
     return counter
 
 
 def _case(name: str, P: int) -> Case:
-    base = dict(kernel="auto", P=P)
-    return {"causal": Case(**base), "full": Case(**base, causal=False), "gqa": Case(**base, heads=(8, 2)),
+    base = dict(kernel="auto", P=P, heads=(4, 4))  # MHA; "gqa": 8 query heads on 2 K/V heads
+    return {"causal": Case(**base), "full": Case(**base, causal=False), "gqa": Case(**{**base, "heads": (8, 2)}),
             "thd": Case(**base, fmt="thd")}[name]
 
 
@@ -97,12 +98,12 @@ NAMES = ("causal", "full", "gqa", "thd")
 PS = (2, 4, 8)
 #: (attention ops, other ops) per case at the time of writing: ``other`` may only go down
 CEILING = {
-    ("causal", 2): (4, 56), ("causal", 4): (8, 118), ("causal", 8): (16, 242),
-    ("full", 2): (4, 56), ("full", 4): (8, 116), ("full", 8): (16, 236),
-    ("gqa", 2): (4, 56), ("gqa", 4): (8, 118), ("gqa", 8): (16, 242),
+    ("causal", 2): (4, 22), ("causal", 4): (8, 35), ("causal", 8): (16, 59),
+    ("full", 2): (4, 22), ("full", 4): (8, 34), ("full", 8): (16, 58),
+    ("gqa", 2): (4, 34), ("gqa", 4): (8, 59), ("gqa", 8): (16, 107),  # + the kernels' K/V expansion, dK/dV sums
     # packed documents: the tasks cut by a document boundary run on the math kernel (bmm, masked_fill, ...),
     # whose ops count as "other" here
-    ("thd", 2): (0, 164), ("thd", 4): (4, 326), ("thd", 8): (12, 450),
+    ("thd", 2): (0, 132), ("thd", 4): (4, 204), ("thd", 8): (12, 228),
 }
 
 
@@ -132,8 +133,8 @@ def test_other_ops_within_ceiling(counts, name, P):
     assert sum(c.other.values()) <= other, (sum(c.other.values()), other, dict(c.other.most_common()))
 
 
-@pytest.mark.xfail(strict=False, reason="issue 34: the kernels' own extras (GQA K/V expansion, lse "
-                                        "conversions) are still counted")
+@pytest.mark.xfail(strict=False, reason="issue 34: the kernels' own extras (GQA K/V expansion "
+                                        "and dK/dV sums) and the loopback's exchange copies still count")
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("P", PS)
 def test_target_three_ops_per_kernel(counts, name, P):

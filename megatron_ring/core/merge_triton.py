@@ -1,0 +1,69 @@
+"""The merge of :mod:`.merge` as one Triton kernel (CUDA; Triton is imported at the first launch,
+so this module imports without it).
+
+One program per query row ``(b, h, n)``: it reads the row's two lse values and its two output rows (any
+strides: row-slice views of the accumulator are passed as they are; ``blk_out`` in any float dtype, loaded
+and widened to fp32), and writes the merged row and lse in place, computing exactly the terms of
+:func:`~megatron_ring.core.merge.merge_reference` in fp32: ``m = max`` (0 where both are -inf), the weights
+``exp(lse - m)``, ``inv = 1 / total`` (0 where ``total`` is 0: the row stays 0, its lse -inf). ``fresh``: the
+block is copied in (widened to fp32).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["merge_triton"]
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """The jitted kernel (Triton imported here, once; ``TRITON_INTERPRET`` is read now)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _merge_kernel(acc_ptr, acc_lse_ptr, blk_ptr, blk_lse_ptr, H, N, D,
+                      sa0, sa1, sa2, sa3, sl0, sl1, sl2, sb0, sb1, sb2, sb3, sm0, sm1, sm2,
+                      FRESH: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: accumulators over 2**31 elements
+        n = row % N
+        h = (row // N) % H
+        b = row // (N * H)
+        cols = tl.arange(0, BLOCK_D)
+        keep = cols < D
+        acc_row = acc_ptr + b * sa0 + h * sa1 + n * sa2 + cols * sa3
+        blk = tl.load(blk_ptr + b * sb0 + h * sb1 + n * sb2 + cols * sb3, mask=keep, other=0.0).to(tl.float32)
+        lse_at = acc_lse_ptr + b * sl0 + h * sl1 + n * sl2
+        lb = tl.load(blk_lse_ptr + b * sm0 + h * sm1 + n * sm2)
+        if FRESH:
+            tl.store(acc_row, blk, mask=keep)
+            tl.store(lse_at, lb)
+        else:
+            la = tl.load(lse_at)
+            m = tl.maximum(la, lb)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            wa = tl.exp(la - m)
+            wb = tl.exp(lb - m)
+            total = wa + wb
+            inv = tl.where(total == 0.0, 0.0, 1.0 / total)
+            acc = tl.load(acc_row, mask=keep, other=0.0)
+            tl.store(acc_row, acc * (wa * inv) + blk * (wb * inv), mask=keep)
+            tl.store(lse_at, m + tl.log(total))
+
+    return _merge_kernel
+
+
+def merge_triton(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
+                 fresh: bool) -> None:
+    """Launch the kernel over every row (see the module doc; shapes as in :func:`.merge.merge_into`)."""
+    b, h, n, d = acc_out.shape
+    rows = b * h * n
+    if rows == 0 or d == 0:
+        return
+    import triton
+
+    _kernel()[(rows,)](acc_out, acc_lse, blk_out, blk_lse, h, n, d,
+                       *acc_out.stride(), *acc_lse.stride(), *blk_out.stride(), *blk_lse.stride(),
+                       FRESH=bool(fresh), BLOCK_D=triton.next_power_of_2(d))

@@ -1,0 +1,130 @@
+"""The fused merge (``torch.ops.megatron_ring.merge_``, core/merge.py) against the torch expression.
+
+CPU: the registered op runs the torch expression (bit-equal) and traces under FakeTensorMode as one op.
+Triton (where installed): the CUDA kernel of core/merge_triton.py runs on CPU tensors in Triton's interpreter
+(``TRITON_INTERPRET=1``, read when ``triton.jit`` decorates: the kernel is made afresh under it) against
+:func:`merge_reference` within the derived bound below, including rows with no key on either side, fresh
+accumulators, row-slice views and strided (BSHD-ordered) accumulators, blk_out in fp32/bf16/fp16 and a head dim
+that is not a power of two; a negative control shows the check fails on a wrong merge.
+
+The bound: both sides compute the same fp32 terms (max, two exp, one reciprocal, two products and a sum);
+each op adds at most one rounding of the fp32 unit roundoff ``u`` and exp/log implementations differ by at
+most 2 ``u`` (the weights are <= 1), so an output element differs by at most ``8 u (|acc| + |blk|)`` and an lse
+by at most ``8 u (|m| + 1)`` (``log(total)``, total in [1, 2]). -inf lse and the zero rows must match exactly.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from megatron_ring.core.merge import merge_into, merge_reference
+
+U32 = torch.finfo(torch.float32).eps / 2
+NEG = float("-inf")
+
+
+def _inputs(dtype=torch.bfloat16, d: int = 12, seed: int = 0):
+    """An accumulator ``[2, 3, 9, d]`` (BSHD memory order) with -inf rows, a block with -inf rows (some
+    overlapping: rows with no key on either side)."""
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.randn(2, 9, 3, d, generator=g).permute(0, 2, 1, 3)  # strided, as a [b, s, h, d] caller's
+    acc_lse = torch.randn(2, 3, 9, generator=g) * 4
+    blk = torch.randn(2, 3, 9, d, generator=g).to(dtype)
+    blk_lse = torch.randn(2, 3, 9, generator=g) * 4
+    acc_lse[0, 0, :3] = NEG
+    acc[0, 0, :3] = 0
+    blk_lse[0, 0, 2:5] = NEG  # row 2: -inf on both sides
+    blk_lse[1, 2, 8] = 80.0  # far apart: the accumulator's weight underflows to 0
+    return acc, acc_lse, blk, blk_lse
+
+
+def _within_bound(got, got_lse, ref, ref_lse, acc, blk) -> bool:
+    inf = torch.isinf(ref_lse)
+    if not torch.equal(inf, torch.isinf(got_lse)) or not torch.equal(got[inf], ref[inf]):
+        return False
+    m = torch.where(inf, torch.zeros_like(ref_lse), ref_lse)
+    out_ok = (got - ref).abs() <= 8 * U32 * (acc.abs() + blk.float().abs())
+    lse_ok = (got_lse - ref_lse).nan_to_num(0.0).abs() <= 8 * U32 * (m.abs() + 1)
+    return bool(out_ok.all() and lse_ok.all())
+
+
+def test_registered_op_on_cpu_is_the_torch_expression():
+    for fresh in (False, True):
+        acc, acc_lse, blk, blk_lse = _inputs()
+        a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
+        merge_reference(a1, l1, blk, blk_lse, fresh)
+        torch.ops.megatron_ring.merge_(a2, l2, blk, blk_lse, fresh)
+        assert torch.equal(a1, a2) and torch.equal(l1, l2)
+    assert torch.equal(a1, blk.float()) and torch.equal(l1, blk_lse)  # fresh: copied in
+
+
+def test_merge_into_on_cpu_runs_the_expression_on_row_slices():
+    acc, acc_lse, blk, blk_lse = _inputs()
+    a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
+    merge_into(a1[:, :, 2:7], l1[:, :, 2:7], blk[:, :, 2:7], blk_lse[:, :, 2:7])
+    merge_reference(a2[:, :, 2:7], l2[:, :, 2:7], blk[:, :, 2:7].clone(), blk_lse[:, :, 2:7].clone())
+    assert torch.equal(a1, a2) and torch.equal(l1, l2)
+    assert torch.equal(a1[:, :, :2], acc[:, :, :2])  # the rows outside the slice are untouched
+
+
+def test_the_op_traces_as_one_op_under_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode():
+        acc, lse = torch.empty(1, 2, 4, 8), torch.empty(1, 2, 4)
+        blk, blk_lse = torch.empty(1, 2, 4, 8, dtype=torch.bfloat16), torch.empty(1, 2, 4)
+        with Seen() as seen:
+            torch.ops.megatron_ring.merge_(acc, lse, blk, blk_lse, False)
+    assert seen.ops == ["megatron_ring.merge_.default"]
+
+
+def check_triton_against_reference() -> None:
+    """Run in Triton's interpreter (see the module doc); raises AssertionError on a mismatch."""
+    from megatron_ring.core.merge_triton import merge_triton
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for d in (12, 64):
+            for fresh in (False, True):
+                for rows in (slice(0, 9), slice(2, 7)):
+                    acc, acc_lse, blk, blk_lse = _inputs(dtype, d)
+                    a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
+                    a1, l1 = a1.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3), l1  # same strides
+                    args = (blk[:, :, rows], blk_lse[:, :, rows])
+                    merge_reference(a1[:, :, rows], l1[:, :, rows], *args, fresh)
+                    merge_triton(a2[:, :, rows], l2[:, :, rows], *args, fresh)
+                    assert _within_bound(a2, l2, a1, l1, acc, torch.zeros_like(acc).to(dtype).copy_(blk)), \
+                        (dtype, d, fresh, rows, (a2 - a1).abs().max())
+                    if fresh:
+                        assert torch.equal(a2, a1) and torch.equal(l2, l1)
+    # negative control: a merge of a slightly different block is outside the bound
+    acc, acc_lse, blk, blk_lse = _inputs()
+    a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
+    merge_reference(a1, l1, blk, blk_lse)
+    merge_triton(a2, l2, blk, blk_lse + 1e-3, False)
+    assert not _within_bound(a2, l2, a1, l1, acc, blk)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU torch)")
+def test_triton_kernel_in_the_interpreter_matches_the_expression(monkeypatch):
+    # triton.jit reads TRITON_INTERPRET when it decorates: the kernel is made afresh under it, and forgotten
+    # afterwards (a CUDA run compiles its own)
+    from megatron_ring.core.merge_triton import _kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _kernel.cache_clear()
+    try:
+        check_triton_against_reference()
+    finally:
+        _kernel.cache_clear()
