@@ -5,7 +5,8 @@ Triton (where installed): the CUDA kernel of core/merge_triton.py runs on CPU te
 (``TRITON_INTERPRET=1``, read when ``triton.jit`` decorates: the kernel is made afresh under it) against
 :func:`merge_reference` within the derived bound below, including rows with no key on either side, fresh
 accumulators, row-slice views and strided (BSHD-ordered) accumulators, blk_out in fp32/bf16/fp16 and a head dim
-that is not a power of two; a negative control shows the check fails on a wrong merge.
+that is not a power of two; a negative control shows the check fails on a wrong merge. The backward's fused adds
+(``_add_all`` of core/engine.py) equal the adds one by one.
 
 The bound: both sides compute the same fp32 terms (max, two exp, one reciprocal, two products and a sum);
 each op adds at most one rounding of the fp32 unit roundoff ``u`` and exp/log implementations differ by at
@@ -128,3 +129,28 @@ def test_triton_kernel_in_the_interpreter_matches_the_expression(monkeypatch):
         check_triton_against_reference()
     finally:
         _kernel.cache_clear()
+
+
+def test_fused_adds_keep_each_accumulators_order_and_split_only_on_overlap(monkeypatch):
+    """The backward's CUDA adds (core/engine.py ``_add_all``): one ``_foreach_add_`` where no two blocks of one
+    accumulator overlap, a new one where they do (a foreach kernel updates its tensors in parallel); the result
+    equals the adds one by one, bit for bit."""
+    from megatron_ring.core import engine
+
+    calls = []
+    real = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda a, b: (calls.append(len(a)), real(a, b)))
+    g = torch.Generator().manual_seed(1)
+    dq, dk = torch.randn(1, 2, 8, 4, generator=g), torch.randn(1, 2, 8, 4, generator=g)
+    blocks = [torch.randn(1, 2, 4, 4, generator=g) * 1e3 for _ in range(4)]
+    plan = [("dq", slice(0, 4)), ("dq", slice(4, 8)), ("dk", slice(0, 4)), ("dq", slice(2, 6))]  # last overlaps
+    want_q, want_k = dq.clone(), dk.clone()
+    for (name, sl), blk in zip(plan, blocks):
+        (want_q if name == "dq" else want_k)[:, :, sl].add_(blk)
+    engine._add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk) for (name, sl), blk in zip(plan, blocks)])
+    assert calls == [3, 1]
+    assert torch.equal(dq, want_q) and torch.equal(dk, want_k)
+    calls.clear()
+    engine._add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk)
+                     for (name, sl), blk in zip(plan[:3], blocks)])
+    assert calls == [3]  # no overlap: one call
