@@ -31,14 +31,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: what ``forkrun.py`` imports once before forking the ranks (a module that is not installed is skipped)
+PRELOAD = ("torch,torch.distributed,megatron.core,megatron.training,megatron.training.training,"
+           "megatron.core.models.gpt,megatron.core.models.gpt.gpt_layer_specs,megatron.core.models.mamba,"
+           "megatron_ring.megatron")
+_FORKRUN = str(Path(__file__).resolve().with_name("forkrun.py"))
+
+
+def torchrun_cmd(script, nproc: int, *args: str) -> list[str]:
+    """The command of a single-node job of ``nproc`` ranks on 127.0.0.1 and a free port. Without CUDA:
+    ``tests/helpers/forkrun.py`` (torchrun's environment for each rank, the imports done once before the ranks
+    fork: a job starts in seconds instead of every rank importing torch + Megatron); with CUDA (a forked rank
+    could not use it): ``python -m torch.distributed.run``. Jobs that test torchrun itself (its teardown after a
+    killed rank: tests/megatron/test_crash_resume.py; tests/test_fsdp2_ring.py) call torchrun directly."""
+    import torch
+    port = str(free_port())
+    if torch.cuda.is_available():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+                "127.0.0.1", "--master-port", port, str(script), *map(str, args)]
+    return [sys.executable, _FORKRUN, str(nproc), PRELOAD, str(script), *map(str, args)]
+
+
+def torchrun_env(env: dict | None = None) -> dict:
+    """The job's environment: this repository on PYTHONPATH, one thread per process, the rendezvous address
+    (``forkrun.py`` reads MASTER_ADDR / MASTER_PORT from it; torchrun sets its own), and ``env``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()), **(env or {}))
+
+
 def torchrun(script, nproc: int, *args: str, env: dict | None = None, timeout: float | None = None,
              name: str = "torchrun") -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run --nproc-per-node N`` on 127.0.0.1 and a free port, this repository
-    on PYTHONPATH, one thread per process; asserts exit code 0 (the output's tail in the message)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), str(script), *map(str, args)]
-    p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout or TIMEOUT_S)
+    """A single-node job (``torchrun_cmd``), this repository on PYTHONPATH, one thread per process; asserts exit
+    code 0 (the output's tail in the message)."""
+    p = subprocess.run(torchrun_cmd(script, nproc, *args), env=torchrun_env(env), capture_output=True, text=True,
+                       timeout=timeout or TIMEOUT_S)
     assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p
 
@@ -52,4 +78,5 @@ def masked_mean_losses(log, micro_batches: int) -> list[float]:
             for i in range(0, len(rows), micro_batches)]
 
 
-__all__ = ["ROOT", "TIMEOUT_S", "WorkerError", "free_port", "masked_mean_losses", "run_distributed", "torchrun"]
+__all__ = ["ROOT", "TIMEOUT_S", "WorkerError", "free_port", "masked_mean_losses", "run_distributed", "torchrun",
+           "torchrun_cmd", "torchrun_env"]

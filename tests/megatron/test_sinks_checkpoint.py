@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from tests.megatron.pretrain_cli import free_port
+from tests.helpers.launch import torchrun_cmd, torchrun_env
 
 pytestmark = [pytest.mark.slow]
 
@@ -33,10 +32,8 @@ def expected(layer: int, heads) -> list[float]:
 
 def _run(tmp_path, mode: str) -> dict:
     out = tmp_path / f"{mode}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), WORKER, str(tmp_path / f"ckpt-{mode}"), mode, str(out)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    cmd = torchrun_cmd(WORKER, 4, str(tmp_path / f"ckpt-{mode}"), mode, str(out))
+    p = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 0, f"{mode} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return json.loads(out.read_text())
 

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from tests.helpers.launch import free_port
+from tests.helpers.launch import torchrun_cmd, torchrun_env
 from tests.helpers.numerics import Checks, add_model_grads, model_curve_tols
 from tests.megatron.pretrain_cli import CPU_FLAGS, MODEL_SIZES
 
@@ -60,12 +59,10 @@ def launch(tmp_path, name: str, nproc: int, pattern: str, *extra: str, ok: bool 
            env_extra: dict | None = None):
     log = tmp_path / f"{name}.loss"
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keep where einops is
-    env = dict(os.environ, MEGATRON_RING_LOSS_LOG=str(log), MEGATRON_RING_GRAD_LOG=str(tmp_path / f"{name}.grads"),
-               OMP_NUM_THREADS="1", PYTHONPATH=path, **(env_extra or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *(MODEL if model is None else model),
-           "--hybrid-layer-pattern", pattern,
-           "--context-parallel-size", str(nproc), *extra]
+    env = torchrun_env(dict(MEGATRON_RING_LOSS_LOG=str(log), MEGATRON_RING_GRAD_LOG=str(tmp_path / f"{name}.grads"),
+                            PYTHONPATH=path, **(env_extra or {})))
+    cmd = torchrun_cmd(SCRIPT, nproc, *(MODEL if model is None else model), "--hybrid-layer-pattern", pattern,
+                       "--context-parallel-size", str(nproc), *extra)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     if not ok:
         assert p.returncode != 0, f"{name} should have failed:\n{p.stdout[-2000:]}"
