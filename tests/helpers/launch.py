@@ -54,9 +54,9 @@ def torchrun_cmd(script, nproc: int, *args: str) -> list[str]:
 
 def torchrun_env(env: dict | None = None) -> dict:
     """The job's environment: this repository on PYTHONPATH, one thread per process, the rendezvous address
-    (``forkrun.py`` reads MASTER_ADDR / MASTER_PORT from it; torchrun sets its own), and ``env``."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()), **(env or {}))
+    (``forkrun.py`` reads MASTER_ADDR / MASTER_PORT from it; torchrun sets its own), ``env`` over them."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), **(env or {})}
 
 
 def torchrun(script, nproc: int, *args: str, env: dict | None = None, timeout: float | None = None,
