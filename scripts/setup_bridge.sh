@@ -14,5 +14,5 @@ stamp="$SITE/.megatron_ring_stamp"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 echo "[setup] installing Megatron-Bridge (pinned, --no-deps) into $SITE" >&2
 rm -rf "$SITE"  # one pip call into an empty folder: with --target a later call skips existing top-level dirs
-.venv312/bin/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps --target "$SITE" -r "$REQ"
+.venv312/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --target "$SITE" -r "$REQ"
 echo "$want" > "$stamp"

@@ -35,9 +35,7 @@ if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want"
 fi
 echo "[setup] preparing $VENV (extras: $EXTRAS, constraints: $CONSTRAINTS)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-# --no-compile: pip would byte-compile every installed module (measured: 32 s of CPU for .venv's 7.7k files, three
-# venvs per fresh CI run); the interpreter compiles the ones actually imported on first import and caches them.
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 torch_pin="$(grep -E '^torch==' "$CONSTRAINTS")"
 have_gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then have_gpu=1; fi
