@@ -22,10 +22,10 @@ from megatron_ring.megatron.attention import comm_types, module as attn, qk_clip
 from tests.helpers.ring_fakes import one_rank_group  # noqa: F401  (fixture)
 
 
-def _module(group):
+def _module(group, **config):
     cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             use_cpu_initialization=True, context_parallel_size=1, transformer_impl="local",
-                            attention_dropout=0.0)
+                            attention_dropout=0.0, **config)
     return RingDotProductAttention(cfg, 1, AttnMaskType.causal, "self",
                                    pg_collection=SimpleNamespace(cp=group, tp=SimpleNamespace(size=lambda: 1)))
 
@@ -54,12 +54,13 @@ def _count(monkeypatch):
     return counts
 
 
-def _pieces_seen(monkeypatch):
+def _keyword_seen(monkeypatch, keyword: str) -> list:
+    """The values of ``keyword`` the layer passes to ``ring_attention``, one per call."""
     seen: list = []
     real = megatron_ring.ring_attention
 
     def spy(*a, **kw):
-        seen.append(kw["kv_pieces"])
+        seen.append(kw[keyword])
         return real(*a, **kw)
     monkeypatch.setattr(megatron_ring, "ring_attention", spy)
     return seen
@@ -81,7 +82,7 @@ def test_settings_are_resolved_once_per_layer_and_group(one_rank_group, monkeypa
 
 
 def test_environment_is_read_at_a_layers_first_call(one_rank_group, monkeypatch):  # noqa: F811
-    seen = _pieces_seen(monkeypatch)
+    seen = _keyword_seen(monkeypatch, "kv_pieces")
     q, k, v = _qkv()
     m = _module(dist.group.WORLD)
     m(q, k, v, None)
@@ -109,19 +110,9 @@ def test_deterministic_mode_is_passed_per_call_and_sets_no_process_state(one_ran
     process default (None); building the layer changes no process-wide setting (it used to set it for good)."""
     from megatron_ring.kernels import block as K
 
-    asked: list = []
-    real = megatron_ring.ring_attention
-
-    def spy(*a, **kw):
-        asked.append(kw["deterministic"])
-        return real(*a, **kw)
-    monkeypatch.setattr(megatron_ring, "ring_attention", spy)
+    asked = _keyword_seen(monkeypatch, "deterministic")
     before = K.deterministic()
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                            use_cpu_initialization=True, context_parallel_size=1, transformer_impl="local",
-                            attention_dropout=0.0, deterministic_mode=mode)
-    m = RingDotProductAttention(cfg, 1, AttnMaskType.causal, "self",
-                                pg_collection=SimpleNamespace(cp=dist.group.WORLD, tp=SimpleNamespace(size=lambda: 1)))
+    m = _module(dist.group.WORLD, deterministic_mode=mode)
     assert K.deterministic() == before
     m(*_qkv(), None)
     assert asked == [True if mode else None] and K.deterministic() == before
