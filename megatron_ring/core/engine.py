@@ -416,8 +416,7 @@ class _Accumulators:
 
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, plan: RingPlan, step: int, dq: torch.Tensor,
-                   wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks,
-                   lse_rows: dict | None = None) -> None:
+                   wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks, lse_rows: dict) -> None:
     """``tasks`` of one visiting block: dQ into ``dq``; dK/dV into the travelling accumulator, after
     ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute).
 
@@ -473,10 +472,8 @@ def _add_all(adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]]) -> None:
         torch._foreach_add_([e[2] for e in batch], [e[3] for e in batch])
 
 
-def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict | None) -> torch.Tensor:
-    """``lse[:, :, rows]`` contiguous (as the kernels take it), made once per row slice where ``cache`` is given."""
-    if cache is None:
-        return lse[:, :, rows].contiguous()
+def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict) -> torch.Tensor:
+    """``lse[:, :, rows]`` contiguous (as the kernels take it), made once per row slice and call (``cache``)."""
     key = (rows.start, rows.stop, rows.step)
     got = cache.get(key)
     if got is None:
