@@ -15,7 +15,8 @@
 # megatron-core, pytest; pytest-timeout is used only where installed). Budget: each step under `timeout`,
 # under 8 minutes in all on one GPU. On a machine without a usable GPU it says so and exits 0.
 # Env: MEGATRON_RING_VENV (default .venv), GPU_CHECK_SEQ (default 8192: the NCCL and TE checks),
-# GPU_CHECK_TOKENS_PER_RANK (default "2048 8192": the benchmark rows).
+# GPU_CHECK_TOKENS_PER_RANK (default "2048 8192": the benchmark rows), GPU_CHECK_LOGS (a folder that keeps each
+# step's log; default: a temporary folder, removed at the end).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # the library and the lab from this checkout, whatever Python runs them (a venv or a system Python)
@@ -35,11 +36,15 @@ if [ "$NGPU" = 0 ]; then
   echo "[gpu_check] nothing to check on this machine; CPU users run: bash scripts/test.sh"
   exit 0
 fi
-OUT="$(mktemp -d)"; trap 'rm -rf "$OUT"' EXIT
+if [ -n "${GPU_CHECK_LOGS:-}" ]; then  # keep every step's log there
+  OUT="$GPU_CHECK_LOGS"; mkdir -p "$OUT"
+else
+  OUT="$(mktemp -d)"; trap 'rm -rf "$OUT"' EXIT
+fi
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 echo "[gpu_check] $NGPU GPU(s): $("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))'), python $PY"
 # pytest-timeout (setup.cfg's `timeout`) only where installed; the step's `timeout` bounds it anyway
-PYTEST_ARGS=(-q -rfE -p no:cacheprovider)
+PYTEST_ARGS=(-q -rfE -p no:cacheprovider --durations=12)
 if "$PY" -c 'import pytest_timeout' >/dev/null 2>&1; then
   PYTEST_ARGS+=(--timeout 240)
 else

@@ -38,7 +38,7 @@ from megatron_ring.kernels.sinks import fold_sink, sink_grad
 from megatron_ring.wire.codecs import KVCodec, KVSpec
 from megatron_ring.transport.ring import Transport
 from megatron_ring.kernels.block import BlockKernel, ReversedKernel
-from megatron_ring.kernels.varlen import masked_kernel
+from megatron_ring.kernels.varlen import masked_kernel, whole_blocks
 from megatron_ring.schedules.layouts import Schedule, TaskKind
 from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
 from megatron_ring.schedules.on_device import positions_on
@@ -73,11 +73,14 @@ class RingPlan:
     #: plan's q, folded in place by the forward (core/max_logit.py); None: not asked, nothing computed
     row_max: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
-    def tasks(self, step: int, s: int):
+    def tasks(self, step: int, s: int, q: torch.Tensor):
+        """The tasks of ``step`` for local blocks of ``s`` rows (``q``: the local queries, for the kernel's case)."""
         src = (self.ring.rank - step) % self.ring.world
         if self.mask is None:
             return self.layout.block_tasks(self.causal, self.ring.world, self.ring.rank, src, s)
-        return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s)
+        # masked tasks on a variable-length kernel: whole blocks, not tiles (kernels/varlen.py: whole_blocks)
+        tile = s if self.dropout is None and whole_blocks(self.kernel, q) else None
+        return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s, tile)
 
     def steps(self, s: int) -> int:
         """Ring steps to run: fewer than P when no rank needs the K/V of the farther ranks (windows)."""
@@ -273,7 +276,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     views = [_heads(qs, h, q, out, lse) for qs, _ in pieces]  # made once, not per step
     fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
     for step in range(steps):
-        tasks = plan.tasks(step, s) if refusal is None else ()  # refused: the stream only, no compute
+        tasks = plan.tasks(step, s, q) if refusal is None else ()  # refused: the stream only, no compute
         for j, (_, piece_plan) in enumerate(pieces):
             q_j, out_j, lse_j = views[j]
             fresh[j] = _forward_step(q_j, *kv.block(step, j), piece_plan, step, tasks, out_j, lse_j, fresh[j])
@@ -342,7 +345,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                                                      for qs, _ in pieces)]
     lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
     for step in range(steps):
-        tasks = plan.tasks(step, s)
+        tasks = plan.tasks(step, s, q)
         for j, (_, piece_plan) in enumerate(pieces):
             kt, vt = kv.block(step, j)
             dout_j, q_j, out_j, lse_j, dq_j = views[j]

@@ -10,10 +10,13 @@ query rows and key rows cut into segments, with one window per call. Two kernels
   gets what torch's autograd formula for ``_flash_attention_forward`` passes (``tests/fake_cuda/test_conformance.py``):
   the lse in the forward's layout ``[heads, rows]`` with ``+inf`` for rows that see no key, the forward's
   (unused, no dropout) rng_state and offset. sm80+, fp16/bf16, head dim <= 256 and a multiple of 8; not in
-  deterministic mode (as ``flash_cuda``). NOT RUN ON A GPU yet: checked on the fake-CUDA tier (shapes) and by
-  the conformance test (arguments) only.
+  deterministic mode (as ``flash_cuda``). Run on an H200 (2026-11-27): ``tests/gpu/test_gpu_varlen.py`` and the GPU
+  engine tests pass vs float64; that first run found the kernel's two window rewrites (a bound
+  ``>= max_seqlen_k`` dropped, a -1 opposite a set bound made ``max_seqlen_k``), now modelled by the stand-in and
+  avoided by :attr:`~megatron_ring.kernels.varlen_plan.VarlenCall.kernel_max_k`.
 * :class:`VarlenCPUKernel` (``varlen_cpu``): a CPU stand-in with the same documented semantics (per segment:
-  bottom-right aligned causal and window, GQA, rows that see no key give out 0 and lse ``+inf``), fp32 math
+  bottom-right aligned causal and window after the kernel's rewrites of the window given ``max_seqlen_k``, GQA,
+  rows that see no key give out 0 and lse ``+inf``), fp32 math
   per segment, written from those semantics; :func:`cpu_stand_in` makes the engine send masked tasks on CPU
   to it, so the same plans are checked against float64 in CI.
 
@@ -34,7 +37,8 @@ from megatron_ring.kernels.block import BlockKernel, MathKernel, _deterministic_
 from megatron_ring.kernels.head_dim import HeadDimPadKernel
 from megatron_ring.kernels.varlen_plan import SegmentPlan, VarlenCall, plan_for, visible_in_segment
 
-__all__ = ["VarlenFlashCudaKernel", "VarlenCPUKernel", "masked_kernel", "cpu_stand_in", "COUNTS", "FUSED_CUDA"]
+__all__ = ["VarlenFlashCudaKernel", "VarlenCPUKernel", "masked_kernel", "whole_blocks", "cpu_stand_in", "COUNTS",
+           "FUSED_CUDA"]
 
 #: masked tasks run, by kernel: "varlen_cuda", "varlen_cpu", "math" (a fallback: the case or the mask does not fit)
 COUNTS: Counter = Counter()
@@ -77,11 +81,16 @@ class _VarlenKernel(BlockKernel):
     def __init__(self) -> None:
         self._fits: dict[tuple, bool] = {}
 
-    def _plan(self, q, v, mask) -> SegmentPlan | None:
-        key = (q.device, q.dtype, max(q.shape[-1], v.shape[-1]), self.is_deterministic())
+    def fits(self, q: torch.Tensor, head_dim: int) -> bool:
+        """Whether this kernel takes ``q``'s case (cached per device, dtype, head dim and determinism)."""
+        key = (q.device, q.dtype, head_dim, self.is_deterministic())
         fits = self._fits.get(key)
         if fits is None:
-            fits = self._fits[key] = self.unsupported(q, key[2]) is None
+            fits = self._fits[key] = self.unsupported(q, head_dim) is None
+        return fits
+
+    def _plan(self, q, v, mask) -> SegmentPlan | None:
+        fits = self.fits(q, max(q.shape[-1], v.shape[-1]))
         plan = plan_for(mask) if fits and mask is not None else None
         COUNTS[self.name if plan is not None else "math"] += 1
         return plan
@@ -161,14 +170,14 @@ class VarlenFlashCudaKernel(_VarlenKernel):
 
     def _fwd(self, q, k, v, cum_q, cum_k, call, b, scale):
         out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cum_q, cum_k, call.max_q, call.max_k, 0.0, call.causal, False, **self._args(call, scale))
+            q, k, v, cum_q, cum_k, call.max_q, call.kernel_max_k, 0.0, call.causal, False, **self._args(call, scale))
         return out, lse
 
     def _bwd(self, dout, q, k, v, out, lse, cum_q, cum_k, call, b, scale):
         # without dropout the forward's rng_state and offset are not read: made as the forward makes them
         rng_state, unused = _unused_rng(q, torch.uint64, (2,))
         return torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, call.max_q, call.max_k, 0.0, call.causal, rng_state, unused,
+            dout, q, k, v, out, lse, cum_q, cum_k, call.max_q, call.kernel_max_k, 0.0, call.causal, rng_state, unused,
             **self._args(call, scale))
 
 
@@ -191,7 +200,7 @@ class VarlenCPUKernel(_VarlenKernel):
         h, hk = q.shape[1], k.shape[1]
         qs = q[qa:qb].float().transpose(0, 1).reshape(hk, h // hk, qb - qa, -1)
         s = torch.einsum("kgqd,ksd->kgqs", qs, k[ka:kb].float().transpose(0, 1)) * scale
-        ok = visible_in_segment(qb - qa, kb - ka, call.causal, *call.window)
+        ok = visible_in_segment(qb - qa, kb - ka, call.causal, *call.window, call.kernel_max_k)
         return s.masked_fill(~ok, float("-inf"))
 
     def _fwd(self, q, k, v, cum_q, cum_k, call, b, scale):
@@ -264,3 +273,15 @@ def masked_kernel(kernel: BlockKernel) -> BlockKernel:
     if got is None or got.base is not chosen:
         got = _chosen[kernel] = HeadDimPadKernel(chosen)
     return got
+
+
+def whole_blocks(kernel: BlockKernel, q: torch.Tensor) -> bool:
+    """True when the masked tasks of a plan whose kernel is ``kernel`` run on a variable-length kernel (which
+    takes ``q``'s case: else they fall back to the math kernel, which needs tiles to bound its memory): the
+    schedule then hands it whole blocks (one masked task per run of rows, :func:`..schedules.masks.schedule`
+    with ``tile`` = the block) instead of tiles, since the kernel skips the hidden pairs itself. On tiles a
+    packed block of documents became dozens of small calls, each with its merge: on an H200 (2026-11-27) 1,015
+    to 8,240 launches per call and 1-2% of one-GPU variable-length flash, host-bound."""
+    chosen = masked_kernel(kernel)
+    base = chosen.base if isinstance(chosen, HeadDimPadKernel) else chosen
+    return isinstance(base, _VarlenKernel) and base.fits(q, q.shape[-1])

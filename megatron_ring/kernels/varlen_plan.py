@@ -31,10 +31,24 @@ import torch
 __all__ = ["VarlenCall", "SegmentPlan", "plan_for", "build_plan", "visible_in_segment"]
 
 
-def visible_in_segment(sq: int, sk: int, causal: bool, left: int, right: int) -> torch.Tensor:
+def visible_in_segment(sq: int, sk: int, causal: bool, left: int, right: int,
+                       max_k: int | None = None) -> torch.Tensor:
     """Bool ``[sq, sk]``: the pairs a variable-length flash kernel computes in one segment (flash-attention's
     documented rule: query ``a`` attends keys ``[a + sk - sq - left, a + sk - sq + right]``, -1 unbounded,
-    causal meaning ``right = 0``)."""
+    causal meaning ``right = 0``).
+
+    ``max_k``: the call's ``max_seqlen_k``, which the kernel uses to rewrite the window first (flash-attention
+    2's ``mha_varlen_fwd/bwd`` and ``set_params_fprop``, torch's copy included): a bound ``>= max_seqlen_k``
+    becomes -1, then a -1 opposite a set bound becomes ``max_seqlen_k``. With more query rows than keys in a
+    segment neither rewrite is harmless, hence :attr:`VarlenCall.kernel_max_k`."""
+    if max_k is not None:
+        left, right = (-1 if w >= max_k else w for w in (left, right))
+        if causal:
+            right = 0
+        if left < 0 <= right:
+            left = max_k
+        elif right < 0 <= left:
+            right = max_k
     a = torch.arange(sq)[:, None]
     b = torch.arange(sk)[None, :]
     ok = torch.ones(sq, sk, dtype=torch.bool)
@@ -69,6 +83,14 @@ class VarlenCall:
     def max_k(self) -> int:
         return max(b - a for a, b in zip(self.cum_k, self.cum_k[1:]))
 
+    @property
+    def kernel_max_k(self) -> int:
+        """The ``max_seqlen_k`` the kernel is given: at least the longest key AND query segment and above both
+        window bounds, so that the kernel's rewrites of the window (:func:`visible_in_segment`) change no pair:
+        a bound is never dropped, and a bound it sets for a -1 reaches every key. The kernels read the real
+        lengths from ``cum_seq_k``; this value only bounds them."""
+        return max(self.max_k, self.max_q, self.window[0] + 1, self.window[1] + 1)
+
     def batched(self, b: int) -> tuple[list[int], list[int]]:
         """``cum_q``, ``cum_k`` for ``b`` batch rows packed one after another (each its own segments)."""
         nq, nk = self.q.stop - self.q.start, self.kv.stop - self.kv.start
@@ -81,7 +103,7 @@ class VarlenCall:
         ok = torch.zeros(self.q.stop - self.q.start, self.kv.stop - self.kv.start, dtype=torch.bool)
         for qa, qb, ka, kb in zip(self.cum_q, self.cum_q[1:], self.cum_k, self.cum_k[1:]):
             if qb > qa and kb > ka:
-                ok[qa:qb, ka:kb] = visible_in_segment(qb - qa, kb - ka, self.causal, *self.window)
+                ok[qa:qb, ka:kb] = visible_in_segment(qb - qa, kb - ka, self.causal, *self.window, self.kernel_max_k)
         return ok
 
 

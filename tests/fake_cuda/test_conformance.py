@@ -324,7 +324,7 @@ def _varlen_bwd_int64(self, dout, q, k, v, out, lse, cum_q, cum_k, call, b, scal
     """The backward call with int64 cumulative lengths and without the window (two mistakes)."""
     rng_state, unused = K._unused_rng(q, torch.uint64, (2,))
     return torch.ops.aten._flash_attention_backward(
-        dout, q, k, v, out, lse, cum_q.long(), cum_k.long(), call.max_q, call.max_k, 0.0, call.causal,
+        dout, q, k, v, out, lse, cum_q.long(), cum_k.long(), call.max_q, call.kernel_max_k, 0.0, call.causal,
         rng_state, unused, scale=scale)
 
 

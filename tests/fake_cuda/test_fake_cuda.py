@@ -240,10 +240,12 @@ def _plan_on_host(case: Case, rank: int) -> set[str]:
         lay = get_layout(case.layout)
         needed_steps(lay, rule, case.P, S_LOCAL)
         for t in range(case.P):
-            for task in schedule(lay, rule, case.P, rank, (rank - t) % case.P, S_LOCAL):
-                if task.kind is TaskKind.MASKED:
-                    plan_for(task.mask)  # the masked task's segment plan (kernels/varlen_plan.py), host work
-                kinds.add("masked" if task.kind is TaskKind.MASKED else "dense")
+            # tiles (math kernel, dropout) and whole blocks (a variable-length kernel: varlen.whole_blocks)
+            for tile in (None, S_LOCAL):
+                for task in schedule(lay, rule, case.P, rank, (rank - t) % case.P, S_LOCAL, tile):
+                    if task.kind is TaskKind.MASKED:
+                        plan_for(task.mask)  # the masked task's segment plan (kernels/varlen_plan.py), host work
+                    kinds.add("masked" if task.kind is TaskKind.MASKED else "dense")
     return kinds
 
 

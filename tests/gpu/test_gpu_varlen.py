@@ -1,8 +1,9 @@
 """GPU check of the variable-length flash kernel of masked tasks (kernels/varlen.py): forward (out, lse) and
 backward (dq, dk, dv) of one masked task vs float64 with the same mask, the derived bound. The ``cpu``
 variant runs the CPU stand-in (same plans) and runs everywhere; the ``cuda`` variant runs torch's
-``aten._flash_attention_forward/_backward`` and needs a GPU (sm80+, bf16): NOT RUN YET, no GPU was at hand
-when it was written. Negative control: the plan with one alignment off by one fails the bound."""
+``aten._flash_attention_forward/_backward`` and needs a GPU (sm80+, bf16; first run on an H200 on 2026-11-27,
+where it found the dropped window bound below). Negative controls: the plan with one alignment off by one, and
+the kernel given ``max_seqlen_k`` = the longest key segment, fail the bound."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,13 +47,27 @@ def _off_by_one(plan):
     return varlen_plan.SegmentPlan((shifted,) + plan.calls[1:], plan.shared_keys)
 
 
-def varlen_checks(device, mask_args, corrupt=False):
+class _RawMaxK(varlen_plan.VarlenCall):
+    """A call that hands the kernel its longest key segment as ``max_seqlen_k`` (the mistake the H200 run
+    showed: the kernel then drops a right window bound ``>= max_seqlen_k``)."""
+
+    @property
+    def kernel_max_k(self) -> int:
+        return self.max_k
+
+
+def _raw_max_k(plan):
+    calls = tuple(_RawMaxK(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}) for c in plan.calls)
+    return varlen_plan.SegmentPlan(calls, plan.shared_keys)
+
+
+def varlen_checks(device, mask_args, corrupt=None):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     mask = _mask(*mask_args)
     plan = varlen_plan.plan_for(mask)
     assert plan is not None
     if corrupt:
-        varlen_plan._PLANS[mask] = _off_by_one(plan)
+        varlen_plan._PLANS[mask] = {"off_by_one": _off_by_one, "raw_max_k": _raw_max_k}[corrupt](plan)
     kern = varlen._VARLEN_CUDA[None] if device == "cuda" else varlen._VARLEN_CPU
     g = torch.Generator().manual_seed(len(plan.calls))
     q, dout = (torch.randn(2, 4, S, 64, generator=g).to(device, dtype) for _ in range(2))
@@ -85,6 +100,18 @@ def test_varlen_kernel_vs_float64(device, mask_args):
 def test_varlen_check_catches_an_off_by_one(device):
     try:
         with pytest.raises(AssertionError):
-            varlen_checks(device, MASKS[0], corrupt=True).check()
+            varlen_checks(device, MASKS[0], corrupt="off_by_one").check()
+    finally:
+        varlen_plan._PLANS.clear()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_varlen_check_catches_a_window_the_kernel_drops(device):
+    """The H200 failure, reproduced by the stand-in: a right bound ``>= max_seqlen_k`` is dropped by the kernel,
+    so a call of 120 query rows over 56 keys with the window ``(-1, 64)`` given ``max_seqlen_k = 56`` attends
+    every key (out off by 2.9, dq by 83 on the GPU)."""
+    try:
+        with pytest.raises(AssertionError):
+            varlen_checks(device, MASKS[4], corrupt="raw_max_k").check()
     finally:
         varlen_plan._PLANS.clear()

@@ -20,7 +20,7 @@ A row (:func:`gpu_row`) reports, besides the efficiency:
   missing, named in ``reference``).
 
 ``device="cpu"`` runs the same row on CPU (host clock; no launches, memory or graphs): how the lab's tests
-check it without a GPU. Nothing here has run on a GPU yet with these fields (the efficiency field did).
+check it without a GPU. Every field ran on an H200 on 2026-11-27 (docs/performance.md has the table).
 """
 from __future__ import annotations
 
