@@ -2,12 +2,7 @@
 tensors, real streams and events (the device seam's ``CudaOps``), the real autograd engine. Each case runs
 forward and backward over the loopback transport and checks what the fake tier checks (shapes, dtypes,
 devices, strides of the output and every gradient), plus finite values. Values against float64 are
-checked by test_gpu_kernels_and_engine.py. Skipped without a GPU (tests/gpu/conftest.py).
-
-The cases that force ``sdpa_cuda`` (torch's memory-efficient kernel, refused by name to users: its backward gave
-wrong gradients, then an illegal memory access on an H200) are left out: on an H200 (2026-11-27) they passed
-this check, but a later case of the same process (cudnn, head_chunks=2) then got non-finite gradients, while
-it passes alone and in every other order tried."""
+checked by test_gpu_kernels_and_engine.py. Skipped without a GPU (tests/gpu/conftest.py)."""
 
 import pytest
 import torch
@@ -18,7 +13,7 @@ from megatron_ring import ring_attention  # noqa: E402
 from megatron_ring.transport.ring import LoopbackRing  # noqa: E402
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.kernel != "sdpa_cuda"], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_fake_tier_case_on_a_gpu(case):
     from tests.fake_cuda.test_fake_cuda import _inputs
 
