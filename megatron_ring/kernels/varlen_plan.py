@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["VarlenCall", "SegmentPlan", "plan_for", "build_plan", "visible_in_segment"]
+__all__ = ["VarlenCall", "SegmentPlan", "plan_for", "build_plan", "visible_in_segment", "kernel_window"]
 
 
 def visible_in_segment(sq: int, sk: int, causal: bool, left: int, right: int,
@@ -42,13 +42,7 @@ def visible_in_segment(sq: int, sk: int, causal: bool, left: int, right: int,
     becomes -1, then a -1 opposite a set bound becomes ``max_seqlen_k``. With more query rows than keys in a
     segment neither rewrite is harmless, hence :attr:`VarlenCall.kernel_max_k`."""
     if max_k is not None:
-        left, right = (-1 if w >= max_k else w for w in (left, right))
-        if causal:
-            right = 0
-        if left < 0 <= right:
-            left = max_k
-        elif right < 0 <= left:
-            right = max_k
+        left, right = kernel_window(causal, left, right, max_k)
     a = torch.arange(sq)[:, None]
     b = torch.arange(sk)[None, :]
     ok = torch.ones(sq, sk, dtype=torch.bool)
@@ -60,6 +54,19 @@ def visible_in_segment(sq: int, sk: int, causal: bool, left: int, right: int,
     if right >= 0:
         ok &= b <= a + shift + right
     return ok
+
+
+def kernel_window(causal: bool, left: int, right: int, max_k: int) -> tuple[int, int]:
+    """The ``(left, right)`` window the kernel runs for a call given ``max_seqlen_k = max_k`` (its rewrites, see
+    :func:`visible_in_segment`; causal: ``right = 0``)."""
+    left, right = (-1 if w >= max_k else w for w in (left, right))
+    if causal:
+        right = 0
+    if left < 0 <= right:
+        left = max_k
+    elif right < 0 <= left:
+        right = max_k
+    return left, right
 
 
 @dataclass(frozen=True)
@@ -175,21 +182,89 @@ def _segment(ok: torch.Tensor, qa: int, qb: int, ka: int, kb: int):
     if not rows:
         return None
     ra, rb, ca, cb = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
-    sub = sub[ra:rb, ca:cb]
-    sq, sk = rb - ra, cb - ca
+    spans = [(row.index(True), len(row) - row[::-1].index(True)) if True in row else None
+             for row in sub[ra:rb, ca:cb].tolist()]
+    return _needs(spans, qa + ra, ka + ca, cb - ca)
+
+
+def _needs(spans: list, qa: int, ka: int, sk: int):
+    """A trimmed segment (rows from ``qa``, ``sk`` keys from ``ka``; ``spans``: per row its visible keys
+    ``[lo, hi)`` relative to ``ka``, None: none) with what its right and left window need."""
+    sq = len(spans)
     shift = sk - sq
     right, left = _Need(None, sq - 1), _Need(None, sk - 1)
-    for a, row in enumerate(sub.tolist()):
-        if True not in row:
+    for a, span in enumerate(spans):
+        if span is None:
             continue
-        lo, hi = row.index(True), sk - 1 - row[::-1].index(True)
+        lo, hi = span[0], span[1] - 1
         if hi < sk - 1:  # the row's upper bound is effective: right = hi - a - shift
             right = _Need(hi - a - shift, 0) if right.exact is None else right
         if lo > 0:
             left = _Need(a + shift - lo, 0) if left.exact is None else left
     if (right.exact is not None and right.exact < 0) or (left.exact is not None and left.exact < 0):
         return "inexpressible"
-    return (qa + ra, qa + rb, ka + ca, ka + cb), right, left
+    return (qa, qa + sq, ka, ka + sk), right, left
+
+
+def _row_spans(mask) -> tuple[list[int], list[int]] | None:
+    """Per query row of a BlockMask, its visible key rows ``[lo, hi)`` (``lo == hi``: none), from the four
+    vectors in O(rows log keys), no ``[rows, keys]`` matrix. Exact where the task's key positions increase
+    and their documents do not decrease (one run of a layout: then documents, causality and the window each
+    leave a row one range of keys); None otherwise."""
+    kpos, kdoc, qpos, qdoc = mask.kpos, mask.kdoc, mask.qpos, mask.qdoc
+    big = torch.iinfo(torch.int64).max
+    kd = torch.where(kdoc < 0, big, kdoc.long())  # padding: no document, last along the rows
+    if len(kpos) > 1 and not (bool((kpos[1:] > kpos[:-1]).all()) and bool((kd[1:] >= kd[:-1]).all())):
+        return None
+    qd = qdoc.long()
+    lo = torch.searchsorted(kd, qd)
+    hi = torch.searchsorted(kd, qd, right=True)
+    rule = mask.rule
+    if rule.causal:
+        hi = torch.minimum(hi, torch.searchsorted(kpos, qpos, right=True))
+    if rule.window is not None:
+        left, right = rule.window
+        if left >= 0:
+            lo = torch.maximum(lo, torch.searchsorted(kpos, qpos - left))
+        if right >= 0:
+            hi = torch.minimum(hi, torch.searchsorted(kpos, qpos + right, right=True))
+    empty = (hi <= lo) | (qdoc < 0)
+    return lo.masked_fill(empty, 0).tolist(), hi.masked_fill(empty, 0).tolist()
+
+
+def _spans_segment(spans: tuple[list[int], list[int]]):
+    """:func:`_segment` from row spans (see :func:`_row_spans`) instead of the matrix."""
+    lo_all, hi_all = spans
+
+    def segment(qa: int, qb: int, ka: int, kb: int):
+        rows = [a for a in range(qa, qb) if hi_all[a] > lo_all[a]]
+        if not rows:
+            return None
+        ra, rb = rows[0], rows[-1] + 1
+        ca = min(lo_all[a] for a in rows)
+        cb = max(hi_all[a] for a in rows)
+        if ca < ka or cb > kb:
+            return "inexpressible"  # keys of another document: not this segment's
+        return _needs([(lo_all[a] - ca, hi_all[a] - ca) if hi_all[a] > lo_all[a] else None
+                       for a in range(ra, rb)], ra, ca, cb - ca)
+    return segment
+
+
+def _spans_match(calls: list[VarlenCall], spans: tuple[list[int], list[int]]) -> bool:
+    """Whether the calls compute exactly the rows' spans: per segment row, the kernel's band (its window
+    rewrites included) against the mask's range; rows no call covers must see nothing."""
+    lo_all, hi_all = spans
+    got = [(0, 0)] * len(lo_all)
+    for c in calls:
+        left, right = kernel_window(c.causal, *c.window, c.kernel_max_k)
+        for qa, qb, ka, kb in zip(c.cum_q, c.cum_q[1:], c.cum_k, c.cum_k[1:]):
+            sk, shift = kb - ka, (kb - ka) - (qb - qa)
+            for a in range(qb - qa):
+                lo = 0 if left < 0 else max(0, a + shift - left)
+                hi = sk if right < 0 else min(sk, a + shift + right + 1)
+                row, base = c.q.start + qa + a, c.kv.start + ka
+                got[row] = (base + lo, base + hi) if hi > lo else (0, 0)
+    return got == list(zip(lo_all, hi_all))
 
 
 def _join(a: _Need, b: _Need) -> _Need | None:
@@ -242,8 +317,13 @@ def build_plan(mask) -> SegmentPlan | None:
     A task whose query rows jump in position stride (zigzag's two chunks in one task) and that has no plan
     as a whole gets one plan per run of query rows of one stride: those calls share key rows (their dK/dV
     are added, :attr:`SegmentPlan.shared_keys`)."""
-    ok = mask.allowed()
     qdoc, kdoc = mask.qdoc.tolist(), mask.kdoc.tolist()
+    spans = _row_spans(mask)
+    if spans is not None:  # one run of keys: the plan from row ranges, no [rows, keys] matrix (whole blocks)
+        whole = _build_calls(_spans_segment(spans), qdoc, kdoc, len(qdoc), len(kdoc))
+        if whole is not None and _spans_match(whole, spans):
+            return SegmentPlan(tuple(whole), shared_keys=not whole)  # no call: rows see nothing, out 0
+    ok = mask.allowed()
     whole = _build(ok, qdoc, kdoc)
     if whole:
         return SegmentPlan(tuple(whole))
@@ -312,6 +392,18 @@ def _cuts(ok: torch.Tensor, qpos: list[int], kpos: list[int]) -> list[int]:
 def _build(ok: torch.Tensor, qdoc: list[int], kdoc: list[int]) -> list[VarlenCall] | None:
     """The calls of one plan for the pairs ``ok`` (query and key rows consecutive), verified; or None."""
     sq, sk = ok.shape
+    calls = _build_calls(lambda *rows: _segment(ok, *rows), qdoc, kdoc, sq, sk)
+    if not calls:
+        return calls
+    seen = torch.zeros(sq, sk, dtype=torch.bool)
+    for call in calls:
+        seen[call.q, call.kv] = call.visible()
+    return calls if torch.equal(seen, ok) else None
+
+
+def _build_calls(segment, qdoc: list[int], kdoc: list[int], sq: int, sk: int) -> list[VarlenCall] | None:
+    """The calls of one plan (not verified): ``segment(qa, qb, ka, kb)`` trims one document's rows and keys
+    (:func:`_segment`); None when the documents are out of order or a segment is inexpressible."""
     if any(b < a for a, b in zip(qdoc, qdoc[1:]) if a >= 0 and b >= 0) or \
             any(b < a for a, b in zip(kdoc, kdoc[1:]) if a >= 0 and b >= 0):
         return None  # documents out of order along the rows: not consecutive segments
@@ -320,7 +412,7 @@ def _build(ok: torch.Tensor, qdoc: list[int], kdoc: list[int]) -> list[VarlenCal
     for d, (qa, qb) in sorted(qruns.items()):
         if d not in kruns:
             continue
-        seg = _segment(ok, qa, qb, *kruns[d])
+        seg = segment(qa, qb, *kruns[d])
         if seg is None:
             continue
         if seg == "inexpressible":
@@ -342,7 +434,4 @@ def _build(ok: torch.Tensor, qdoc: list[int], kdoc: list[int]) -> list[VarlenCal
         q1 = sq if i == len(groups) - 1 else groups[i + 1][0][0][0]
         k1 = sk if i == len(groups) - 1 else groups[i + 1][0][0][2]
         calls.append(_call(segs, slice(q0, q1), slice(k0, k1), right, left))
-    seen = torch.zeros(sq, sk, dtype=torch.bool)
-    for call in calls:
-        seen[call.q, call.kv] = call.visible()
-    return calls if torch.equal(seen, ok) else None
+    return calls

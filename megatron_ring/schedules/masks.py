@@ -165,23 +165,31 @@ def _classify(rule: AttentionMask, qp, qd, kp, kd, pad: int) -> str:
     return "mixed"
 
 
-def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: int) -> tuple[BlockTask, ...]:
+def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: int,
+           shapes: bool = True) -> tuple[BlockTask, ...]:
     """Per query tile, its run of visible key tiles as kernel calls: adjacent full tiles make one full call;
     a tile whose pairs are exactly a causal triangle is a causal call, one that is exactly the reversed
     triangle (a window's lower edge) a reversed call (both unmasked); only the remaining mixed tiles
-    (document edges, unaligned window edges) are masked calls, adjacent ones merged."""
+    (document edges, unaligned window edges) are masked calls, adjacent ones merged.
+
+    ``shapes=False`` (whole blocks for a variable-length kernel): a tile pair mixed by its ranges is not
+    looked at pair by pair (``[tile, tile]`` booleans: seconds at 8K rows) unless :func:`_band_shape` tells
+    its shape from a vector; it is a masked call, which that kernel runs as fast as an unmasked one."""
     qdoc, kdoc = rule.doc_ids(qpos), rule.doc_ids(kpos)
     pad = len(rule.cu_seqlens) if rule.cu_seqlens is not None else 1
     qd, kd = torch.where(qdoc < 0, pad, qdoc), torch.where(kdoc < 0, pad, kdoc)  # padding sorts last
     ktiles = _runs(kpos, tile)
+    bare = AttentionMask(rule.causal, None, rule.window)  # a tile pair within one document sees only this
     tasks: list[BlockTask] = []
     for qa, qb in _runs(qpos, tile):
         row: list[tuple[int, int, str]] = []
         for ka, kb in ktiles:
             kind = _classify(rule, qpos[qa:qb], qd[qa:qb], kpos[ka:kb], kd[ka:kb], pad)
             if kind == "mixed":
-                kind = _band_shape(rule, qpos[qa:qb], kpos[ka:kb]) or _shape(
-                    rule.allowed(qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb]))
+                one_doc = int(qd[qa]) == int(qd[qb - 1]) == int(kd[ka]) == int(kd[kb - 1]) < pad
+                kind = (_band_shape(bare if one_doc else rule, qpos[qa:qb], kpos[ka:kb])
+                        or (_shape(rule.allowed(qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb]))
+                            if shapes else "mixed"))
             if kind == "none":
                 continue
             if row and row[-1][1] == ka and row[-1][2] == kind in ("full", "mixed"):  # extend the run
@@ -189,7 +197,7 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
             else:
                 row.append((ka, kb, kind))
         for ka, kb, kind in row:
-            tasks.append(_task(rule, qpos, qdoc, kpos, kdoc, slice(qa, qb), slice(ka, kb), kind))
+            tasks.append(_task(rule, qpos, qdoc, kpos, kdoc, slice(qa, qb), slice(ka, kb), kind, shapes))
     return tuple(_merge_rows(tasks))
 
 
@@ -239,10 +247,10 @@ def _band_shape(rule: AttentionMask, qp: torch.Tensor, kp: torch.Tensor) -> str 
     return "mixed"
 
 
-def _task(rule, qpos, qdoc, kpos, kdoc, q: slice, kv: slice, kind: str) -> BlockTask:
+def _task(rule, qpos, qdoc, kpos, kdoc, q: slice, kv: slice, kind: str, shapes: bool = True) -> BlockTask:
     if kind == "full":
         return BlockTask(q, kv, False)
-    if kind == "mixed":  # a run of mixed tiles: look again at the whole run
+    if kind == "mixed" and shapes:  # a run of mixed tiles: look again at the whole run
         kind = _shape(rule.allowed(qpos[q], qdoc[q], kpos[kv], kdoc[kv]))
     if kind.endswith("-1"):  # without the diagonal: the triangle of one row and key fewer
         kind = kind[:-2]
@@ -278,7 +286,9 @@ def default_tile(s: int) -> int:
 
 def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: int, s: int,
              tile: int | None = None) -> tuple[BlockTask, ...]:
-    """The tasks rank ``rank`` computes against the K/V block of rank ``src`` (cached)."""
+    """The tasks rank ``rank`` computes against the K/V block of rank ``src`` (cached). ``tile``: rows per tile
+    (None: chosen here); ``tile = s``, whole blocks for a variable-length kernel, skips the pair-by-pair shape
+    checks (see :func:`_tasks`)."""
     if rule.plain:
         return layout.block_tasks(rule.causal, world, rank, src, s)
     if isinstance(layout, ShardView):  # a strategy's view of several shards (schedules/views.py)
@@ -290,7 +300,8 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
         return hit
     seq = s * world
     qpos, kpos = layout.positions(seq, world, rank), layout.positions(seq, world, src)
-    tasks = _tasks(rule, qpos, kpos, tile or _band_tile(rule, qpos, kpos, s) or default_tile(s))
+    tasks = _tasks(rule, qpos, kpos, tile or _band_tile(rule, qpos, kpos, s) or default_tile(s),
+                   shapes=tile is None or tile < s)
     _CACHE[key] = tasks
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
