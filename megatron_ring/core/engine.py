@@ -73,14 +73,17 @@ class RingPlan:
     #: plan's q, folded in place by the forward (core/max_logit.py); None: not asked, nothing computed
     row_max: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
-    def tasks(self, step: int, s: int, q: torch.Tensor):
-        """The tasks of ``step`` for local blocks of ``s`` rows (``q``: the local queries, for the kernel's case)."""
+    def runs_whole_blocks(self, q: torch.Tensor) -> bool:
+        """Whether this call's masked tasks run as whole blocks, not tiles: on a variable-length kernel that
+        takes ``q``'s case, without dropout (kernels/varlen.py: whole_blocks). Asked once per call."""
+        return self.mask is not None and self.dropout is None and whole_blocks(self.kernel, q)
+
+    def tasks(self, step: int, s: int, whole: bool = False):
+        """The tasks of ``step`` for local blocks of ``s`` rows (``whole``: :meth:`runs_whole_blocks`)."""
         src = (self.ring.rank - step) % self.ring.world
         if self.mask is None:
             return self.layout.block_tasks(self.causal, self.ring.world, self.ring.rank, src, s)
-        # masked tasks on a variable-length kernel: whole blocks, not tiles (kernels/varlen.py: whole_blocks)
-        tile = s if self.dropout is None and whole_blocks(self.kernel, q) else None
-        return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s, tile)
+        return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s, s if whole else None)
 
     def steps(self, s: int) -> int:
         """Ring steps to run: fewer than P when no rank needs the K/V of the farther ranks (windows)."""
@@ -275,8 +278,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     pieces = _piece_plans(plan, kv.heads, h // k.shape[1])
     views = [_heads(qs, h, q, out, lse) for qs, _ in pieces]  # made once, not per step
     fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
+    whole = plan.runs_whole_blocks(q)
     for step in range(steps):
-        tasks = plan.tasks(step, s, q) if refusal is None else ()  # refused: the stream only, no compute
+        tasks = plan.tasks(step, s, whole) if refusal is None else ()  # refused: the stream only, no compute
         for j, (_, piece_plan) in enumerate(pieces):
             q_j, out_j, lse_j = views[j]
             fresh[j] = _forward_step(q_j, *kv.block(step, j), piece_plan, step, tasks, out_j, lse_j, fresh[j])
@@ -344,8 +348,9 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
              for dout_j, q_j, out_j, lse_j, dq_j in (_heads(qs, q.shape[1], dout, q, out, lse, dq)
                                                      for qs, _ in pieces)]
     lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
+    whole = plan.runs_whole_blocks(q)
     for step in range(steps):
-        tasks = plan.tasks(step, s, q)
+        tasks = plan.tasks(step, s, whole)
         for j, (_, piece_plan) in enumerate(pieces):
             kt, vt = kv.block(step, j)
             dout_j, q_j, out_j, lse_j, dq_j = views[j]

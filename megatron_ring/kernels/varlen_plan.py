@@ -23,6 +23,7 @@ index tensors are copied to a device once per (device, batch size).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -82,15 +83,15 @@ class VarlenCall:
     causal: bool
     window: tuple[int, int]
 
-    @property
+    @functools.cached_property  # read by every kernel call: once per plan
     def max_q(self) -> int:
         return max(b - a for a, b in zip(self.cum_q, self.cum_q[1:]))
 
-    @property
+    @functools.cached_property
     def max_k(self) -> int:
         return max(b - a for a, b in zip(self.cum_k, self.cum_k[1:]))
 
-    @property
+    @functools.cached_property
     def kernel_max_k(self) -> int:
         """The ``max_seqlen_k`` the kernel is given: at least the longest key AND query segment and above both
         window bounds, so that the kernel's rewrites of the window (:func:`visible_in_segment`) change no pair:
@@ -207,29 +208,10 @@ def _needs(spans: list, qa: int, ka: int, sk: int):
 
 
 def _row_spans(mask) -> tuple[list[int], list[int]] | None:
-    """Per query row of a BlockMask, its visible key rows ``[lo, hi)`` (``lo == hi``: none), from the four
-    vectors in O(rows log keys), no ``[rows, keys]`` matrix. Exact where the task's key positions increase
-    and their documents do not decrease (one run of a layout: then documents, causality and the window each
-    leave a row one range of keys); None otherwise."""
-    kpos, kdoc, qpos, qdoc = mask.kpos, mask.kdoc, mask.qpos, mask.qdoc
-    big = torch.iinfo(torch.int64).max
-    kd = torch.where(kdoc < 0, big, kdoc.long())  # padding: no document, last along the rows
-    if len(kpos) > 1 and not (bool((kpos[1:] > kpos[:-1]).all()) and bool((kd[1:] >= kd[:-1]).all())):
-        return None
-    qd = qdoc.long()
-    lo = torch.searchsorted(kd, qd)
-    hi = torch.searchsorted(kd, qd, right=True)
-    rule = mask.rule
-    if rule.causal:
-        hi = torch.minimum(hi, torch.searchsorted(kpos, qpos, right=True))
-    if rule.window is not None:
-        left, right = rule.window
-        if left >= 0:
-            lo = torch.maximum(lo, torch.searchsorted(kpos, qpos - left))
-        if right >= 0:
-            hi = torch.minimum(hi, torch.searchsorted(kpos, qpos + right, right=True))
-    empty = (hi <= lo) | (qdoc < 0)
-    return lo.masked_fill(empty, 0).tolist(), hi.masked_fill(empty, 0).tolist()
+    """Per query row, its visible key rows ``[lo, hi)`` as lists (``BlockMask.row_ranges``); None where the
+    mask's rows have no such ranges (then the plan is built from the ``[rows, keys]`` matrix)."""
+    got = mask.row_ranges()
+    return None if got is None else (got[0].tolist(), got[1].tolist())
 
 
 def _spans_segment(spans: tuple[list[int], list[int]]):

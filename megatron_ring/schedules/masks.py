@@ -63,6 +63,30 @@ class AttentionMask:
                 ok &= j <= i + right
         return ok
 
+    def row_ranges(self, qpos: torch.Tensor, qdoc: torch.Tensor, kpos: torch.Tensor,
+                   kdoc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What :meth:`allowed` gives, as each query row's visible key rows ``[lo, hi)`` (``lo == hi``: none), in
+        O(rows log keys) without the ``[rows, keys]`` matrix. Exact where the key positions increase and their
+        documents do not decrease (one run of a layout: documents, causality and the window each leave a row
+        one range of keys); None otherwise."""
+        big = torch.iinfo(torch.int64).max
+        kd = torch.where(kdoc < 0, big, kdoc.long())  # padding: no document, last along the rows
+        if len(kpos) > 1 and not (bool((kpos[1:] > kpos[:-1]).all()) and bool((kd[1:] >= kd[:-1]).all())):
+            return None
+        qd = qdoc.long()
+        lo = torch.searchsorted(kd, qd)
+        hi = torch.searchsorted(kd, qd, right=True)
+        if self.causal:
+            hi = torch.minimum(hi, torch.searchsorted(kpos, qpos, right=True))
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                lo = torch.maximum(lo, torch.searchsorted(kpos, qpos - left))
+            if right >= 0:
+                hi = torch.minimum(hi, torch.searchsorted(kpos, qpos + right, right=True))
+        empty = (hi <= lo) | (qdoc < 0)
+        return lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
+
 
 def doc_ids(pos: torch.Tensor, cu_seqlens: Sequence[int] | None) -> torch.Tensor:
     """Document index of each global position; -1 for padding (at or past ``cu_seqlens[-1]``)."""
@@ -100,6 +124,10 @@ class BlockMask:
     def allowed(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Bool ``[sq, sk]`` (True: visible), computed on ``device``."""
         return self.rule.allowed(*self.vectors(device))
+
+    def row_ranges(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each query row's visible key rows ``[lo, hi)`` on the host (:meth:`AttentionMask.row_ranges`)."""
+        return self.rule.row_ranges(self.qpos, self.qdoc, self.kpos, self.kdoc)
 
     def additive(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """``0`` where visible, ``-inf`` where hidden, in ``dtype``."""
