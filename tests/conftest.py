@@ -85,3 +85,19 @@ def pytest_runtest_teardown(item, nextitem):
     if started and item.get_closest_marker("slow") is None and not item.nodeid.startswith("tests/gpu/"):
         pytest.fail(f"{item.nodeid} started {started} process(es) but is not marked slow: add "
                     "@pytest.mark.slow (multi-process tests are not in the fast tier, -m 'not slow')", pytrace=False)
+
+
+# --- tests that run alone ---------------------------------------------------------------------------------
+# scripts/test.sh runs each tier in two parts: `-m "... and not serial"` on two pytest-xdist workers, then
+# `-m "... and serial"` in one process. Serial: tests that assert wall-clock bounds (a fault must be reported
+# before a time-out; a slow peer must not fail) and tests that hold one machine-wide resource (the multi-node
+# tests' fixed network namespaces, the GPU), which a second test beside them would skew or collide with.
+SERIAL = ("tests/multinode/", "tests/gpu/", "tests/test_faults.py::", "tests/test_bad_input_everywhere.py::",
+          "tests/test_strategy_features.py::test_bad_input_on_one_rank_raises_on_every_rank_for_every_comm_type")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
