@@ -84,6 +84,13 @@ class DeviceOps:
         """``(free, total)`` bytes of device memory (None: not known)."""
         return None
 
+    def takes_gqa(self, backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+        """Whether torch's own SDPA, given ``enable_gqa=True``, would hand these ``q, k, v`` (fewer K/V heads than
+        query heads) to its ``backend`` kernel (``"flash"`` or ``"cudnn"``) as they are, K/V not expanded: then a
+        kernel of ours calls that backend the same way (the kernel reads each K/V head for its group of query
+        heads and sums dK/dV over the group itself). No device: never."""
+        return False
+
 
 class CudaOps(DeviceOps):
     """CUDA through ``torch.cuda`` (called only when a CUDA device is used). Pinned host buffers of
@@ -96,6 +103,7 @@ class CudaOps(DeviceOps):
 
     def __init__(self) -> None:
         self._pinned: dict[tuple, list[torch.Tensor]] = {}  # plain dict: no CUDA call until first used
+        self._gqa: dict[tuple, bool] = {}  # takes_gqa's answers: asked once per case, not per call
 
     def new_stream(self, device):
         return torch.cuda.Stream(device=device)
@@ -143,6 +151,19 @@ class CudaOps(DeviceOps):
 
     def memory(self, device):
         return torch.cuda.mem_get_info(device)
+
+    def takes_gqa(self, backend, q, k, v, causal):
+        # torch's own dispatch rule (sdp_utils' can_use_*_attention on these tensors), asked once per case:
+        # it depends on the torch build and release (cuDNN takes GQA only on newer ones), the GPU and the shapes
+        key = (backend, q.device, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
+               (q.stride(-1), k.stride(-1), v.stride(-1)), bool(causal))
+        hit = self._gqa.get(key)
+        if hit is None:
+            can = {"flash": torch.backends.cuda.can_use_flash_attention,
+                   "cudnn": torch.backends.cuda.can_use_cudnn_attention}[backend]
+            params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, bool(causal), True)
+            hit = self._gqa[key] = bool(can(params, False))
+        return hit
 
 
 _BUILTIN: dict[str, DeviceOps] = {"cuda": CudaOps()}

@@ -40,19 +40,24 @@ has avx2 fma && caps+=(avx2)
 has avx512f avx512bw avx512vl avx512dq && caps+=(avx512)
 configs=(); for c in "${caps[@]}"; do configs+=("$c:"); done
 configs+=("${caps[-1]}:AVX2")
-report=$(mktemp); trap 'rm -f "$report"' EXIT
-declare -A result
-rc_all=0
-for cfg in "${configs[@]}"; do
-  cap=${cfg%%:*}; mkl=${cfg#*:}
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+# Configurations run MEGATRON_RING_NUMERICS_JOBS at a time (default 2 in --fast mode, where each run is one
+# process and the machine has two cores or more; 1 otherwise); each one's output is printed when it ends, in order.
+jobs_=1
+if [ "${MARK[*]:-}" != "" ] && [ "$(env -u OMP_NUM_THREADS nproc 2>/dev/null || echo 1)" -ge 2 ]; then jobs_=2; fi
+jobs_="${MEGATRON_RING_NUMERICS_JOBS:-$jobs_}"
+run_config() {  # index, "capability:mkl", pytest arguments...: writes $tmp/<index>.log and $tmp/<index>.result
+  local i="$1" cfg="$2"; shift 2
+  local cap=${cfg%%:*} mkl=${cfg#*:} rc rc2 got t0 worst label
   label="ATEN_CPU_CAPABILITY=$cap${mkl:+ MKL_ENABLE_INSTRUCTIONS=$mkl}"
   env_=(ATEN_CPU_CAPABILITY="$cap"); [ -n "$mkl" ] && env_+=(MKL_ENABLE_INSTRUCTIONS="$mkl")
+  report="$tmp/$i.report"; : > "$report"
   got=$(env "${env_[@]}" "$PY" -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
   if [ "${got,,}" != "${cap,,}" ]; then
-    echo "[numerics] $label: torch reports capability '$got', not '$cap'"; rc_all=1; result[$cfg]="capability not taken"; continue
+    echo "[numerics] $label: torch reports capability '$got', not '$cap'"; echo "1 capability not taken" > "$tmp/$i.result"
+    return
   fi
-  echo "[numerics] === $label"
-  : > "$report"
+  echo "[numerics] === $label (started $(date +%T))"
   t0=$(date +%s)
   if [ "$SLOW" = 1 ]; then
     pyt "$PY" -m slow "$@" tests; rc=$?
@@ -78,10 +83,20 @@ print(f"{len(rows)} checks, {sum(r['rows'] for r in rows)} comparisons, worst er
       + (f"{worst['worst_ratio']:.3f} ({worst['check']}: {worst['worst']})" if worst else "-"))
 PYEOF
 )
-  result[$cfg]="rc=$rc, $(( $(date +%s) - t0 )) s, $worst"
-  [ "$rc" -eq 0 ] || rc_all=1
+  echo "$rc rc=$rc, $(( $(date +%s) - t0 )) s, $worst" > "$tmp/$i.result"
+}
+pids=()
+for i in "${!configs[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_" ]; do wait -n; done
+  run_config "$i" "${configs[$i]}" "$@" > "$tmp/$i.log" 2>&1 &
+  pids+=($!)
 done
+wait
+rc_all=0
+for i in "${!configs[@]}"; do cat "$tmp/$i.log"; done
 echo "[numerics] summary:"
-for cfg in "${configs[@]}"; do cap=${cfg%%:*}; mkl=${cfg#*:}
-  echo "  ATEN_CPU_CAPABILITY=$cap${mkl:+ MKL_ENABLE_INSTRUCTIONS=$mkl}: ${result[$cfg]}"; done
+for i in "${!configs[@]}"; do cfg=${configs[$i]}; cap=${cfg%%:*}; mkl=${cfg#*:}
+  read -r rc rest < "$tmp/$i.result" 2>/dev/null || { rc=1; rest="no result"; }
+  [ "$rc" -eq 0 ] || rc_all=1
+  echo "  ATEN_CPU_CAPABILITY=$cap${mkl:+ MKL_ENABLE_INSTRUCTIONS=$mkl}: $rest"; done
 exit $rc_all

@@ -14,8 +14,9 @@
 #   4. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py and
 #      tests/megatron/test_bridge_hybrid.py.
 # Each pytest run is two parts: the tests not marked `serial` on MEGATRON_RING_TEST_WORKERS pytest-xdist
-# workers (default: 2, or 1 on a one-core machine), then the `serial` ones alone (tests/conftest.py SERIAL:
-# wall-clock bounds, network namespaces, the GPU). The .venv-floor and .venv312 / Bridge set-ups (downloads) run
+# workers (default: 2, or 1 on a one-core machine; a file's tests on one worker), then the `serial` ones alone
+# (tests/conftest.py SERIAL: wall-clock bounds, network namespaces, the GPU; none in steps 3 and 4, which run in
+# one part). The .venv-floor and .venv312 / Bridge set-ups (downloads) run
 # in the background while .venv's fast tier, numerics and non-serial slow tests run; the serial tests wait for
 # them to end.
 # On a machine with NVIDIA GPUs (and a CUDA build of torch in .venv) step 1 also runs tests/gpu (part of
@@ -25,7 +26,7 @@
 # pytest's exit code 5 ("no tests collected", e.g. a -k that selects nothing in one part) is not a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WORKERS="${MEGATRON_RING_TEST_WORKERS:-$( [ "$(nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 1)}"
+WORKERS="${MEGATRON_RING_TEST_WORKERS:-$( [ "$(env -u OMP_NUM_THREADS nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 1)}"
 run_pytest() {  # venv, args...
   local py="$1/bin/python"; shift
   "$py" -m pytest "$@"
@@ -33,12 +34,12 @@ run_pytest() {  # venv, args...
   [ "$rc" -eq 5 ] && { echo "[test] $py: no tests collected (ok)"; rc=0; }
   return "$rc"
 }
-run_split() {  # venv, marker expression ("" = all), args...: the non-serial tests on WORKERS workers, then the serial
+PAR=(); [ "$WORKERS" -gt 1 ] && PAR=(-n "$WORKERS" --dist loadfile)  # a file's tests (and its module fixtures) on one worker
+run_split() {  # venv, marker expression, args...: the non-serial tests on WORKERS workers, then the serial ones alone
   local venv="$1" mark="$2"; shift 2
-  local par=() rc1 rc2
-  [ "$WORKERS" -gt 1 ] && par=(-n "$WORKERS")
-  run_pytest "$venv" -m "${mark:+($mark) and }not serial" "${par[@]}" "$@"; rc1=$?
-  run_pytest "$venv" -m "${mark:+($mark) and }serial" "$@"; rc2=$?
+  local rc1 rc2
+  run_pytest "$venv" -m "($mark) and not serial" "${PAR[@]}" "$@"; rc1=$?
+  run_pytest "$venv" -m "($mark) and serial" "$@"; rc2=$?
   [ "$rc1" -eq 0 ] && return "$rc2"; return "$rc1"
 }
 bash scripts/setup_env.sh test || exit $?
@@ -66,14 +67,14 @@ wait_setups() {
 }
 
 t0=$(date +%s)
-run_pytest .venv -m "not slow and not serial" $([ "$WORKERS" -gt 1 ] && echo "-n $WORKERS") "$@"; rcfast=$?
+run_pytest .venv -m "not slow and not serial" "${PAR[@]}" "$@"; rcfast=$?
 echo "[test] fast tier (-m 'not slow', not serial): rc=$rcfast in $(( $(date +%s) - t0 )) s"
 rcnum=0
 if [ "${MEGATRON_RING_SKIP_NUMERICS_MATRIX:-0}" != 1 ]; then
   PYTHON=.venv/bin/python bash scripts/numerics_matrix.sh --fast; rcnum=$?
 fi
 t0=$(date +%s)
-run_pytest .venv -m "slow and not serial" $([ "$WORKERS" -gt 1 ] && echo "-n $WORKERS") "$@"; rc311=$?
+run_pytest .venv -m "slow and not serial" "${PAR[@]}" "$@"; rc311=$?
 echo "[test] Python 3.11 slow tier, not serial: rc=$rc311 in $(( $(date +%s) - t0 )) s"
 wait_setups || exit $?
 t0=$(date +%s)
@@ -92,14 +93,15 @@ opts=(); for a in "$@"; do [[ "$a" == -* ]] && opts+=("$a"); done
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron tests/fake_cuda"
   t0=$(date +%s)
-  run_split .venv312 "" "${opts[@]}" tests/megatron tests/fake_cuda --ignore=tests/megatron/test_bridge.py \
+  # no serial tests live in tests/megatron or tests/fake_cuda (tests/conftest.py fails one that reaches a worker)
+  run_pytest .venv312 "${PAR[@]}" "${opts[@]}" tests/megatron tests/fake_cuda --ignore=tests/megatron/test_bridge.py \
     --ignore=tests/megatron/test_bridge_hybrid.py; rc312=$?
   echo "[test] Python 3.12 tier: rc=$rc312 in $(( $(date +%s) - t0 )) s"
 fi
 rcbridge=0
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then
   echo "[test] Megatron-Bridge $(PYTHONPATH=.bridge312 .venv312/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))'), Python 3.12: tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py"
-  PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_split .venv312 "" "${opts[@]}" \
+  PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${PAR[@]}" "${opts[@]}" \
     tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py
   rcbridge=$?
 fi

@@ -73,6 +73,7 @@ subprocess.Popen.__init__ = _counting_popen_init(subprocess.Popen.__init__)
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     _STARTS[0] = 0
+    _serial_on_a_worker(item)  # defined below, with SERIAL
     yield
 
 
@@ -101,3 +102,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
+
+
+def _serial_on_a_worker(item) -> None:
+    """A serial test that reached a pytest-xdist worker runs beside another test: it fails, naming the fix."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("serial") is not None:
+        pytest.fail(f"{item.nodeid} is marked serial (tests/conftest.py SERIAL) but runs on a pytest-xdist worker: "
+                    "run it without -n, or deselect it there with -m 'not serial'", pytrace=False)

@@ -269,6 +269,15 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+def _kv_groups(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> int:
+    """By how many times a fused kernel of torch's ``backend`` needs K/V expanded here: 1 where torch's own SDPA
+    (``enable_gqa=True``) hands it these fewer K/V heads as they are (the device seam asks torch's dispatch
+    rule), so it is called as torch calls it: no ``repeat_interleave`` before it, no dK/dV sums after it;
+    else the number of query heads per K/V head. Forward and backward of a block ask with the same tensors."""
+    g = q.shape[1] // k.shape[1]
+    return 1 if g == 1 or ops_for(q.device).takes_gqa(backend, q, k, v, causal) else g
+
+
 def _sum_kv(dx: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return dx
@@ -372,7 +381,8 @@ class FlashAttnKernel(_SquareCausal):
 
 class TorchFlashCudaKernel(_SquareCausal):
     """torch's own CUDA flash kernel (``aten._scaled_dot_product_flash_attention``): sm80+, fp16/bf16,
-    head dim <= 256 and a multiple of 8. GQA K/V are expanded locally only."""
+    head dim <= 256 and a multiple of 8. GQA K/V are passed as they are where torch's SDPA would pass them
+    (:func:`_kv_groups`), else expanded locally only."""
 
     name = "flash_cuda"
 
@@ -380,13 +390,13 @@ class TorchFlashCudaKernel(_SquareCausal):
         return _fused_cuda_case(q, head_dim, 256) or _deterministic_refusal(self)
 
     def _fwd(self, q, k, v, causal, scale):
-        g = q.shape[1] // k.shape[1]
+        g = _kv_groups("flash", q, k, v, causal)
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             q, _repeat_kv(k, g), _repeat_kv(v, g), 0.0, causal, False, scale=scale)
         return res[0], res[1].float()
 
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
-        g = q.shape[1] // k.shape[1]
+        g = _kv_groups("flash", q, k, v, causal)
         sq, sk = q.shape[2], k.shape[2]
         rng_state, unused = _unused_rng(q, torch.uint64, (2,))
         # cum_seq_q/k undefined (None), as the forward returns them for dense batches: defined ones (even
@@ -399,7 +409,8 @@ class TorchFlashCudaKernel(_SquareCausal):
 
 class CudnnKernel(_SquareCausal):
     """cuDNN attention (``aten._scaled_dot_product_cudnn_attention``): sm80+, fp16/bf16, head dim <= 128
-    and a multiple of 8 (cuDNN's fused flash path). GQA K/V are expanded locally only."""
+    and a multiple of 8 (cuDNN's fused flash path). GQA K/V are passed as they are where torch's SDPA would
+    pass them (:func:`_kv_groups`: torch releases whose cuDNN path takes GQA), else expanded locally only."""
 
     name = "cudnn"
 
@@ -410,13 +421,13 @@ class CudnnKernel(_SquareCausal):
         return why
 
     def _fwd(self, q, k, v, causal, scale):
-        g = q.shape[1] // k.shape[1]
+        g = _kv_groups("cudnn", q, k, v, causal)
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, _repeat_kv(k, g), _repeat_kv(v, g), None, True, 0.0, causal, False, scale=scale)
         return res[0], res[1].reshape(q.shape[:3]).float()
 
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
-        g = q.shape[1] // k.shape[1]
+        g = _kv_groups("cudnn", q, k, v, causal)
         sq, sk = q.shape[2], k.shape[2]
         seed, offset = _unused_rng(q, torch.int64, ())
         # attn_bias, cum_seq_q, cum_seq_k undefined (None), as torch's autograd passes them

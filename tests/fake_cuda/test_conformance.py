@@ -139,6 +139,29 @@ def test_our_backward_call_is_torchs(name, causal):
     assert differences(theirs, ours) == []
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", ["cudnn", "flash_cuda"])
+def test_our_gqa_call_is_torchs(name, causal):
+    """GQA (8 query heads on 2 K/V heads) where torch's SDPA takes it as it is (the device seam says so): torch's
+    own call is the op on the un-expanded K/V (what SDPA with ``enable_gqa=True`` dispatches), and ours equals
+    it. Negative control: where the seam says no (a torch whose cuDNN path refuses GQA), ours expands K/V, and
+    the comparison reports exactly the key and value arguments."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for takes, flagged in ((True, []), (False, ["key", "value"])):
+        with device.use("cuda", FakeCuda(gqa=takes)), FakeTensorMode(allow_non_fake_inputs=True):
+            q = torch.randn(2, 8, 40, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(2, 2, 40, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2))
+            dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+            theirs, _ = torch_call(name, q, k, v, causal, lambda o: torch.empty_like(o).copy_(dout))
+            ours = our_call(name, q, k, v, causal, dout)
+            grads = OPS[name][0]().backward(dout, q, k, v, *OPS[name][0]().forward(q, k, v, causal, SCALE),
+                                            causal, SCALE)
+        assert [n for _, n, _, _ in differing(theirs, ours)] == flagged, (takes, differences(theirs, ours))
+        assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+
+
 # today's (before the fix) calls, as they were: the comparison must report these very arguments
 def _flash_as_before(dout, q, k, v, out, lse, causal):
     empty = torch.empty(0, dtype=torch.int64, device=q.device)
@@ -332,3 +355,23 @@ def test_the_varlen_comparison_flags_a_wrong_call():
     """Not vacuous: int64 ``cum_seq_q/k`` (arguments 6, 7) and a missing window (15, 16) are reported."""
     found = varlen_differences(_block_mask(False, (0, 13, 40), (6, 3)), bwd=_varlen_bwd_int64)
     assert sorted({d[0] for d in found}) == [6, 7, 15, 16], found
+
+
+def test_the_cuda_seam_asks_torchs_dispatch_rule_once_per_case(monkeypatch):
+    """``CudaOps.takes_gqa`` asks torch's own rule (``can_use_cudnn_attention`` / ``can_use_flash_attention``) with
+    ``enable_gqa=True`` on the call's tensors, once per case (shapes, dtype, causal), not once per call; its answer
+    is what the kernel does (here: no, then K/V are expanded)."""
+    from megatron_ring.device import CudaOps
+
+    asked = []
+
+    def can_use(params, debug):
+        asked.append((params.enable_gqa, params.is_causal, tuple(params.key.shape)))
+        return len(asked) == 1  # yes to the first case, no to the second
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention", can_use)
+    ops = CudaOps()
+    q, k = torch.randn(1, 8, 16, 64), torch.randn(1, 2, 16, 64)
+    assert [ops.takes_gqa("cudnn", q, k, k, True) for _ in range(3)] == [True] * 3
+    assert not ops.takes_gqa("cudnn", q, k[:, :, :8], k[:, :, :8], True)
+    assert asked == [(True, True, (1, 2, 16, 64)), (True, True, (1, 2, 8, 64))]

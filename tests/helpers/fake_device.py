@@ -55,7 +55,8 @@ class FakeCuda(DeviceOps):
     has_streams = True
     host_reads_free = False
 
-    def __init__(self, capability=(9, 0), events_done: bool = True, capturing: bool = False) -> None:
+    def __init__(self, capability=(9, 0), events_done: bool = True, capturing: bool = False,
+                 gqa: bool = True) -> None:
         self.compute = FakeStream("compute")
         self.current = self.compute
         self.streams = [self.compute]
@@ -64,6 +65,7 @@ class FakeCuda(DeviceOps):
         self.log: Counter[str] = Counter()
         self.host_waits = 0
         self.capture = capturing  # models a stream being captured into a CUDA graph
+        self.gqa = gqa  # what takes_gqa answers (True: a torch whose flash and cuDNN kernels take GQA K/V)
 
     def new_stream(self, device):
         s = FakeStream(f"side{len(self.streams)}")
@@ -117,6 +119,9 @@ class FakeCuda(DeviceOps):
 
     def capability(self, device):
         return self.cap
+
+    def takes_gqa(self, backend, q, k, v, causal):
+        return self.gqa
 
     def memory(self, device):
         return (80 << 30, 80 << 30)
