@@ -6,7 +6,8 @@ so the Megatron tests' workers start in milliseconds too (a module that is not i
 the server). With CUDA only torch is preloaded: a module that touched CUDA at import would leave the
 server's forked workers unable to use it.
 Jobs the tests start with torchrun's environment (tests/helpers/launch.py ``torchrun``) likewise fork their ranks
-from one process that imported torch + Megatron + the glue once (tests/helpers/forkrun.py; torchrun itself with CUDA).
+from one process that imported torch + Megatron + the glue once (lab/megatron_ring_lab/forkrun.py; torchrun itself
+with CUDA).
 """
 import os
 import pathlib

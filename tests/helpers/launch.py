@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_ring_lab import forkrun
 from megatron_ring_lab.launch import WorkerError, run_on_ranks
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -31,16 +32,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: what ``forkrun.py`` imports once before forking the ranks (a module that is not installed is skipped)
-PRELOAD = ("torch,torch.distributed,megatron.core,megatron.training,megatron.training.training,"
-           "megatron.core.models.gpt,megatron.core.models.gpt.gpt_layer_specs,megatron.core.models.mamba,"
-           "megatron_ring.megatron")
-_FORKRUN = str(Path(__file__).resolve().with_name("forkrun.py"))
+#: the fork launcher (run by its path) and what it imports once before forking the ranks
+_FORKRUN = forkrun.__file__
+PRELOAD = forkrun.PRELOAD
 
 
 def torchrun_cmd(script, nproc: int, *args: str) -> list[str]:
     """The command of a single-node job of ``nproc`` ranks on 127.0.0.1 and a free port. Without CUDA:
-    ``tests/helpers/forkrun.py`` (torchrun's environment for each rank, the imports done once before the ranks
+    ``lab/megatron_ring_lab/forkrun.py`` (torchrun's environment for each rank, the imports done once before the ranks
     fork: a job starts in seconds instead of every rank importing torch + Megatron); with CUDA (a forked rank
     could not use it): ``python -m torch.distributed.run``. Jobs that test torchrun itself (its teardown after a
     killed rank: tests/megatron/test_crash_resume.py; tests/test_fsdp2_ring.py) call torchrun directly."""

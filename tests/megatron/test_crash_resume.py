@@ -4,7 +4,7 @@ One test (slow; megatron.training, the Python 3.12 venv), four launches of tests
 (examples/pretrain_ring_gpt_any_cp.py with a self-kill) on the tiny model of test_resume_cp.py, ITERS
 iterations, a ``torch_dist`` checkpoint every SAVE_EVERY:
 
-1. CP = 4 uninterrupted (torchrun): the reference curve.
+1. CP = 4 uninterrupted (the suite's launcher, ``tests/helpers/launch.py`` ``torchrun_cmd``): the reference curve.
 2. CP = 4 under torchrun, global rank KILL_RANK SIGKILLed in the middle of iteration KILL_ITER (after its
    first micro-batch, before the optimizer step). The job must end (torchrun tears the others down) within
    END_BOUND_S of the kill: torchrun's grace period before SIGKILL (30 s) plus slack for a loaded machine,
@@ -12,8 +12,8 @@ iterations, a ``torch_dist`` checkpoint every SAVE_EVERY:
    for a time-out fails. The checkpoint directory's tracker (``latest_checkpointed_iteration.txt``) must
    name the last complete checkpoint (the last multiple of SAVE_EVERY before KILL_ITER), complete on disk,
    and nothing later may exist.
-3. CP = 2 resumed from that tracker (``--load`` without ``--ckpt-step``): its per-iteration losses must
-   continue the uninterrupted CP = 4 curve within the model-level bound ``i rel_fwd max(|loss|, 1)`` at
+3. CP = 2 resumed from that tracker (``--load`` without ``--ckpt-step``; the suite's launcher): its per-iteration
+   losses must continue the uninterrupted CP = 4 curve within the model-level bound ``i rel_fwd max(|loss|, 1)`` at
    iteration i (tests/helpers/numerics.py, as test_resume_cp.py: CP = 2 and 4 differ by reordering only).
 4. CP = 4 with the ranks started directly (one process per rank, as under Slurm; no torchrun teardown),
    the same kill, ring time-out DIRECT_TIMEOUT_S: every surviving rank must raise a named error
@@ -33,6 +33,7 @@ import sys
 import time
 
 import pytest
+from tests.helpers.launch import torchrun_cmd
 from tests.helpers.numerics import model_loss_tol
 from tests.megatron.pretrain_cli import CPU_FLAGS, MODEL_SIZES, PRETRAIN_MARKS, free_port, gpt_args
 
@@ -83,11 +84,18 @@ def _strays(marker: str) -> list[str]:
 
 def _torchrun(tmp_path, name: str, cp: int, ckpt, *extra: str, kill: bool = False):
     """One torchrun job (output in files: a stray holding a pipe could block the wait): (exit code, end time,
-    stderr, strays)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), WORKER, *_args(cp, ckpt, CP_TIMEOUT_S, *extra)]
+    stderr, strays). Only the killed job tests torchrun itself (its teardown); the others run under
+    ``torchrun_cmd`` (the suite's fork launcher without CUDA: the ranks share one import of torch and Megatron)."""
+    args = _args(cp, ckpt, CP_TIMEOUT_S, *extra)
+    env = _env(tmp_path, name, kill)
+    if kill:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), WORKER, *args]
+    else:
+        cmd = torchrun_cmd(WORKER, cp, *args)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
-        p = subprocess.Popen(cmd, env=_env(tmp_path, name, kill), stdout=out, stderr=err)
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
         try:
             code = p.wait(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -1,4 +1,5 @@
-"""Launch one training run per CP size (subprocesses under torchrun) and load what each rank recorded."""
+"""Launch one training run per CP size (subprocesses: torchrun, or without CUDA the fork launcher) and load what
+each rank recorded."""
 from __future__ import annotations
 
 import hashlib
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from megatron_ring_lab import forkrun
 from megatron_ring_lab.doctor.capture import OUT_ENV
 
 #: the spec every run gets (core attention = the ring at every CP size, CP=1 included)
@@ -43,12 +45,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(script: str, args: list[str], cp: int, pp: int = 1) -> list[str]:
-    """``torchrun --nproc-per-node cp*pp -m megatron_ring_lab.doctor.entry SCRIPT ARGS --context-parallel-size cp``."""
+def command(script: str, args: list[str], cp: int, pp: int = 1, fork: bool = False) -> list[str]:
+    """``torchrun --nproc-per-node cp*pp -m megatron_ring_lab.doctor.entry SCRIPT ARGS --context-parallel-size cp``;
+    ``fork``: the same job from :mod:`megatron_ring_lab.forkrun` (torch and Megatron imported once, then the ranks
+    forked: a CPU run starts in seconds instead of every rank importing them; it reads MASTER_ADDR / MASTER_PORT
+    from the environment, see :func:`launch`)."""
     spec = [] if "--spec" in args else SPEC
+    job = ["-m", "megatron_ring_lab.doctor.entry", script, *args, "--context-parallel-size", str(cp), *spec]
+    if fork:
+        return [sys.executable, forkrun.__file__, str(cp * pp), forkrun.PRELOAD, *job]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp * pp), "--master-addr",
-            "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_ring_lab.doctor.entry", script, *args,
-            "--context-parallel-size", str(cp), *spec]
+            "127.0.0.1", "--master-port", str(free_port()), *job]
 
 
 def cache_key(script: str, args: list[str], cp: int, env: dict[str, str]) -> str:
@@ -95,7 +102,12 @@ def launch(script: str, args: list[str], cp: int, workdir: str, *, pp: int = 1, 
     os.makedirs(folder)
     env[OUT_ENV] = folder
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = command(script, args, cp, pp)
+    import torch
+
+    fork = not torch.cuda.is_available()  # a forked rank could not use CUDA
+    if fork:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = command(script, args, cp, pp, fork=fork)
     progress(f"[doctor] CP={cp}: running {cp * pp} process(es) ...")
     t0 = time.perf_counter()
     try:

@@ -1,9 +1,11 @@
-"""A torchrun stand-in for the suite's CPU jobs, without the per-rank start-up cost:
+"""A torchrun stand-in for single-node CPU jobs (the suite's, the doctor's), without the per-rank start-up cost:
 
-    python tests/helpers/forkrun.py NPROC PRELOAD SCRIPT [ARGS...]
+    python lab/megatron_ring_lab/forkrun.py NPROC PRELOAD SCRIPT [ARGS...]
+    python lab/megatron_ring_lab/forkrun.py NPROC PRELOAD -m MODULE [ARGS...]
 
 imports the comma-separated modules of PRELOAD once (one that is not installed is skipped), then forks NPROC
-ranks, each running SCRIPT as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` sets them)
+ranks, each running SCRIPT (or MODULE) as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS``
+or ``python -m MODULE ARGS`` sets them)
 with the environment torchrun gives a single-node job: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, GROUP_WORLD_SIZE, and MASTER_ADDR / MASTER_PORT from the caller (rank 0
 hosts the rendezvous store, as ``init_process_group("env://")`` does without an agent). Under torchrun every
@@ -13,7 +15,8 @@ here the ranks share the parent's imports, copy-on-write. Ranks end through the 
 Exit code: 0 when every rank exits 0; else 1, once the first failing rank is reported, the others are sent
 SIGTERM and, GRACE_S later, SIGKILL (torchrun's order). A rank dies with this process (PR_SET_PDEATHSIG), so a
 caller's time-out that kills it leaves no stray rank. Only for machines without CUDA (``tests/helpers/launch.py``
-picks it): a module that initialises CUDA at import would leave forked ranks unable to use it.
+and the doctor's launcher pick it there): a module that initialises CUDA at import would leave forked ranks unable
+to use it. It imports nothing of this package (run by its path).
 """
 from __future__ import annotations
 
@@ -26,6 +29,10 @@ import sys
 import time
 
 GRACE_S = 30.0  # torchrun's SIGTERM -> SIGKILL grace
+#: what a Megatron job imports before its ranks fork (a module that is not installed is skipped)
+PRELOAD = ("torch,torch.distributed,megatron.core,megatron.training,megatron.training.training,"
+           "megatron.core.models.gpt,megatron.core.models.gpt.gpt_layer_specs,megatron.core.models.mamba,"
+           "megatron_ring.megatron")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -41,11 +48,15 @@ def _run_rank(rank: int, nproc: int, script: str, args: list[str]) -> None:
     _die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1")
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if script == "-m":  # python -m MODULE ARGS: the working directory first on sys.path
+            sys.argv, sys.path[0] = [args[0], *args[1:]], os.getcwd()
+            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:
@@ -58,7 +69,7 @@ def _run_rank(rank: int, nproc: int, script: str, args: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3:
+    if len(argv) < 3 or (argv[2] == "-m" and len(argv) < 4):
         print(__doc__, file=sys.stderr)
         return 2
     nproc, preload, script, args = int(argv[0]), argv[1], argv[2], argv[3:]
