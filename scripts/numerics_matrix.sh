@@ -85,11 +85,9 @@ PYEOF
 )
   echo "$rc rc=$rc, $(( $(date +%s) - t0 )) s, $worst" > "$tmp/$i.result"
 }
-pids=()
 for i in "${!configs[@]}"; do
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_" ]; do wait -n; done
   run_config "$i" "${configs[$i]}" "$@" > "$tmp/$i.log" 2>&1 &
-  pids+=($!)
 done
 wait
 rc_all=0

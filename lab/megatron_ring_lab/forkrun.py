@@ -68,6 +68,12 @@ def _run_rank(rank: int, nproc: int, script: str, args: list[str]) -> None:
     sys.exit(code)  # the interpreter's normal shutdown (atexit, buffered files flushed), as under torchrun
 
 
+def command(nproc: int, *job: str, preload: str = PRELOAD) -> list[str]:
+    """The command line of a job of ``nproc`` ranks: ``job`` is ``SCRIPT ARGS`` or ``-m MODULE ARGS``; the caller's
+    environment must carry MASTER_ADDR / MASTER_PORT."""
+    return [sys.executable, os.path.abspath(__file__), str(nproc), preload, *map(str, job)]
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or (argv[2] == "-m" and len(argv) < 4):
         print(__doc__, file=sys.stderr)

@@ -32,9 +32,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: the fork launcher (run by its path) and what it imports once before forking the ranks
-_FORKRUN = forkrun.__file__
-PRELOAD = forkrun.PRELOAD
 
 
 def torchrun_cmd(script, nproc: int, *args: str) -> list[str]:
@@ -48,7 +45,7 @@ def torchrun_cmd(script, nproc: int, *args: str) -> list[str]:
     if torch.cuda.is_available():
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                 "127.0.0.1", "--master-port", port, str(script), *map(str, args)]
-    return [sys.executable, _FORKRUN, str(nproc), PRELOAD, str(script), *map(str, args)]
+    return forkrun.command(nproc, script, *args)
 
 
 def torchrun_env(env: dict | None = None) -> dict:

@@ -53,7 +53,7 @@ def command(script: str, args: list[str], cp: int, pp: int = 1, fork: bool = Fal
     spec = [] if "--spec" in args else SPEC
     job = ["-m", "megatron_ring_lab.doctor.entry", script, *args, "--context-parallel-size", str(cp), *spec]
     if fork:
-        return [sys.executable, forkrun.__file__, str(cp * pp), forkrun.PRELOAD, *job]
+        return forkrun.command(cp * pp, *job)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp * pp), "--master-addr",
             "127.0.0.1", "--master-port", str(free_port()), *job]
 
