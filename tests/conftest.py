@@ -7,7 +7,8 @@ the server). With CUDA only torch is preloaded: a module that touched CUDA at im
 server's forked workers unable to use it.
 Jobs the tests start with torchrun's environment (tests/helpers/launch.py ``torchrun``) likewise fork their ranks
 from one process that imported torch + Megatron + the glue once (lab/megatron_ring_lab/forkrun.py; torchrun itself
-with CUDA).
+with CUDA), and that process is itself forked from one server per pytest process (below), which imported them once
+for the whole session.
 """
 import os
 import pathlib
@@ -110,3 +111,43 @@ def _serial_on_a_worker(item) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("serial") is not None:
         pytest.fail(f"{item.nodeid} is marked serial (tests/conftest.py SERIAL) but runs on a pytest-xdist worker: "
                     "run it without -n, or deselect it there with -m 'not serial'", pytrace=False)
+
+
+# --- one fork server per test process for the Megatron jobs -----------------------------------------------
+# A session with slow tests on a machine without CUDA starts lab/megatron_ring_lab/forkrun.py's server: it imports
+# torch + Megatron + the glue once, and every forkrun job of this session (tests/helpers/launch.py ``torchrun``, the
+# doctor's CPU launcher) forks from it instead of importing them again (about 8 s of CPU per job on 2 cores). A job
+# whose environment or sys.path could have imported something else is refused by the server and imports itself.
+# Its log (one line per job) is forkrun-server.log in the session's pytest base temp directory.
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import tempfile  # noqa: E402
+
+from megatron_ring_lab import forkrun  # noqa: E402
+
+_SERVER: list = []
+
+
+def pytest_collection_finish(session):
+    if (torch.cuda.is_available() or os.environ.get(forkrun.SERVER_VARIABLE) or not hasattr(socket, "send_fds")
+            or not any(item.get_closest_marker("slow") for item in session.items)):
+        return
+    where = tempfile.mkdtemp(prefix="forkrun-")
+    path = os.path.join(where, "socket")
+    log = session.config._tmp_path_factory.getbasetemp() / "forkrun-server.log"
+    os.environ[forkrun.SERVER_VARIABLE] = path
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, forkrun.__file__, "--serve", path], env=env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    _SERVER.extend([proc, where])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SERVER:
+        proc, where = _SERVER
+        os.environ.pop(forkrun.SERVER_VARIABLE, None)
+        proc.kill()
+        proc.wait(30)
+        shutil.rmtree(where, ignore_errors=True)
+        _SERVER.clear()

@@ -17,6 +17,12 @@ SIGTERM and, GRACE_S later, SIGKILL (torchrun's order). A rank dies with this pr
 caller's time-out that kills it leaves no stray rank. Only for machines without CUDA (``tests/helpers/launch.py``
 and the doctor's launcher pick it there): a module that initialises CUDA at import would leave forked ranks unable
 to use it. It imports nothing of this package (run by its path).
+
+With FORKRUN_SERVER naming the socket of a server (``python forkrun.py --serve SOCKET [PRELOAD]``; the test suite
+starts one per pytest process, tests/conftest.py), the job is not imported here at all: this process hands its
+command line, environment, directory, sys.path and standard streams to the server, which imported PRELOAD once
+for the whole session and forks the job from there, and exits with the job's exit code (see "the server" below;
+where the server would not give the job a fresh process's imports it refuses, and the job runs here as above).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import runpy
 import signal
 import sys
 import time
+from collections.abc import MutableMapping
 
 GRACE_S = 30.0  # torchrun's SIGTERM -> SIGKILL grace
 #: what a Megatron job imports before its ranks fork (a module that is not installed is skipped)
@@ -75,15 +82,30 @@ def command(nproc: int, *job: str, preload: str = PRELOAD) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"] and len(argv) in (2, 3):
+        return serve(argv[1], argv[2] if len(argv) == 3 else PRELOAD)
     if len(argv) < 3 or (argv[2] == "-m" and len(argv) < 4):
         print(__doc__, file=sys.stderr)
         return 2
-    nproc, preload, script, args = int(argv[0]), argv[1], argv[2], argv[3:]
+    server = os.environ.get(SERVER_VARIABLE)
+    if server:
+        code = _client(server, argv)
+        if code is not None:
+            return code
+    _import(argv[1])
+    return _job(int(argv[0]), argv[2], argv[3:])
+
+
+def _import(preload: str) -> None:
     for name in filter(None, preload.split(",")):
         try:
             importlib.import_module(name)
         except ImportError:
             pass
+
+
+def _job(nproc: int, script: str, args: list[str]) -> int:
+    """Fork the ``nproc`` ranks, wait for them; 0, or 1 once a rank failed (the others stopped)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}
@@ -124,6 +146,245 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+# --- the server: one process imports PRELOAD once per test session; each job forks from it -----------------
+# A job's process (the client: ``python forkrun.py NPROC PRELOAD SCRIPT ...`` with FORKRUN_SERVER set) sends its
+# argv, environment, working directory, sys.path and its stdin/stdout/stderr (SCM_RIGHTS) to the server, which forks
+# a supervisor; the supervisor forks the job's leader with the client's environment, directory, path and file
+# descriptors, and the leader forks the ranks (``_job``). The client exits with the job's exit code; a client that
+# dies (its caller's time-out, a kill) takes the job with it: its supervisor sees the connection close and kills the
+# job's process group. The server refuses, and the client imports PRELOAD itself as before, where a fresh process
+# could have imported something else: another Python, a variable that differs and that the imports read (seen at
+# the Python level while the server imported; an import that walks the whole environment is taken to look for
+# none of the job's own variables) or that C code reads when a process starts (_AT_START: ATEN_CPU_CAPABILITY,
+# OMP_NUM_THREADS, ...), or a module the server holds that the job's sys.path would find elsewhere.
+SERVER_VARIABLE = "FORKRUN_SERVER"  # the server's socket; unset, or no server there: the job imports PRELOAD itself
+#: variables that programs read when a process starts, in C (the loader, glibc, OpenMP, MKL, ATen, CUDA, NCCL, the
+#: interpreter itself): a job whose value differs from the server's is refused (PYTHONPATH: its sys.path is checked)
+_AT_START = ("LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_", "ATEN_",
+             "TORCH", "PYTORCH_", "CUDA", "NCCL_", "GLOO_", "NVIDIA_", "TRITON_", "PYTHON", "LC_", "LANG", "TZ")
+_HEADER = 8  # the request's length, sent with the client's three file descriptors
+
+
+def _client(path: str, argv: list[str]) -> int | None:
+    """The job run by the server at ``path``: its exit code; None where there is no server or it refused."""
+    import json
+    import socket
+    import struct
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        request = json.dumps({"executable": sys.executable, "argv": argv, "env": dict(os.environ),
+                              "cwd": os.getcwd(), "path": sys.path}).encode()
+        socket.send_fds(sock, [struct.pack("!Q", len(request))], [0, 1, 2])
+        sock.sendall(request)
+        answer = _recv(sock, 1)
+    except OSError:
+        sock.close()
+        return None
+    if answer != b"Y":  # refused (the reason is in the server's log): this process imports PRELOAD itself
+        sock.close()
+        return None
+    code = _recv(sock, 4)
+    if len(code) < 4:
+        print("[forkrun] the server's job ended without an exit code", file=sys.stderr, flush=True)
+        return 1
+    return struct.unpack("!i", code)[0]
+
+
+def _recv(sock, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+class _Recording(MutableMapping):
+    """``os.environ`` while the server imports: which variables the imports read and set, at the Python level. A
+    walk over the environment reads no variable (networkx looks for NETWORKX_BACKEND_PRIORITY_* that way)."""
+
+    def __init__(self, real):
+        self.real, self.reads, self.writes = real, set(), {}
+
+    def __getitem__(self, key):
+        self.reads.add(key)
+        return self.real[key]
+
+    def __setitem__(self, key, value):
+        self.writes[key] = value
+        self.real[key] = value
+
+    def __delitem__(self, key):
+        self.writes[key] = None
+        del self.real[key]
+
+    def __iter__(self):
+        return iter(self.real)
+
+    def __len__(self):
+        return len(self.real)
+
+    def keys(self):
+        return self.real.keys()
+
+    def items(self):
+        return self.real.items()
+
+    def values(self):
+        return self.real.values()
+
+    def copy(self):
+        return self.real.copy()
+
+
+def _where(name: str):
+    """Where a fresh process with this sys.path would import the top-level module ``name`` from."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = find(name, None) if find else None
+        if spec is not None:
+            return spec.origin or tuple(spec.submodule_search_locations or ())
+    return None
+
+
+def serve(path: str, preload: str = PRELOAD) -> int:
+    """Listen at ``path`` (a Unix socket), import ``preload`` once, then run each client's job (until killed; it dies
+    with its parent). Decisions are logged to stderr, one line per job."""
+    import json
+    import select
+    import socket
+    import struct
+    _die_with_parent()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)  # before the imports: a client that comes early waits in the backlog
+    listener.listen(64)
+    env0, path0 = dict(os.environ), list(sys.path)
+    recording = os.environ = _Recording(os.environ)
+    try:
+        _import(preload)
+    finally:
+        os.environ = recording.real
+    added = [entry for entry in sys.path if entry not in path0]  # by the imports (setuptools' vendored packages)
+    own = {"__main__", "forkrun", "megatron_ring_lab"}
+    tops = {name: _where(name) for name, mod in list(sys.modules.items())
+            if "." not in name and name not in sys.stdlib_module_names and name not in own
+            and getattr(mod, "__spec__", None) is not None and (mod.__spec__.origin or mod.__spec__.submodule_search_locations)}
+    print(f"[forkrun server] pid {os.getpid()}: imported {preload}; {len(tops)} top-level modules, "
+          f"{len(recording.reads)} variables read, {len(recording.writes)} set", file=sys.stderr, flush=True)
+
+    def refusal(request) -> str | None:
+        if request["executable"] != sys.executable:
+            return f"another Python ({request['executable']})"
+        env = request["env"]
+        for key in sorted(set(env) | set(env0)):
+            if env.get(key) == env0.get(key) or key in recording.writes:
+                continue
+            if key in recording.reads:
+                return f"{key} differs and was read at import"
+            if key.startswith(_AT_START) and key != "PYTHONPATH":
+                return f"{key} differs"
+        sys.path[:] = request["path"] + [entry for entry in added if entry not in request["path"]]
+        for name, origin in tops.items():
+            if _where(name) != origin:
+                return f"the job's sys.path finds {name} elsewhere"
+        return None
+
+    def supervise(conn) -> None:
+        header, fds, _, _ = socket.recv_fds(conn, _HEADER, 3)
+        request = json.loads(_recv(conn, struct.unpack("!Q", header)[0]))
+        why = refusal(request)
+        nproc, job_preload, script, args = int(request["argv"][0]), request["argv"][1], request["argv"][2], request["argv"][3:]
+        print(f"[forkrun server] {'refused: ' + why if why else 'runs'}: {nproc} x {' '.join([script, *args])[:160]}",
+              file=sys.stderr, flush=True)
+        if why:
+            conn.sendall(b"N")
+            return
+        pid = os.fork()
+        if pid == 0:  # the job's leader
+            conn.close()
+            os.setpgid(0, 0)
+            _die_with_parent()
+            for i, fd in enumerate(fds):
+                os.dup2(fd, i)
+            for fd in fds:
+                os.close(fd)
+            os.chdir(request["cwd"])
+            env = {**request["env"], **{k: v for k, v in recording.writes.items() if v is not None}}
+            for key in [k for k, v in recording.writes.items() if v is None]:
+                env.pop(key, None)
+            os.environ.clear()
+            os.environ.update(env)
+            sys.path[:] = request["path"] + [entry for entry in added if entry not in request["path"]]
+            import random
+            random.seed()  # a fresh process's own draws, not the server's
+            if "numpy" in sys.modules:
+                sys.modules["numpy"].random.seed()
+            leader, code = os.getpid(), 1
+            try:
+                _import(job_preload)
+                code = _job(nproc, script, args)
+            finally:
+                if os.getpid() == leader:  # a rank's SystemExit passes on, up to the interpreter's shutdown
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+        try:
+            os.setpgid(pid, pid)  # as the leader does itself: whichever runs first, a kill reaches the group
+        except OSError:
+            pass
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(b"Y")
+        watch = [conn]
+        try:
+            watch.append(os.pidfd_open(pid))
+        except (AttributeError, OSError):
+            pass
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                conn.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
+                return
+            ready, _, _ = select.select(watch, [], [], 0.05 if len(watch) == 1 else None)
+            if conn in ready and not conn.recv(1):  # the client is gone: the job goes too
+                _signal(-pid, signal.SIGKILL)
+                _signal(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    while True:
+        ready, _, _ = select.select([listener], [], [], 1.0)
+        while True:  # reap the supervisors that ended
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if not ready:
+            continue
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            supervisor, code = os.getpid(), 0
+            try:
+                supervise(conn)
+            except BaseException:  # noqa: BLE001  (the client gets no answer and imports PRELOAD itself)
+                if os.getpid() != supervisor:
+                    raise  # a rank's SystemExit (or error): its interpreter's shutdown, as a fresh process's
+                import traceback
+                traceback.print_exc()
+                code = 1
+            finally:
+                if os.getpid() == supervisor:
+                    sys.stderr.flush()
+                    os._exit(code)
+        conn.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+"""lab/megatron_ring_lab/forkrun.py: a job run by its server is the job a fresh process runs (output, exit code,
+environment, directory, ranks); the server refuses a job whose imports could differ, and that job runs by itself;
+a client that is killed takes its job along."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_ring_lab import forkrun
+
+pytestmark = pytest.mark.slow
+
+JOB = """
+import os, sys
+import probe_module
+rank = int(os.environ["RANK"])
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} argv {sys.argv[1:]} cwd {os.getcwd()} "
+      f"tag {os.environ.get('MEGATRON_RING_TAG')} probe {probe_module.SEEN} "
+      f"loaded {'probe_module' in sys.modules}", flush=True)
+print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
+if os.environ.get("SLEEP"):
+    open(os.path.join(os.environ["SLEEP"], f"pid{rank}"), "w").write(str(os.getpid()))
+    import time
+    time.sleep(600)
+sys.exit(int(os.environ.get("FAIL_RANK", "-1")) == rank and 3 or 0)
+"""
+# imported by the server (PRELOAD): it reads one per-job variable at import, which a job must then not change
+PROBE = 'import os\nSEEN = os.environ.get("MEGATRON_RING_PROBE")\n'
+
+
+@pytest.fixture
+def server(tmp_path):
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "probe_module.py").write_text(PROBE)
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "work").mkdir()
+    path = str(tmp_path / "socket")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "mods"), "OMP_NUM_THREADS": "1",
+           forkrun.SERVER_VARIABLE: path, "MEGATRON_RING_PROBE": "at import"}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, forkrun.__file__, "--serve", path, "probe_module"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    try:
+        yield tmp_path, env
+    finally:
+        proc.kill()
+        proc.wait(30)
+        log.close()
+
+
+def _run(tmp_path, env, *extra, **changes):
+    e = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", **changes}
+    return subprocess.run([*forkrun.command(2, tmp_path / "job.py", "a", "b", preload="probe_module"), *extra],
+                          env={k: v for k, v in e.items() if v is not None}, cwd=tmp_path / "work",
+                          capture_output=True, text=True, timeout=120)
+
+
+def _decisions(tmp_path) -> list[str]:
+    return [line.split(":")[0] for line in (tmp_path / "server.log").read_text().splitlines()
+            if line.startswith("[forkrun server] r")]
+
+
+def _sorted(text: str) -> list[str]:
+    return sorted(line for line in text.splitlines() if line.startswith("rank"))
+
+
+def test_a_served_job_is_the_job_a_fresh_process_runs(server):
+    tmp_path, env = server
+    served = _run(tmp_path, env, MEGATRON_RING_TAG="served")
+    alone = _run(tmp_path, env, MEGATRON_RING_TAG="served", **{forkrun.SERVER_VARIABLE: None})
+    assert served.returncode == alone.returncode == 0, (served.stderr, alone.stderr)
+    assert _sorted(served.stdout) == _sorted(alone.stdout) == sorted(
+        f"rank {r} of 2 argv ['a', 'b'] cwd {tmp_path / 'work'} tag served probe at import loaded True"
+        for r in range(2))
+    assert _sorted(served.stderr) == _sorted(alone.stderr) == ["rank 0 to stderr", "rank 1 to stderr"]
+    failed = _run(tmp_path, env, FAIL_RANK="1")
+    assert failed.returncode == 1 and "rank 1 exited with 3" in failed.stderr, failed.stderr
+    assert _decisions(tmp_path) == ["[forkrun server] runs", "[forkrun server] runs"]  # the control ran alone
+
+
+def test_a_job_whose_imports_could_differ_runs_by_itself(server):
+    """Refused: a per-job variable the server's imports read (``MEGATRON_RING_PROBE``), and a variable that is not
+    per-job (C code may read it at start-up). Each job then imports PRELOAD itself and sees its own values."""
+    tmp_path, env = server
+    probe = _run(tmp_path, env, MEGATRON_RING_PROBE="the job's")
+    other = _run(tmp_path, env, ATEN_CPU_CAPABILITY="default")
+    assert probe.returncode == other.returncode == 0, (probe.stderr, other.stderr)
+    assert all("probe the job's" in line for line in _sorted(probe.stdout)), probe.stdout
+    assert all("probe at import" in line for line in _sorted(other.stdout)), other.stdout
+    log = (tmp_path / "server.log").read_text()
+    assert "refused: MEGATRON_RING_PROBE differs and was read at import" in log, log
+    assert "refused: ATEN_CPU_CAPABILITY differs" in log, log
+    assert "runs" not in "".join(_decisions(tmp_path))
+
+
+def test_a_killed_client_takes_its_job_along(server):
+    tmp_path, env = server
+    e = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "SLEEP": str(tmp_path)}
+    client = subprocess.Popen(forkrun.command(2, tmp_path / "job.py", preload="probe_module"), env=e,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    files = [tmp_path / "pid0", tmp_path / "pid1"]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline and client.poll() is None, "the job's ranks did not start"
+        time.sleep(0.1)
+    pids = [int(f.read_text()) for f in files]
+    client.send_signal(signal.SIGKILL)
+    client.wait(30)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"ranks {pids} outlived their killed client"
+        time.sleep(0.1)
+    assert _decisions(tmp_path) == ["[forkrun server] runs"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by its dead parent's reaper) is gone
+        return f.read().split(")")[-1].split()[0] != "Z"
