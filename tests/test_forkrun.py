@@ -19,10 +19,11 @@ JOB = """
 import os, sys
 import probe_module
 rank = int(os.environ["RANK"])
-print(f"rank {rank} of {os.environ['WORLD_SIZE']} argv {sys.argv[1:]} cwd {os.getcwd()} "
-      f"tag {os.environ.get('MEGATRON_RING_TAG')} probe {probe_module.SEEN} "
-      f"loaded {'probe_module' in sys.modules}", flush=True)
-print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
+# one write per line: the ranks share the streams (unbuffered, print writes the newline apart)
+os.write(1, (f"rank {rank} of {os.environ['WORLD_SIZE']} argv {sys.argv[1:]} cwd {os.getcwd()} "
+             f"tag {os.environ.get('MEGATRON_RING_TAG')} probe {probe_module.SEEN} "
+             f"loaded {'probe_module' in sys.modules}\\n").encode())
+os.write(2, f"rank {rank} to stderr\\n".encode())
 if os.environ.get("SLEEP"):
     open(os.path.join(os.environ["SLEEP"], f"pid{rank}"), "w").write(str(os.getpid()))
     import time
@@ -45,6 +46,10 @@ def server(tmp_path):
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, forkrun.__file__, "--serve", path, "probe_module"], env=env,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 60  # listening (its socket bound): a client that came earlier would run alone
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "server.log").read_text()
+        time.sleep(0.05)
     try:
         yield tmp_path, env
     finally:
