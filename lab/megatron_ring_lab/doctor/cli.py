@@ -15,8 +15,7 @@ import sys
 import tempfile
 from typing import Any
 
-from megatron_ring_lab.doctor import causes as causes_mod
-from megatron_ring_lab.doctor import report, run, shrink, static
+from megatron_ring_lab.doctor import shrink, static  # torch-free: bad input and --static answer at once
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     if errors:
         print("cannot run: " + "; ".join(f.text for f in errors), file=sys.stderr)
         return 2
+    from megatron_ring_lab.doctor import causes as causes_mod  # torch, megatron_ring: only for the runs
+    from megatron_ring_lab.doctor import report, run
+    from megatron_ring_lab.doctor.compare import compare
+
     pp = int(shrink.Args(args).get("--pipeline-model-parallel-size", "1") or 1)
     workdir = opts.workdir or tempfile.mkdtemp(prefix="megatron_ring_doctor_")
     os.makedirs(workdir, exist_ok=True)
@@ -98,8 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     results, any_differs = [], False
     seconds = {cp: round(r.seconds, 1) for cp, r in runs.items()}
     for cp in cps:
-        from megatron_ring_lab.doctor.compare import compare
-
         c = compare(ref.ranks, runs[cp].ranks, cp)
         found = causes_mod.diagnose(c, ctx)
         print("\n" + report.text(c, found), flush=True)
