@@ -72,6 +72,12 @@ def _bhsd(x: torch.Tensor, b: int) -> torch.Tensor:
     return x.view(b, n // b, h, d).transpose(1, 2)
 
 
+def _no_key_as(lse: torch.Tensor, value: float) -> torch.Tensor:
+    """``lse`` with its infinite entries (rows that see no key: +inf in the kernel's convention, -inf in the
+    engine's) set to ``value``, in one element-wise kernel (NaN stays NaN); finite entries unchanged."""
+    return lse.nan_to_num(nan=float("nan"), posinf=value, neginf=value)
+
+
 class _VarlenKernel(BlockKernel):
     """Runs a masked task as its segment plan's calls (``_fwd`` / ``_bwd`` on packed rows); a task without a
     plan, or a case the kernel does not take, runs on the math kernel (counted in :data:`COUNTS`)."""
@@ -117,7 +123,7 @@ class _VarlenKernel(BlockKernel):
             for call, o, l_ in results:
                 out[:, :, call.q] = o
                 lse[:, :, call.q] = l_
-        return out, lse.masked_fill(lse == float("inf"), float("-inf"))  # rows that see no key: our -inf
+        return out, _no_key_as(lse, float("-inf"))  # rows that see no key: our -inf
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
         plan = self._plan(q, v, mask)
@@ -125,7 +131,7 @@ class _VarlenKernel(BlockKernel):
             return _MATH.backward(dout, q, k, v, out, lse, causal, scale, mask=mask)
         b, h = q.shape[:2]
         # the kernel's lse layout [heads, rows] with +inf where a row sees no key (the forward's values)
-        lse_k = lse.masked_fill(lse == float("-inf"), float("inf")).transpose(0, 1)
+        lse_k = _no_key_as(lse, float("inf")).transpose(0, 1)
         grads = []
         for call, (cq, ck) in zip(plan.calls, plan.cum(q.device, b)):
             dq, dk, dv = self._bwd(_thd(dout[:, :, call.q]), _thd(q[:, :, call.q]), _thd(k[:, :, call.kv]),
