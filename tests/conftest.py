@@ -114,7 +114,7 @@ def _serial_on_a_worker(item) -> None:
 
 
 # --- one fork server per test process for the Megatron jobs -----------------------------------------------
-# A session with slow tests on a machine without CUDA starts lab/megatron_ring_lab/forkrun.py's server: it imports
+# A session with slow tests (not serial ones) on a machine without CUDA starts lab/megatron_ring_lab/forkrun.py's server: it imports
 # torch + Megatron + the glue once, and every forkrun job of this session (tests/helpers/launch.py ``torchrun``, the
 # doctor's CPU launcher) forks from it instead of importing them again (about 8 s of CPU per job on 2 cores). A job
 # whose environment or sys.path could have imported something else is refused by the server and imports itself.
@@ -130,7 +130,8 @@ _SERVER: list = []
 
 def pytest_collection_finish(session):
     if (torch.cuda.is_available() or os.environ.get(forkrun.SERVER_VARIABLE) or not hasattr(socket, "send_fds")
-            or not any(item.get_closest_marker("slow") for item in session.items)):
+            or not any(item.get_closest_marker("slow") and not item.get_closest_marker("serial")
+                       for item in session.items)):  # serial tests (wall-clock bounds) get no server importing beside them
         return
     where = tempfile.mkdtemp(prefix="forkrun-")
     path = os.path.join(where, "socket")
