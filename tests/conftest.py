@@ -140,8 +140,7 @@ def pytest_collection_finish(session):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1]),
                forkrun.SERVER_VARIABLE: path}
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, forkrun.__file__, "--serve", path], env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+            proc = forkrun.start_server(path, out, env)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:  # no server: every job imports by itself
         import warnings
         warnings.warn(f"the fork server did not start ({e!r}); each job imports torch and Megatron itself")

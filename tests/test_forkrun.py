@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -44,8 +43,7 @@ def server(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "mods"), "OMP_NUM_THREADS": "1",
            forkrun.SERVER_VARIABLE: path, "MEGATRON_RING_PROBE": "at import"}
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, forkrun.__file__, "--serve", path, "probe_module"], env=env,
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    proc = forkrun.start_server(path, log, env, preload="probe_module")
     deadline = time.monotonic() + 60  # listening (its socket bound): a client that came earlier would run alone
     while not os.path.exists(path):
         assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "server.log").read_text()

@@ -251,6 +251,14 @@ def _where(name: str):
     return None
 
 
+def start_server(path: str, log, env: dict, preload: str = PRELOAD):
+    """``python forkrun.py --serve path preload`` in the background (its own session, stdin closed, ``log`` its
+    stdout and stderr, ``env`` its environment): the ``subprocess.Popen``. Listening once ``path`` exists."""
+    import subprocess
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", path, preload], env=env,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+
+
 def serve(path: str, preload: str = PRELOAD) -> int:
     """Listen at ``path`` (a Unix socket), import ``preload`` once, then run each client's job (until killed; it dies
     with its parent). Decisions are logged to stderr, one line per job."""
@@ -276,6 +284,9 @@ def serve(path: str, preload: str = PRELOAD) -> int:
     print(f"[forkrun server] pid {os.getpid()}: imported {preload}; {len(tops)} top-level modules, "
           f"{len(recording.reads)} variables read, {len(recording.writes)} set", file=sys.stderr, flush=True)
 
+    def job_path(request) -> list[str]:  # the job's sys.path, with what the imports added (as a fresh process's)
+        return request["path"] + [entry for entry in added if entry not in request["path"]]
+
     def refusal(request) -> str | None:
         if request["executable"] != sys.executable:
             return f"another Python ({request['executable']})"
@@ -287,7 +298,7 @@ def serve(path: str, preload: str = PRELOAD) -> int:
                 return f"{key} differs and was read at import"
             if key.startswith(_AT_START) and key != "PYTHONPATH":
                 return f"{key} differs"
-        sys.path[:] = request["path"] + [entry for entry in added if entry not in request["path"]]
+        sys.path[:] = job_path(request)
         for name, origin in tops.items():
             if _where(name) != origin:
                 return f"the job's sys.path finds {name} elsewhere"
@@ -318,7 +329,7 @@ def serve(path: str, preload: str = PRELOAD) -> int:
                 env.pop(key, None)
             os.environ.clear()
             os.environ.update(env)
-            sys.path[:] = request["path"] + [entry for entry in added if entry not in request["path"]]
+            sys.path[:] = job_path(request)
             import random
             random.seed()  # a fresh process's own draws, not the server's
             if "numpy" in sys.modules:
