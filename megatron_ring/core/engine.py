@@ -605,7 +605,8 @@ def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],
         if sink is not None:
             fold_sink(acc, lse, sink)
         return _as_result(acc, q), lse
-    out = q.new_empty((*q.shape[:3], v.shape[-1]))
+    shape = (*q.shape[:3], v.shape[-1])  # in q's memory order, as one group's result and torch's kernels have it
+    out = torch.empty_strided(shape, _strides_like(shape, q), dtype=q.dtype, device=q.device)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     for hs, qs in query_heads(heads, q.shape[1] // sum(h.stop - h.start for h in heads)):
         acc, lse_part = run(hs, qs)
