@@ -154,3 +154,29 @@ def test_fused_adds_keep_each_accumulators_order_and_split_only_on_overlap(monke
     engine._add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk)
                      for (name, sl), blk in zip(plan[:3], blocks)])
     assert calls == [3]  # no overlap: one call
+
+
+def test_the_direct_launch_is_taken_only_where_nothing_would_see_the_op():
+    """``merge_into`` launches the Triton kernel directly (no dispatcher round trip) only on plain tensors with
+    no dispatch mode, torch-function mode or compiler trace; anything that records or fakes ops (the fake-CUDA
+    tier's FakeTensorMode and dispatch-mode counters, torch.compile) sees the one registered op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_ring.core.merge import _eager
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(2)
+    assert _eager(x, x)
+    with Seen():
+        assert not _eager(x, x)
+    with TorchFunctionMode():
+        assert not _eager(x, x)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+    assert not _eager(fake, x)
+    assert not _eager(torch.nn.Parameter(x), x)
