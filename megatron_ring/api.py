@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron_ring import settings
 from megatron_ring.call import Call, agree, dropout_spec, offset_kind, sink_logits
-from megatron_ring.transport.groups import PerGroup
+from megatron_ring.transport.groups import context
 from megatron_ring.transport.ring import LoopbackRing, Ring, Transport
 from megatron_ring.core.engine import RingAttentionFunction, RingPlan
 from megatron_ring.core.heads import head_groups
@@ -19,9 +19,6 @@ from megatron_ring.strategies import run_strategy
 from megatron_ring.core.validation import check_inputs
 
 __all__ = ["ring_attention", "resolve_group"]
-
-_rings = PerGroup()  # group -> (device, timeout_s) -> Ring; held weakly (transport/groups.py)
-
 
 def resolve_group(group: Any) -> Any:
     """``None`` means the default group; returns None when torch.distributed is not initialised."""
@@ -36,7 +33,11 @@ def resolve_group(group: Any) -> Any:
 def _ring_for(group: Any, device: torch.device, timeout_s: float | None) -> Transport:
     if group is None:
         return LoopbackRing(1, 0, device)
-    return _rings.setdefault(group, (device, timeout_s), lambda: Ring(group, device, timeout_s))
+    rings = context(group).rings
+    ring = rings.get((device, timeout_s))
+    if ring is None:
+        ring = rings[(device, timeout_s)] = Ring(group, device, timeout_s)
+    return ring
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,

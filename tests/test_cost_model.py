@@ -84,8 +84,10 @@ def _auto_worker(rank, world):
     q = torch.randn(1, 16, 4, 8)
     for _ in range(3):  # the choice is made (and logged) once
         ring_attention(q, q, q, comm_type="auto", causal=True)
-    machine = next(iter(auto._machines.values()))
-    return list(auto._choices.values()), records, (machine.flops, machine.bw_intra, machine.latency)
+    from megatron_ring.transport.groups import contexts
+    machine = next(m for _, ctx in contexts() for m in ctx.machines.values())
+    return [c for _, ctx in contexts() for c in ctx.choices.values()], records, (machine.flops, machine.bw_intra,
+                                                                                 machine.latency)
 
 
 @pytest.mark.slow
@@ -139,7 +141,8 @@ def _measured_worker(rank, world):
         ring_attention(q, q, q, comm_type="auto", causal=True).sum().backward()
     with torch.no_grad():  # a new signature, chosen inside no_grad: the measurement still runs backward
         ring_attention(q[:, :8], q[:, :8], q[:, :8], comm_type="auto")
-    return list(auto._choices.values()), auto.last_choice["measured"], records
+    from megatron_ring.transport.groups import contexts
+    return [c for _, ctx in contexts() for c in ctx.choices.values()], auto.last_choice["measured"], records
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.device import ops_for
-from megatron_ring.transport.groups import PerGroup
+from megatron_ring.transport.groups import context
 
 __all__ = ["FORMATS", "check_inputs", "call_signature", "check_same_across_ranks", "check_cu_seqlens",
            "check_window", "host_values"]
@@ -90,9 +90,6 @@ def host_values(t: torch.Tensor) -> tuple:
     return values
 
 
-_checked = PerGroup()  # group -> signatures already agreed on (held weakly: see transport/groups.py)
-
-
 def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.device,
                             describe: dict[str, Any], timeout: datetime.timedelta | None = None,
                             per_call: Sequence[int] = ()) -> None:
@@ -106,7 +103,7 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
     the all-gather's deadline (None: the group's); a peer that is gone raises the backend's error
     (RuntimeError), one that does not answer in time TimeoutError (the caller names the lost rank).
     """
-    seen = _checked.setdefault(group, "signatures", set)
+    seen = context(group).signatures  # held with the group, weakly (transport/groups.py)
     sig = tuple(signature)
     if sig in seen:
         return

@@ -25,7 +25,7 @@ from megatron_ring.core.heads import head_groups
 from megatron_ring.strategies import a2a, a2a_p2p, all_gather, p2p
 from megatron_ring.strategies.a2a_p2p import make_hierarchical_groups
 from megatron_ring.strategies.refusal import StrategyStatus
-from megatron_ring.transport.groups import PerGroup
+from megatron_ring.transport.groups import context
 
 __all__ = ["STRATEGIES", "COMM_TYPES", "run_strategy", "check_comm_type", "make_hierarchical_groups", "Refusal",
            "refuse"]
@@ -42,9 +42,6 @@ def check_comm_type(comm_type: Any) -> str:
     return comm_type
 
 
-_agreed = PerGroup()  # ring group -> (hierarchical groups, required) -> usable on every rank
-
-
 def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool, device: torch.device) -> bool:
     """Whether ``hierarchical_groups`` is usable on EVERY rank (one small all-gather per new groups).
 
@@ -55,8 +52,9 @@ def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool
     # group's address can be reused by a new one
     groups = tuple(hierarchical_groups) if isinstance(hierarchical_groups, (tuple, list)) else (hierarchical_groups,)
     key = (groups, required)
-    if (ring.group, key) in _agreed:
-        return _agreed.get(ring.group, key)
+    agreed = context(ring.group).agreed
+    if key in agreed:
+        return agreed[key]
     reason = a2a_p2p.check_hierarchical_groups(ring.group, ring.world, ring.rank, hierarchical_groups)
     flags = torch.zeros(ring.world, dtype=torch.int64, device=device)
     flags[ring.rank] = int(reason is not None)
@@ -66,7 +64,8 @@ def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool
         raise ValueError(reason if reason is not None else
                          f"comm_type='a2a+p2p': hierarchical_groups are unusable on group rank(s) {bad} (see "
                          f"their error); {a2a_p2p.HIER_HINT}")
-    return _agreed.set(ring.group, key, not bad)
+    agreed[key] = not bad
+    return not bad
 
 
 def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,

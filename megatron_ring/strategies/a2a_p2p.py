@@ -20,16 +20,13 @@ from megatron_ring.transport.ring import Ring
 from megatron_ring.core.engine import RingPlan
 from megatron_ring.strategies.a2a import _A2A, check_heads, run_grouped
 from megatron_ring.transport.deadline import timeout_seconds
-from megatron_ring.transport.groups import PerGroup, group_ranks
+from megatron_ring.transport.groups import context, group_ranks
 from megatron_ring.strategies.refusal import precheck_kv
 
 __all__ = ["run", "check_hierarchical_groups", "make_hierarchical_groups", "HIER_HINT"]
 
 HIER_HINT = ("pass hierarchical_groups=(inner, outer) (Megatron: --hierarchical-context-parallel-sizes "
              "INNER OUTER, e.g. GPUs per node and number of nodes)")
-
-_outer_rings = PerGroup()  # outer group -> (device, timeout) -> its Ring
-
 
 def make_hierarchical_groups(inner_size: int) -> tuple[Any, Any]:
     """``(inner, outer)`` groups over the default (world) group, built the Megatron way.
@@ -89,7 +86,10 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
     what = f"comm_type='a2a+p2p' (inner group of {n})"
     check_heads(qh.shape[1], n, what)
     timeout = timeout_seconds(ring)
-    outer_ring = _outer_rings.setdefault(outer, (qh.device, timeout), lambda: Ring(outer, qh.device, timeout))
+    rings = context(outer).outer_rings
+    outer_ring = rings.get((qh.device, timeout))
+    if outer_ring is None:
+        outer_ring = rings[(qh.device, timeout)] = Ring(outer, qh.device, timeout)
     kh, vh = precheck_kv(plan, plan.codec, kh, vh)  # K/V the outer ring's codec refuses: zeros, recorded
     return run_grouped(qh, kh, vh, plan, inner=_A2A(inner, n, timeout), outer=outer_ring,
                        a2a_codec=IdentityCodec(), ring_codec=plan.codec, head_chunks=head_chunks, sink=sink,

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megatron_ring import settings
 from megatron_ring.timing import median_seconds, seconds, sync_device
-from megatron_ring.transport.groups import PerGroup
+from megatron_ring.transport import groups
 from megatron_ring.wire.codecs import KVSpec
 from megatron_ring.transport.ring import Ring
 from megatron_ring.core.engine import RingPlan, _memory_order
@@ -55,20 +55,19 @@ __all__ = ["choose", "set_machine", "machine_for", "probe_machine", "measure", "
 
 log = logging.getLogger("megatron_ring")
 
-# Both held per process group, weakly (transport/groups.py): group -> key -> value. ``_machines`` keys:
-# ("set", device type or None) from set_machine (group None: every group), ("probed", ...) from probes.
-_machines = PerGroup()
-_choices = PerGroup()  # group -> call signature -> comm type
+# Machines and choices are kept in each group's context (transport/groups.py: ``machines``, ``choices``);
+# a machine set for group None is the one of every group.
 last_choice: dict[str, Any] = {}  # the latest choice made: key, predicted, measured, choice (benchmark, tests)
 
 
 def set_machine(machine: Machine | None, group: Any = None, device_type: str | None = None) -> None:
     """Use ``machine`` for ``auto`` (all groups/devices if not given); None forgets every setting and choice."""
     if machine is None:
-        _machines.clear()
-        _choices.clear()
+        for _, ctx in groups.contexts():
+            ctx.machines.clear()
+            ctx.choices.clear()
         return
-    _machines.set(group, ("set", device_type), machine)
+    groups.context(group).machines[("set", device_type)] = machine
 
 
 def _kernel_times(kern, device, dtype, h: int, s: int, d: int) -> tuple[float, float]:
@@ -128,14 +127,15 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
                 head_dim: int = 64, local_len: int = 512) -> Machine:
     """The agreed :class:`Machine` for this group, device and kernel shape (probed once, then cached)."""
     group = plan.ring.group
-    for g, key in ((group, ("set", device.type)), (group, ("set", None)), (None, ("set", device.type)),
-                   (None, ("set", None))):
-        if (g, key) in _machines:
-            return _machines.get(g, key)
+    machines, every = groups.context(group).machines, groups.context(None).machines
+    for table, key in ((machines, ("set", device.type)), (machines, ("set", None)), (every, ("set", device.type)),
+                       (every, ("set", None))):
+        if key in table:
+            return table[key]
     block = _probe_block(local_len)
     key = ("probed", device.type, outer, dtype, min(heads, 8), head_dim, block)  # outer: the group itself
-    if (group, key) in _machines:
-        return _machines.get(group, key)
+    if key in machines:
+        return machines[key]
     env = settings.machine_numbers()
     numbers = env if len(env) == len(settings.MACHINE_VARIABLES) else {
         **probe_machine(plan, device, dtype, outer, min(heads, 8), head_dim, block), **env}
@@ -147,10 +147,11 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
     dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)
     agreed = {n: (-x if n in times else x) for n, x in zip(order, vec.tolist())}
     overlap = settings.overlap()  # unset: none on CPU (transfers run on the compute cores), full on GPUs
-    return _machines.set(group, key, Machine(
+    machine = machines[key] = Machine(
         flops=agreed["flops"], bwd_flops=agreed["bwd_flops"], bw_intra=agreed["bw_intra"], bw_inter=agreed["bw_inter"],
         latency=agreed["latency"], call_overhead=agreed["call_overhead"], gpus_per_node=settings.gpus_per_node(),
-        overlap=overlap if overlap is not None else (0.0 if device.type == "cpu" else 1.0)))
+        overlap=overlap if overlap is not None else (0.0 if device.type == "cpu" else 1.0))
+    return machine
 
 
 def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int) -> Problem:
@@ -251,13 +252,13 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
         inner = dist.get_world_size(inner_g)
     key = (tuple(qh.shape), tuple(kh.shape), qh.dtype, qh.device.type, plan.causal, plan.layout.name,
            plan.codec.name, head_chunks, inner, outer)  # outer: the group itself, not its id
-    group = plan.ring.group
-    if (group, key) in _choices:
-        return _choices.get(group, key)
+    choices = groups.context(plan.ring.group).choices
+    if key in choices:
+        return choices[key]
     machine = machine_for(plan, qh.device, qh.dtype, outer, qh.shape[1], qh.shape[3], qh.shape[2])
     pb = _problem(qh, kh, plan, head_chunks)
     rows = predict_all(pb, plan.ring.world, machine, inner)
-    choice = _choices.set(group, key, rows[0]["comm_type"])
+    choice = choices[key] = rows[0]["comm_type"]
     near, rounds = to_measure(rows)
     measured, tie = {}, TIE
     if near:
@@ -265,7 +266,7 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
                                    hierarchical_groups, rounds, runners)
         tie = max(TIE, spread)
         choice = _fastest(measured, tie)
-    _choices.set(group, key, choice)
+    choices[key] = choice
     log.info("megatron_ring auto comm_type: chose %s for S=%d b=%d h=%d h_kv=%d d=%d %s causal=%s wire=%s over %d "
              "ranks%s; predicted fwd+bwd per call: %s (machine: F=%.3g flop/s, B=%.3g B/s, latency=%.3g s)%s",
              choice, pb.seq, pb.batch, pb.heads, pb.kv_heads, pb.head_dim, pb.layout, pb.causal,

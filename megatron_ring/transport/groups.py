@@ -1,23 +1,28 @@
-"""Process groups: their members, and state kept per group that cannot outlive it.
+"""Process groups: their members, and the one context the library keeps per group.
+
+Everything the library learns about a process group lives in its :class:`GroupContext`: the rings built over
+it, the hierarchical groups every rank agreed are usable, the call signatures every rank agreed on, and
+``comm_type="auto"``'s machine numbers and choices. :func:`context` makes it on first use; :func:`forget`
+drops it (or all of them: a test, a re-initialised job).
 
 A cache keyed by ``id(group)`` can hand a destroyed group's entry to a new group that Python happens to
-place at the same address. :class:`PerGroup` keys on the group object itself and holds it weakly
-(``torch`` process groups accept weak references): an entry goes when its group is garbage-collected.
-A value must not hold its group strongly or the entry keeps the group alive: a ``Ring`` holds its group
-weakly (:attr:`~megatron_ring.transport.ring.Transport.group`), so a group that torch.distributed destroyed
-and its caller dropped goes with its Ring. As a second net, entries whose group was destroyed
+place at the same address. The contexts are keyed on the group object itself and hold it weakly
+(``torch`` process groups accept weak references): a context goes when its group is garbage-collected.
+What a context holds must not hold its group strongly or the context keeps the group alive: a ``Ring`` holds
+its group weakly (:attr:`~megatron_ring.transport.ring.Transport.group`), so a group that torch.distributed
+destroyed and its caller dropped goes with its context. As a second net, contexts whose group was destroyed
 (``torch.distributed.destroy_process_group``) but is still referenced elsewhere are dropped whenever a new
-group is added.
-``None`` (no process group: one process) is a key like any other.
+group gets one. ``None`` (no process group: one process) has a context too; ``auto`` reads a machine set
+there as the one for every group.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Hashable
 
 import torch.distributed as dist
 
-__all__ = ["group_ranks", "is_live", "PerGroup"]
+__all__ = ["group_ranks", "is_live", "GroupContext", "context", "contexts", "forget"]
 
 
 def group_ranks(group: Any) -> list[int]:
@@ -34,56 +39,57 @@ def is_live(group: Any) -> bool:
     return True
 
 
-class PerGroup:
-    """A table ``(group, key) -> value`` that holds each group weakly (see the module doc)."""
+class GroupContext:
+    """What the library keeps for one process group (see the module doc); every field starts empty."""
+
+    __slots__ = ("rings", "outer_rings", "agreed", "signatures", "machines", "choices")
 
     def __init__(self) -> None:
-        self._tables: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
-        self._no_group: dict[Hashable, Any] = {}
+        #: ``(device, timeout_s)`` -> the Ring over this group (``ring_attention``)
+        self.rings: dict[Hashable, Any] = {}
+        #: ``(device, timeout_s)`` -> the Ring over this group as ``a2a+p2p``'s outer group
+        self.outer_rings: dict[Hashable, Any] = {}
+        #: ``(hierarchical groups, required)`` -> whether they are usable on every rank (``strategies``)
+        self.agreed: dict[Hashable, bool] = {}
+        #: call signatures every rank of the group agreed on (``core/validation.py``)
+        self.signatures: set[tuple] = set()
+        #: ``auto``'s machine numbers: ``("set", device type or None)`` from ``set_machine``,
+        #: ``("probed", ...)`` from its probes -> Machine
+        self.machines: dict[Hashable, Any] = {}
+        #: ``auto``'s choices: call signature -> comm type
+        self.choices: dict[Hashable, str] = {}
 
-    def _table(self, group: Any, create: bool) -> dict[Hashable, Any] | None:
+    def __bool__(self) -> bool:
+        return any(getattr(self, f) for f in self.__slots__)
+
+
+_contexts: weakref.WeakKeyDictionary[Any, GroupContext] = weakref.WeakKeyDictionary()
+_no_group = GroupContext()
+
+
+def context(group: Any) -> GroupContext:
+    """``group``'s context (made on first use; ``None``: the context of no process group)."""
+    if group is None:
+        return _no_group
+    ctx = _contexts.get(group)
+    if ctx is None:
+        for old in [g for g in _contexts.keys() if not is_live(g)]:
+            del _contexts[old]
+        ctx = _contexts[group] = GroupContext()
+    return ctx
+
+
+def contexts() -> list[tuple[Any, GroupContext]]:
+    """``(group, context)`` for every group with a context that holds something (``None`` first)."""
+    found = [(None, _no_group)] if _no_group else []
+    return found + [(g, c) for g, c in list(_contexts.items()) if c]
+
+
+def forget(*groups: Any) -> None:
+    """Drop the contexts of ``groups`` (``None``: the no-group one); with no argument, every context."""
+    global _no_group
+    for group in groups or (None, *list(_contexts.keys())):
         if group is None:
-            return self._no_group
-        table = self._tables.get(group)
-        if table is None and create:
-            for old in [g for g in self._tables.keys() if not is_live(g)]:
-                del self._tables[old]
-            table = self._tables[group] = {}
-        return table
-
-    def get(self, group: Any, key: Hashable, default: Any = None) -> Any:
-        table = self._table(group, create=False)
-        return default if table is None else table.get(key, default)
-
-    def __contains__(self, group_and_key: tuple[Any, Hashable]) -> bool:
-        group, key = group_and_key
-        table = self._table(group, create=False)
-        return table is not None and key in table
-
-    def set(self, group: Any, key: Hashable, value: Any) -> Any:
-        self._table(group, create=True)[key] = value  # type: ignore[index]
-        return value
-
-    def setdefault(self, group: Any, key: Hashable, make: Callable[[], Any]) -> Any:
-        """The value for ``(group, key)``, made by ``make()`` the first time."""
-        table = self._table(group, create=True)
-        assert table is not None
-        if key not in table:
-            table[key] = make()
-        return table[key]
-
-    def groups(self) -> list[Any]:
-        """The groups with entries (``None`` first when it has any)."""
-        return ([None] if self._no_group else []) + list(self._tables.keys())
-
-    def values(self) -> Iterator[Any]:
-        yield from self._no_group.values()
-        for table in list(self._tables.values()):
-            yield from table.values()
-
-    def __len__(self) -> int:
-        return len(self._no_group) + sum(len(t) for t in list(self._tables.values()))
-
-    def clear(self) -> None:
-        self._tables.clear()
-        self._no_group.clear()
+            _no_group = GroupContext()
+        else:
+            _contexts.pop(group, None)

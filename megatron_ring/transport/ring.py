@@ -123,9 +123,9 @@ class Transport(abc.ABC):
 
     @property
     def group(self) -> Any:
-        """The process group (None for a loopback). Held weakly where the group allows it: a transport kept in a
-        per-group table (``api``, ``strategies``; :class:`~.groups.PerGroup`) must not keep its group alive, so
-        the table entry goes with the group once torch.distributed has destroyed it and nobody else holds it."""
+        """The process group (None for a loopback). Held weakly where the group allows it: a transport kept in its
+        group's context (:class:`~.groups.GroupContext`) must not keep its group alive, so the context goes with
+        the group once torch.distributed has destroyed it and nobody else holds it."""
         ref = self._group_ref
         return ref() if isinstance(ref, weakref.ref) else ref
 

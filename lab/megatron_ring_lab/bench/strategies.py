@@ -46,6 +46,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     from megatron_ring import ring_attention
     from megatron_ring.strategies import auto
     from megatron_ring.planning.cost_model import predict
+    from megatron_ring.transport.groups import contexts
 
     inner = _inner(world)
     hier = _hier(world, inner) if inner else None
@@ -79,7 +80,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
                                qh.shape[2])
     if rank == 0:
         pb = auto._problem(qh, kh, plan, 1)
-        res["choice"] = next(iter(auto._choices.values()), None)
+        res["choice"] = next((c for _, ctx in contexts() for c in ctx.choices.values()), None)
         res["auto_measured"] = auto.last_choice.get("measured") or {}
         res["auto_tie"] = auto.last_choice.get("tie")
         res["machine"] = vars(machine)
