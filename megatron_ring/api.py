@@ -12,7 +12,6 @@ from megatron_ring.call import Call, agree, dropout_spec, offset_kind, sink_logi
 from megatron_ring.transport.groups import context
 from megatron_ring.transport.ring import LoopbackRing, Ring, Transport
 from megatron_ring.core.engine import RingAttentionFunction, RingPlan
-from megatron_ring.core.heads import head_groups
 from megatron_ring.kernels.block import BlockKernel, select_kernel
 from megatron_ring.schedules.layouts import Layout
 from megatron_ring.strategies import run_strategy
@@ -76,11 +75,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             the ``MEGATRON_RING_TIMEOUT_S`` environment variable, else the timeout of ``group``; note
             that Megatron creates its CP groups with ``distributed_timeout_minutes``, not the default
             group's timeout).
-        head_chunks: deprecated (a FutureWarning when not 1): use ``kv_pieces``, which streams the K/V heads
-            in pieces within each ring step (lower peak memory, no extra ring steps). Still runs as before:
-            the ring over this many groups of K/V heads one after another (capped at h_kv), more and
-            smaller ring steps; with "all_gather", the number of head groups K/V are gathered in. Same bytes,
-            same compute, exact.
+        head_chunks: deprecated alias of ``kv_pieces`` (a FutureWarning when not 1): ``head_chunks=n`` runs as
+            ``kv_pieces=n``; ignored when ``kv_pieces`` is given.
         cu_seqlens: ("thd" only) int tensor ``[n_docs + 1]``: the GLOBAL document boundaries of the
             packed stream, the same on every rank (``0``, non-decreasing, ``<= T``). Attention never
             crosses a boundary (``causal`` is causal within each document); tokens at or past
@@ -147,15 +143,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             return_max_logit=return_max_logit)
     _check_tensors(q, k, v)
     if head_chunks != 1:
-        warnings.warn("ring_attention(head_chunks=...) is deprecated: use kv_pieces=..., which streams K/V heads in "
-                      "pieces within each ring step (lower peak memory, no extra ring steps); head_chunks still runs "
-                      "as before for now", FutureWarning, stacklevel=2)
+        warnings.warn("ring_attention(head_chunks=n) is deprecated: it runs as kv_pieces=n (K/V heads streamed in n "
+                      "pieces within each ring step; the same exact result) and is ignored when kv_pieces is given; "
+                      "pass kv_pieces=n", FutureWarning, stacklevel=2)
     if not isinstance(return_max_logit, bool):
         raise ValueError(f"return_max_logit must be a bool, got {return_max_logit!r}")
     if ring is None:
         ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else settings.timeout_s())
     if kv_pieces is None:
-        kv_pieces = settings.kv_pieces()
+        kv_pieces = _pieces_alias(head_chunks) or settings.kv_pieces()
     call = agree(ring, q, k, v, causal=causal, layout=layout, qkv_format=qkv_format, cu_seqlens=cu_seqlens,
                  window=window, comm_type=comm_type, head_chunks=head_chunks, hierarchical_groups=hierarchical_groups,
                  comm_dtype=comm_dtype, softmax_scale=softmax_scale, check_consistency=check_consistency,
@@ -179,6 +175,13 @@ _eager_ring_attention = torch.compiler.disable(
     ring_attention, reason="megatron_ring: the ring's exchanges and in-band status run eagerly (docs/compile.md)")
 
 
+def _pieces_alias(head_chunks: Any) -> int | None:
+    """The K/V pieces the deprecated ``head_chunks`` asks for (None: 1, or not a count: refused by name later,
+    after the cross-rank check)."""
+    ok = isinstance(head_chunks, int) and not isinstance(head_chunks, bool) and head_chunks > 1
+    return head_chunks if ok else None
+
+
 def _check_tensors(q: Any, k: Any, v: Any) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -192,9 +195,9 @@ def _dispatch(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qh:
     ring takes the call's format itself: no autograd view nodes around it, and no BHSD views of k, v made
     here; heads are dim 2 in both bshd and sbhd)."""
     if call.comm_type == "p2p":
-        return RingAttentionFunction.apply(q, k, v, plan, head_groups(k.shape[2], call.head_chunks), sink, call.perm)
+        return RingAttentionFunction.apply(q, k, v, plan, sink, call.perm)
     kh, vh = call.bhsd(k), call.bhsd(v)
-    return call.from_bhsd(run_strategy(call.comm_type, qh, kh, vh, plan, head_chunks=call.head_chunks,
+    return call.from_bhsd(run_strategy(call.comm_type, qh, kh, vh, plan,
                                        hierarchical_groups=call.hierarchical_groups, sink=sink))
 
 

@@ -168,7 +168,7 @@ class Call:
         plan = self.ring_plan(kernel, k.shape[-1] ** -0.5,
                               row_max=self._row_max(qh) if collective else None)  # a2a: its max-logit exchange too
         refuse(Refusal(error=exc, comm_type=self.comm_type, plan=plan, q=qh, k=self.bhsd(k), v=self.bhsd(v),
-                       head_chunks=self.head_chunks, hierarchical_groups=self.hierarchical_groups))
+                       hierarchical_groups=self.hierarchical_groups))
 
 
 def _agreed_codec(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, layout: Any,

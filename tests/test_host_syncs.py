@@ -136,9 +136,10 @@ def test_the_counter_sees_the_old_fp8_check(monkeypatch):
 
 def test_a_host_that_runs_ahead_waits_once_per_ring_at_the_status_read():
     """Where the refusal protocol reads: the status copy, at the start of the backward ring. If the device
-    has not reached the end of the forward ring by then, that read waits, once per forward ring."""
-    per_call = count_syncs(SyncCase(P=2, heads=(4, 4), head_chunks=2), dev=FakeCuda(events_done=False))
-    assert per_call[-1] == {"host wait (event)": 2}, per_call
+    has not reached the end of the forward ring by then, that read waits, once per forward ring (one per call:
+    K/V pieces share the ring's status)."""
+    per_call = count_syncs(SyncCase(P=2, heads=(4, 4), kv_pieces=2), dev=FakeCuda(events_done=False))
+    assert per_call[-1] == {"host wait (event)": 1}, per_call
 
 
 def test_a_device_side_refusal_still_raises_on_every_rank():
@@ -298,7 +299,7 @@ def test_under_capture_the_status_is_asserted_on_the_device_not_read():
 
     for capturing, wire in ((True, "fp8"), (True, None), (False, "fp8")):
         dev = FakeCuda(capturing=capturing)
-        case = SyncCase(P=4, heads=(4, 2), head_chunks=2, wire=wire)
+        case = SyncCase(P=4, heads=(4, 2), kv_pieces=2, wire=wire)
         Asserts.n = 0
         with device.use("cpu", dev), Asserts():
             for _ in range(2):
@@ -307,9 +308,9 @@ def test_under_capture_the_status_is_asserted_on_the_device_not_read():
                 assert dict(counter.reads) == {}, (capturing, counter.reads)
         if capturing:
             assert dev.log["to_host"] == 0 and dev.log["event_query"] == 0, dev.log
-            assert Asserts.n == 2 * case.head_chunks, Asserts.n
+            assert Asserts.n == 2, Asserts.n  # one status per ring (forward and backward), K/V pieces included
         else:
-            assert dev.log["to_host"] == 2 * case.head_chunks and Asserts.n == 0, (dev.log, Asserts.n)
+            assert dev.log["to_host"] == 2 and Asserts.n == 0, (dev.log, Asserts.n)
 
 
 def test_under_capture_a_refusal_stops_every_rank_at_the_device_assert():

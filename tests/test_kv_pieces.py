@@ -190,21 +190,28 @@ def test_bad_kv_pieces_names_the_argument():
 
 
 def test_head_chunks_is_a_deprecated_alias_that_still_runs_exactly():
-    """``head_chunks`` warns, naming ``kv_pieces``, and computes what it did: the same outputs and gradients as
-    ``kv_pieces`` at the same count and as the float64 reference; the default (1) does not warn."""
+    """``head_chunks`` warns, naming ``kv_pieces``, and runs as ``kv_pieces`` at the same count: bit for bit the
+    same outputs and gradients (also on a P = 2 loopback ring, where the pieces stream), within the fp32 bound of
+    the float64 reference; ignored when ``kv_pieces`` is given; the default (1) does not warn."""
+    from megatron_ring.transport.ring import LoopbackRing
     import warnings
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 32, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     dout = torch.randn(1, 32, 4, 8, generator=g, dtype=torch.float64)
 
-    def run(**kw):
+    def run(ring=None, **kw):
         x = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*x, causal=True, kernel="math", **kw)
+        out = ring_attention(*x, causal=True, kernel="math", ring=ring, **kw)
         return (out, *torch.autograd.grad(out, x, dout))
 
-    with pytest.warns(FutureWarning, match=r"head_chunks=\.\.\.\) is deprecated: use kv_pieces"):
+    with pytest.warns(FutureWarning, match=r"head_chunks=n\) is deprecated: it runs as kv_pieces=n"):
         old = run(head_chunks=2)
+    for ring in (None, LoopbackRing(2, 1, torch.device("cpu"))):
+        with pytest.warns(FutureWarning):
+            alias, ignored = run(ring, head_chunks=2), run(ring, head_chunks=2, kv_pieces=1)
+        pieces, one = run(ring, kv_pieces=2), run(ring, kv_pieces=1)
+        assert all(torch.equal(a, b) for a, b in zip(alias, pieces)) and all(torch.equal(a, b) for a, b in zip(ignored, one))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # negative control: neither the default nor kv_pieces warns
         new, whole = run(kv_pieces=2), run()

@@ -516,17 +516,11 @@ def _memory_order(like: torch.Tensor) -> list[int]:
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper. Inputs/outputs are BHSD views; results keep the strides of the inputs.
-
-    ``heads`` lists K/V head slices that run through the ring one after another (query heads follow
-    their K/V group): with n slices every per-ring buffer (wire, dK/dV, accumulators, temporaries) is
-    n times smaller, for n times the ring steps; bytes sent and compute are unchanged.
-    """
+    """Autograd wrapper. Inputs/outputs are BHSD views; results keep the strides of the inputs."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
-                heads: list[slice], sink: torch.Tensor | None = None,
-                perm: tuple[int, ...] | None = None) -> torch.Tensor:
+                sink: torch.Tensor | None = None, perm: tuple[int, ...] | None = None) -> torch.Tensor:
         """``sink``: optional fp32 ``[h]`` softmax offsets (attention sinks), folded into the lse.
 
         ``perm``: q, k, v come in the caller's layout, ``t.permute(perm)`` is BHSD; the output (and the
@@ -536,13 +530,12 @@ class RingAttentionFunction(torch.autograd.Function):
         ctx.perm = perm
         if perm is not None:
             q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
-        out, lse = forward_by_heads(q, v, heads, lambda hs, qs: ring_forward(
-            q[:, qs], k[:, hs], v[:, hs], _for_heads(plan, qs)), sink)
+        out, lse = forward_by_heads(q, v, [slice(0, k.shape[1])], lambda hs, qs: ring_forward(q, k, v, plan), sink)
         # the BHSD views are saved (views of the inputs, and the output's BHSD form, which shares its
         # version counter: an in-place change of either is still detected), so the backward permutes
         # none of them again
         ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.plan, ctx.heads = plan, heads
+        ctx.plan = plan
         return out if perm is None else out.permute(_inverse(perm))
 
     @staticmethod
@@ -560,21 +553,11 @@ class RingAttentionFunction(torch.autograd.Function):
         """The backward on BHSD views."""
         if dout.stride() != out.stride():
             dout = torch.empty_like(out).copy_(dout)
-        extra = [None] * (len(ctx.needs_input_grad) - 3)  # plan, heads[, sink]
-        if sink is not None and ctx.needs_input_grad[5]:
-            extra[2] = sink_grad(dout, out, lse, sink).to(sink.dtype)
-        if len(ctx.heads) == 1:
-            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
-            return (_as_result(dq, q), _as_result(dk, k, any_strides=True),
-                    _as_result(dv, v, any_strides=True), *extra)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for hs, qs in query_heads(ctx.heads, q.shape[1] // k.shape[1]):
-            parts = ring_backward(dout[:, qs], q[:, qs], k[:, hs], v[:, hs], out[:, qs], lse[:, qs],
-                                  _for_heads(ctx.plan, qs))
-            for whole, part, sl in zip((dq, dk, dv), parts, (qs, hs, hs)):
-                whole[:, sl].copy_(part)
-            del parts
-        return (dq, dk, dv, *extra)
+        extra = [None] * (len(ctx.needs_input_grad) - 3)  # plan[, sink[, perm]]
+        if sink is not None and ctx.needs_input_grad[4]:
+            extra[1] = sink_grad(dout, out, lse, sink).to(sink.dtype)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
+        return (_as_result(dq, q), _as_result(dk, k, any_strides=True), _as_result(dv, v, any_strides=True), *extra)
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
@@ -594,7 +577,7 @@ _INVERSES = {(0, 2, 1, 3): (0, 2, 1, 3), (1, 2, 0, 3): (2, 0, 1, 3)}  # bshd, sb
 def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],
                      run: Callable[[slice, slice], tuple[torch.Tensor, torch.Tensor]],
                      sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head-chunk loop of a forward: ``run(hs, qs)`` gives the fp32 ``(out, lse)`` of the K/V heads
+    """The head-group loop of a forward (``all_gather``'s gathered groups; the ring runs one): ``run(hs, qs)`` gives the fp32 ``(out, lse)`` of the K/V heads
     ``hs`` and their query heads ``qs``, one group after another; attention sinks are folded in. Returns
     the output (q's dtype and memory order, v's head dim) and the fp32 lse ``[b, h, s]``.
 
@@ -618,25 +601,23 @@ def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],
     return out, lse
 
 
-def refuse_on_ring(plan: RingPlan, k: torch.Tensor, v: torch.Tensor, heads: list[slice],
-                   refusal: BaseException) -> NoReturn:
+def refuse_on_ring(plan: RingPlan, k: torch.Tensor, v: torch.Tensor, refusal: BaseException) -> NoReturn:
     """This rank's input was refused after the cross-rank check: take part in the forward ring anyway,
-    then raise ``refusal``. The forward runs as :func:`ring_forward` does (every head group, the same
-    :class:`_KVStream`), its K/V zeros marked with a failing status and nothing computed, so the others
-    raise at the end of that ring, or at the start of the backward ring (see :mod:`.status`).
+    then raise ``refusal``. The forward runs as :func:`ring_forward` does (the same :class:`_KVStream`), its
+    K/V zeros marked with a failing status and nothing computed, so the others raise at the end of that
+    ring, or at the start of the backward ring (see :mod:`.status`).
 
     ``k``, ``v``: BHSD, only their shapes matter (``[b, h_kv, s, d]``; v's head dim from ``v``)."""
     b, h_kv, s, d = k.shape
     zk = k.new_zeros((b, h_kv, s, d))
     zv = k.new_zeros((b, h_kv, s, v.shape[-1]))
     with torch.no_grad():
-        forward_by_heads(zk, zv, heads, lambda hs, qs: ring_forward(zk[:, qs], zk[:, hs], zv[:, hs], plan,
-                                                                    refusal=refusal))
+        ring_forward(zk, zk, zv, plan, refusal=refusal)
     raise refusal
 
 
 def _for_heads(plan: RingPlan, qs: slice) -> RingPlan:
-    """The plan for the query heads ``qs`` of a head-chunked call (dropout keys on global heads; the
+    """The plan for the query heads ``qs`` of a K/V piece (dropout keys on global heads; the
     max-logit rows of those heads)."""
     if plan.dropout is None and plan.row_max is None:
         return plan

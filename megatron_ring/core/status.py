@@ -200,7 +200,7 @@ class RingStatus:
         """After the forward ring: raise here, or leave the check for the backward ring (see module doc).
 
         A refusing rank raises here when the others read the codes here too; else it goes on through
-        the call's other forward rings (head chunks) and its caller raises once they are done."""
+        the call's other forward rings (a2a's runs of heads) and its caller raises once they are done."""
         if self.refusal is not None and not self.read_in_forward:
             return
         if self.local_error is not None:

@@ -71,7 +71,7 @@ class DropoutSpec:
     seed: int | torch.Tensor  # an int, or a one-element int64 tensor (a device seed: never read on the host)
     heads: int          # query heads of the whole call (row id = batch row * heads + head)
     seq_len: int        # global sequence (stream) length
-    head_offset: int = 0  # first query head of the tensors the engine sees (head_chunks)
+    head_offset: int = 0  # first query head of the tensors the engine sees (K/V pieces, a2a's head slices)
 
     def shifted(self, offset: int) -> "DropoutSpec":
         return replace(self, head_offset=offset)

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.core.engine import RingPlan, refuse_on_ring
-from megatron_ring.core.heads import head_groups
 from megatron_ring.strategies import a2a, a2a_p2p, all_gather, p2p
 from megatron_ring.strategies.a2a_p2p import make_hierarchical_groups
 from megatron_ring.strategies.refusal import StrategyStatus
@@ -69,7 +68,7 @@ def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool
 
 
 def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
-                 head_chunks: int = 1, hierarchical_groups: Any = None, sink: torch.Tensor | None = None,
+                 hierarchical_groups: Any = None, sink: torch.Tensor | None = None,
                  refusal: BaseException | None = None) -> torch.Tensor:
     """BHSD views in (as :class:`~megatron_ring.core.engine.RingAttentionFunction` takes them), output out.
 
@@ -78,7 +77,7 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
     forward's exchanges with a failing status so that every rank raises, then raise ``refusal``."""
     check_comm_type(comm_type)
     ring = plan.ring
-    kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups, sink=sink)
+    kw = dict(hierarchical_groups=hierarchical_groups, sink=sink)
     if ring.world == 1:  # one rank: every exchange pattern is the local computation
         return p2p.run(qh, kh, vh, plan, **kw)
     if ring.group is None:
@@ -91,10 +90,10 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
 
         usable = hierarchical_usable(plan, hierarchical_groups, required=False, device=qh.device)  # on every rank
         probe = dataclasses.replace(plan, row_max=None)  # its timing runs on random tensors: no max logit from them
-        comm_type = choose(qh, kh, probe, head_chunks, hierarchical_groups if usable else None, vh, runners=STRATEGIES)
+        comm_type = choose(qh, kh, probe, hierarchical_groups if usable else None, vh, runners=STRATEGIES)
     if comm_type == "p2p":  # the ring carries its own status (core/status.py)
         if refusal is not None:
-            refuse_on_ring(plan, kh, vh, head_groups(kh.shape[1], head_chunks), refusal)
+            refuse_on_ring(plan, kh, vh, refusal)
         return p2p.run(qh, kh, vh, plan, **kw)
     status = StrategyStatus(plan, refusal)
     out = STRATEGIES[comm_type](qh, kh, vh, dataclasses.replace(plan, strategy_status=status), **kw)
@@ -113,7 +112,6 @@ class Refusal:
     k: torch.Tensor
     v: torch.Tensor
     q: torch.Tensor | None = None
-    head_chunks: int = 1
     hierarchical_groups: Any = None
 
 
@@ -126,9 +124,8 @@ def refuse(refusal: Refusal) -> NoReturn:
     zeros, with the refusal as the status every rank gathers at its end (:mod:`.refusal`)."""
     r = refusal
     if r.comm_type == "p2p":
-        refuse_on_ring(r.plan, r.k, r.v, head_groups(r.k.shape[1], r.head_chunks), r.error)
+        refuse_on_ring(r.plan, r.k, r.v, r.error)
     zq, zk, zv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (r.q, r.k, r.v))
     with torch.no_grad():
-        run_strategy(r.comm_type, zq, zk, zv, r.plan, head_chunks=r.head_chunks,
-                     hierarchical_groups=r.hierarchical_groups, refusal=r.error)
+        run_strategy(r.comm_type, zq, zk, zv, r.plan, hierarchical_groups=r.hierarchical_groups, refusal=r.error)
     raise r.error

@@ -34,7 +34,7 @@ from megatron_ring.wire.codecs import IdentityCodec, KVCodec, KVSpec
 from megatron_ring.transport.ring import LoopbackRing, Ring
 from megatron_ring.core.engine import RingPlan
 from megatron_ring.core.max_logit import new_row_max
-from megatron_ring.core.heads import HeadSplit, check_head_count, head_groups, head_split
+from megatron_ring.core.heads import HeadSplit, check_head_count, head_split
 from megatron_ring.transport.collectives import all_to_all
 from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.schedules.views import GroupedView
@@ -163,8 +163,7 @@ class KVSeqToHead(torch.autograd.Function):
 
 
 def run_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, inner: _A2A,
-                outer: Ring, a2a_codec: KVCodec, ring_codec: KVCodec, head_chunks: int,
-                sink: torch.Tensor | None = None, what: str = "comm_type='a2a'") -> torch.Tensor:
+                outer: Ring, a2a_codec: KVCodec, ring_codec: KVCodec, sink: torch.Tensor | None = None, what: str = "comm_type='a2a'") -> torch.Tensor:
     """All-to-all over ``inner``, then the engine over ``outer`` with super-blocks of ``inner.world`` shards.
 
     After the all-to-all this rank holds the query heads ``mine`` (inner rank j: ``head_split(...).q[j]``):
@@ -183,8 +182,7 @@ def run_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: Ring
                               dropout=plan.heads_dropout(mine.start + qs.start), pieces=plan.pieces,
                               row_max=None if rows is None else rows[qs])
         sink_run = sink[mine][qs] if sink is not None else None
-        outs.append(outer_ring(q_h[:, qs], k_h[:, ks], v_h[:, ks], heads_plan, head_groups(_len(ks), head_chunks),
-                               sink_run, plan))
+        outs.append(outer_ring(q_h[:, qs], k_h[:, ks], v_h[:, ks], heads_plan, sink_run, plan))
     out_h = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if rows is not None:
         _rows_home(rows, inner, split, plan.row_max)
@@ -201,11 +199,11 @@ def _rows_home(rows: torch.Tensor, inner: _A2A, split: HeadSplit, acc: torch.Ten
         torch.maximum(acc, back.view(acc.shape), out=acc)
 
 
-def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
-        hierarchical_groups=None, sink: torch.Tensor | None = None) -> torch.Tensor:
+def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, hierarchical_groups=None,
+        sink: torch.Tensor | None = None) -> torch.Tensor:
     ring = plan.ring
     check_heads(qh.shape[1], ring.world)
     timeout = timeout_seconds(ring)
     return run_grouped(qh, kh, vh, plan, inner=_A2A(ring.group, ring.world, timeout),
                        outer=LoopbackRing(1, 0, qh.device), a2a_codec=plan.codec, ring_codec=IdentityCodec(),
-                       head_chunks=head_chunks, sink=sink)
+                       sink=sink)

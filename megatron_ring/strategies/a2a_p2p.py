@@ -77,7 +77,7 @@ def check_hierarchical_groups(group: Any, world: int, rank: int, hierarchical_gr
     return None
 
 
-def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
+def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
         hierarchical_groups=None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Expects :func:`check_hierarchical_groups` to have passed on every rank (see ``strategies.run_strategy``)."""
     ring = plan.ring
@@ -92,5 +92,5 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
         outer_ring = rings[(qh.device, timeout)] = Ring(outer, qh.device, timeout)
     kh, vh = precheck_kv(plan, plan.codec, kh, vh)  # K/V the outer ring's codec refuses: zeros, recorded
     return run_grouped(qh, kh, vh, plan, inner=_A2A(inner, n, timeout), outer=outer_ring,
-                       a2a_codec=IdentityCodec(), ring_codec=plan.codec, head_chunks=head_chunks, sink=sink,
+                       a2a_codec=IdentityCodec(), ring_codec=plan.codec, sink=sink,
                        what=what)

@@ -5,7 +5,8 @@ Schedule: the layout's tasks for (this rank, every source) against the gathered 
 (:class:`~megatron_ring.schedules.views.GatheredView`), run by the engine as a world-size-1 plan — so under a causal
 mask a rank computes only the sub-blocks it can see, exactly as the ring does.
 
-Overlap and memory: K/V are gathered in ``groups`` (slices of K/V heads); the gather of group i+1 is in
+Overlap and memory: K/V are gathered in :data:`GROUPS` groups (slices of K/V heads, fewer where there are fewer
+K/V heads); the gather of group i+1 is in
 flight while group i computes (forward and backward), and in backward the reduce-scatter of group i's
 dK/dV runs while group i+1 computes. Nothing is kept from forward to backward beyond what the ring
 keeps (q, k, v, out, lse): K/V are gathered again in backward. Peak extra memory per rank is about two
@@ -142,11 +143,10 @@ def _land(item, dk: torch.Tensor, dv: torch.Tensor) -> None:
     part_v.copy_(mine[n_k:].view(part_v.shape))
 
 
-def head_groups_for(h_kv: int, head_chunks: int) -> list[slice]:
-    """``head_chunks`` > 1: that many groups; default: 2 groups when there are 2+ K/V heads (overlap)."""
-    return head_groups(h_kv, head_chunks if head_chunks > 1 else 2)
+#: K/V head groups gathered one after another (the next group's gather overlaps this one's compute)
+GROUPS = 2
 
 
-def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
-        hierarchical_groups=None, sink: torch.Tensor | None = None) -> torch.Tensor:
-    return AllGatherAttention.apply(qh, kh, vh, plan, head_groups_for(kh.shape[1], head_chunks), sink)
+def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, hierarchical_groups=None,
+        sink: torch.Tensor | None = None) -> torch.Tensor:
+    return AllGatherAttention.apply(qh, kh, vh, plan, head_groups(kh.shape[1], GROUPS), sink)

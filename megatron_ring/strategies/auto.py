@@ -50,6 +50,7 @@ from megatron_ring.core.engine import RingPlan, _memory_order
 from megatron_ring.core.rotation import divisor_at_most
 from megatron_ring.schedules.layouts import LAYOUTS
 from megatron_ring.planning.cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
+from megatron_ring.strategies import all_gather
 
 __all__ = ["choose", "set_machine", "machine_for", "probe_machine", "measure", "to_measure", "last_choice"]
 
@@ -154,7 +155,7 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
     return machine
 
 
-def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int) -> Problem:
+def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan) -> Problem:
     b, h, s, d = qh.shape
     world = plan.ring.world
     hk = kh.shape[1]
@@ -162,7 +163,7 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: in
     wire = plan.codec.wire_bytes(spec) / (2 * b * hk * s * d)
     return Problem(batch=b, seq=s * world, heads=h, kv_heads=hk, head_dim=d, causal=plan.causal,
                    layout=plan.layout if plan.layout.name not in LAYOUTS else plan.layout.name, elem_bytes=qh.element_size(), wire_bytes=wire,
-                   gather_head_groups=head_chunks if head_chunks > 1 else 2,
+                   gather_head_groups=all_gather.GROUPS,
                    kv_pieces=1 if world == 1 else divisor_at_most(hk, plan.pieces))
 
 
@@ -186,7 +187,7 @@ def to_measure(rows: list[dict]) -> tuple[list[str], int]:
 
 
 def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan,
-            head_chunks: int, hierarchical_groups: Any, rounds: int,
+            hierarchical_groups: Any, rounds: int,
             runners: dict[str, Callable[..., torch.Tensor]]) -> tuple[dict[str, float], float]:
     """Forward+backward seconds of each candidate on random tensors of the call's shapes and strides
     (``rounds`` interleaved rounds; each one's median round, the mean when ``rounds`` <= 2; MAX over the
@@ -200,7 +201,7 @@ def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch
     dout = torch.randn([shape[i] for i in order], dtype=qh.dtype, device=dev).permute(
         *[order.index(i) for i in range(qh.dim())])
     times: dict[str, list[float]] = {ct: [] for ct in candidates}
-    kw = dict(head_chunks=head_chunks, hierarchical_groups=hierarchical_groups)
+    kw = dict(hierarchical_groups=hierarchical_groups)
     with torch.enable_grad():  # also when the call itself runs without gradients
         _rounds(candidates, q, k, v, dout, plan, kw, rounds, times, runners)
     agreed = torch.tensor([typical(times[ct]) for ct in candidates] + [noise(times)], dtype=torch.float64,
@@ -242,7 +243,7 @@ def _fastest(times: dict[str, float], tie: float = TIE) -> str:
     return min((ct for ct, t in times.items() if t <= fastest * (1 + tie)), key=PREFERENCE.index)
 
 
-def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int, hierarchical_groups: Any,
+def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, hierarchical_groups: Any,
            vh: torch.Tensor | None = None, *, runners: dict[str, Callable[..., torch.Tensor]]) -> str:
     """The comm type for this call (cached per signature and group); the same on every rank. ``runners``:
     the strategies to time (comm type -> function), passed by the registry."""
@@ -251,18 +252,18 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, head_chunks: int,
         inner_g, outer = hierarchical_groups
         inner = dist.get_world_size(inner_g)
     key = (tuple(qh.shape), tuple(kh.shape), qh.dtype, qh.device.type, plan.causal, plan.layout.name,
-           plan.codec.name, head_chunks, inner, outer)  # outer: the group itself, not its id
+           plan.codec.name, plan.pieces, inner, outer)  # outer: the group itself, not its id
     choices = groups.context(plan.ring.group).choices
     if key in choices:
         return choices[key]
     machine = machine_for(plan, qh.device, qh.dtype, outer, qh.shape[1], qh.shape[3], qh.shape[2])
-    pb = _problem(qh, kh, plan, head_chunks)
+    pb = _problem(qh, kh, plan)
     rows = predict_all(pb, plan.ring.world, machine, inner)
     choice = choices[key] = rows[0]["comm_type"]
     near, rounds = to_measure(rows)
     measured, tie = {}, TIE
     if near:
-        measured, spread = measure(near, qh, kh, vh if vh is not None else kh, plan, head_chunks,
+        measured, spread = measure(near, qh, kh, vh if vh is not None else kh, plan,
                                    hierarchical_groups, rounds, runners)
         tie = max(TIE, spread)
         choice = _fastest(measured, tie)

@@ -4,11 +4,10 @@ from __future__ import annotations
 import torch
 
 from megatron_ring.core.engine import RingAttentionFunction, RingPlan
-from megatron_ring.core.heads import head_groups
 
 __all__ = ["run"]
 
 
-def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, head_chunks: int = 1,
-        hierarchical_groups=None, sink: torch.Tensor | None = None) -> torch.Tensor:
-    return RingAttentionFunction.apply(qh, kh, vh, plan, head_groups(kh.shape[1], head_chunks), sink)
+def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *, hierarchical_groups=None,
+        sink: torch.Tensor | None = None) -> torch.Tensor:
+    return RingAttentionFunction.apply(qh, kh, vh, plan, sink)

@@ -163,15 +163,15 @@ def precheck_kv(plan: RingPlan, codec: KVCodec, k: torch.Tensor, v: torch.Tensor
     return torch.where(refused, zero, k), torch.where(refused, zero, v)
 
 
-def outer_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, heads: list[slice],
-               sink: torch.Tensor | None, caller: RingPlan) -> torch.Tensor:
+def outer_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, sink: torch.Tensor | None,
+               caller: RingPlan) -> torch.Tensor:
     """The engine over a2a's head slice; a refusal its ring reports (after the whole forward ring, on every
     rank of that ring) is recorded, so the output all-to-all still runs on every rank."""
     status = status_of(caller)
     if status is None or plan.ring.world == 1:
-        return RingAttentionFunction.apply(q, k, v, plan, heads, sink)
+        return RingAttentionFunction.apply(q, k, v, plan, sink)
     try:
-        return RingAttentionFunction.apply(q, k, v, plan, heads, sink)
+        return RingAttentionFunction.apply(q, k, v, plan, sink)
     except (WireFiniteError, RingInputError) as exc:
         status.record(exc)
         return q.new_zeros((*q.shape[:3], v.shape[-1]))

@@ -161,8 +161,9 @@ class StreamChecker(TorchDispatchMode):
 
     Each op on stream S reads its tensor arguments and writes its mutable arguments and outputs (byte
     ranges of their storages). An access that overlaps a write (or, for a write, a read) made on another
-    stream O at O's clock c is ordered only if S waited for O at or after c (``wait_stream``). View ops
-    touch no data and are not accesses."""
+    stream O at O's clock c is ordered only if S waited for O at or after c (``wait_stream``). View ops and
+    metadata queries (``prim.device``: FakeTensorMode dispatches ``t.device``) touch no data and are not
+    accesses."""
 
     def __init__(self, dev: FakeCuda) -> None:
         super().__init__()
@@ -198,7 +199,7 @@ class StreamChecker(TorchDispatchMode):
         stream.clock += 1
         self.ops_on[stream.name] += 1
         out = func(*args, **kwargs)
-        if getattr(func, "is_view", False):
+        if getattr(func, "is_view", False) or func is torch.ops.prim.device.default:
             return out
         written = _written_args(func, args, kwargs)
         wkeys = {id(t) for t in written}

@@ -28,8 +28,8 @@ faster than the work split over the cores they share), and ``ring / limit`` is h
 it (1.0: no overhead at all; ``limit eff = limit / ring``). Memory is the peak resident memory
 per process above its baseline after a tiny warm-up call (so the fixed cost of starting autograd, thread
 pools and the like is left out), with glibc told to return freed blocks at once; ``mem ratio`` is
-``ring per rank / (single / P)`` (1.0: memory splits perfectly). ``--head-chunks`` runs the ring over
-groups of K/V heads one after another (less memory, more steps). Bytes are the K/V (and dK/dV) buffers
+``ring per rank / (single / P)`` (1.0: memory splits perfectly). ``--head-chunks`` is the deprecated alias of
+``--kv-pieces`` (``ring_attention(head_chunks=n)`` runs as ``kv_pieces=n``). Bytes are the K/V (and dK/dV) buffers
 each rank sends per call. Times are medians over ``--iters``.
 """
 from __future__ import annotations
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--comm-dtype", nargs="+", default=["none"], choices=list(COMM_DTYPE_ALIASES),
                     help="wire dtype(s) for K/V (any spelling ring_attention accepts)")
     ap.add_argument("--head-chunks", type=int, nargs="+", default=[1],
-                    help="run the ring over this many groups of K/V heads in turn (one row per value)")
+                    help="deprecated alias of --kv-pieces: ring_attention(head_chunks=n) runs as kv_pieces=n (one row per value)")
     ap.add_argument("--kv-pieces", nargs="+", default=["auto"],
                     help="K/V pieces per ring step (sub-block streaming; 'auto' = the default; one row per value)")
     ap.add_argument("--comm-type", nargs="+", default=None,

@@ -79,7 +79,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     machine = auto.machine_for(plan, q.device, q.dtype, hier[1] if hier else None, qh.shape[1], qh.shape[3],
                                qh.shape[2])
     if rank == 0:
-        pb = auto._problem(qh, kh, plan, 1)
+        pb = auto._problem(qh, kh, plan)
         res["choice"] = next((c for _, ctx in contexts() for c in ctx.choices.values()), None)
         res["auto_measured"] = auto.last_choice.get("measured") or {}
         res["auto_tie"] = auto.last_choice.get("tie")
