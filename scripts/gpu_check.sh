@@ -10,6 +10,8 @@
 #      tokens per rank, 32:8 GQA heads of 128, bf16, causal): efficiency eager and CUDA-graphed, host time and
 #      kernel launches per call, peak memory, and packed THD with a real document-length mix against one-GPU
 #      variable-length flash (megatron_ring_lab.bench.gpu);
+#   5. the Megatron layer's host time per call on the GPU (RingDotProductAttention forward+backward at CP = 1 vs
+#      the same ring_attention call made directly: the glue's share; megatron_ring_lab.bench.layer_host_time);
 # and print one table (tests/gpu/check_table.py); exit 1 if any step failed or ran out of its time budget.
 # Needs no download and no venv: the project venv if there is one, else the system python3 (torch with CUDA,
 # megatron-core, pytest; pytest-timeout is used only where installed). Budget: each step under `timeout`,
@@ -66,6 +68,9 @@ if [ "$NGPU" -ge 2 ]; then
     echo $? > "$OUT/te.rc"
   fi
 fi
+timeout 90 "$PY" -m megatron_ring_lab.benchmark --layer-host-time --layer-device cuda --heads 32 --kv-heads 8 \
+  --head-dim 128 --iters 300 > "$OUT/layer.txt" 2>&1
+echo $? > "$OUT/layer.rc"
 timeout 120 "$PY" -m megatron_ring_lab.benchmark --gpu-row --world-sizes 2 4 8 --tokens-per-rank $TOKENS \
   --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --causal --iters 3 --gpu-docs --graphed \
   > "$OUT/bench.json" 2> "$OUT/bench.err"

@@ -7,7 +7,10 @@ Megatron glue (``RingDotProductAttention.forward``: group lookup, settings, argu
 ring), causal, a tiny ``sbhd`` shape so that the kernels' own work is small next to the host's. Timed, taking
 turns every :data:`BURST` calls: the layer's forward+backward (``layer``) and the same ``ring_attention`` call
 made directly (``ring``); ``glue`` = layer - ring. Medians of the calling thread's CPU time (the machine's other
-load does not count). Also printed: a hash of the layer's output and input gradients (the same bytes before and
+load does not count). ``device="cuda"`` (``--device cuda``): the same calls on the GPU, bf16, timed by the wall
+clock from launch to return with the device idle before each call (autograd runs a CUDA backward on its own
+thread, whose CPU time the calling thread's clock would miss); what the host spends per layer call, the
+kernels' time excluded. Also printed: a hash of the layer's output and input gradients (the same bytes before and
 after a change: ``scripts/bench_revisions.py --layer-host-time`` compares them).
 
 This file imports only public pieces of the library (``ring_attention``, ``RingDotProductAttention``) and
@@ -47,16 +50,20 @@ def _layer(heads: int, kv_heads: int, head_dim: int):
 
 
 def layer_host_times(seq: int = 16, batch: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
-                     iters: int = 400, warmup: int = 20) -> dict[str, Any]:
-    """Median seconds (this thread's CPU time) of one forward+backward, through the layer and directly."""
+                     iters: int = 400, warmup: int = 20, device: str = "cpu") -> dict[str, Any]:
+    """Median seconds of host time of one forward+backward, through the layer and directly (see the module doc:
+    this thread's CPU time on CPU, launch to return on CUDA)."""
     from megatron_ring import ring_attention
 
     torch.set_num_threads(1)
-    layer = _layer(heads, kv_heads, head_dim)
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    layer = _layer(heads, kv_heads, head_dim).to(dev)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(seq, batch, heads, head_dim, generator=g).requires_grad_()
-    k, v = (torch.randn(seq, batch, kv_heads, head_dim, generator=g).requires_grad_() for _ in range(2))
-    dout = torch.randn(seq, batch, heads * head_dim, generator=g)
+    made = lambda *shape: torch.randn(*shape, generator=g).to(dev, dtype)  # noqa: E731
+    q = made(seq, batch, heads, head_dim).requires_grad_()
+    k, v = (made(seq, batch, kv_heads, head_dim).requires_grad_() for _ in range(2))
+    dout = made(seq, batch, heads * head_dim)
 
     def through_layer():
         layer(q, k, v, None).backward(dout)
@@ -68,23 +75,25 @@ def layer_host_times(seq: int = 16, batch: int = 1, heads: int = 4, kv_heads: in
     through_layer()
     digest = hashlib.sha256()
     for t in (layer(q, k, v, None).detach(), q.grad, k.grad, v.grad):
-        digest.update(t.contiguous().numpy().tobytes())
+        digest.update(t.float().cpu().contiguous().numpy().tobytes())
     modes = {"layer": through_layer, "ring": direct}
     for _ in range(warmup):
         for call in modes.values():
             call()
     times: dict[str, list[float]] = {m: [] for m in modes}
-    clock = time.thread_time_ns
+    clock = time.perf_counter_ns if dev.type == "cuda" else time.thread_time_ns
     for _ in range(max(1, iters // BURST)):
         for mode, call in modes.items():
             for _ in range(BURST):
                 q.grad = k.grad = v.grad = None
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)  # an idle device: the host never waits for a full queue
                 t0 = clock()
                 call()
                 times[mode].append((clock() - t0) * 1e-9)
     layer_s, ring_s = statistics.median(times["layer"]), statistics.median(times["ring"])
     return dict(seq=seq, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, iters=iters,
-                layer_s=layer_s, ring_s=ring_s, glue_s=layer_s - ring_s, outputs_sha256=digest.hexdigest())
+                device=dev.type, dtype=str(dtype).removeprefix("torch."), layer_s=layer_s, ring_s=ring_s, glue_s=layer_s - ring_s, outputs_sha256=digest.hexdigest())
 
 
 def format_layer_host_time(row: dict[str, Any]) -> str:
@@ -99,9 +108,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=8)
     ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 on the GPU, wall clock")
     ap.add_argument("--json", action="store_true", help="print the row as one JSON line (RESULT ...)")
     a = ap.parse_args(argv)
-    row = layer_host_times(a.seq, 1, a.heads, a.kv_heads, a.head_dim, a.iters)
+    row = layer_host_times(a.seq, 1, a.heads, a.kv_heads, a.head_dim, a.iters, device=a.device)
     print("RESULT " + json.dumps(row) if a.json else format_layer_host_time(row), flush=True)
     return row
 

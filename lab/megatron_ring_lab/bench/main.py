@@ -336,6 +336,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="host time of one Megatron core-attention layer call (RingDotProductAttention forward+"
                          "backward, CP = 1, tiny causal sbhd block) vs the same ring_attention call made directly: "
                          "the glue's share (megatron_ring_lab.bench.layer_host_time)")
+    ap.add_argument("--layer-device", default="cpu", choices=("cpu", "cuda"),
+                    help="with --layer-host-time: cuda runs the calls on the GPU in bf16 (host time from launch to "
+                         "return, the device idle before each call)")
     ap.add_argument("--torch-ring", action="store_true",
                     help="ours vs PyTorch's own context-parallel ring, side by side, for --seq (one or more "
                          "values with --torch-ring-seqs) x --world-sizes x causal and not "
@@ -381,9 +384,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
         iters = a.iters if a.iters != 5 else 400
         print(f"# layer host time: RingDotProductAttention fwd+bwd at CP=1 (loopback), [16, 1, {a.heads}, "
-              f"{a.head_dim}] sbhd causal, vs ring_attention directly; one thread; medians of {iters} calls",
+              f"{a.head_dim}] sbhd causal on {a.layer_device}, vs ring_attention directly; one thread; medians of "
+              f"{iters} calls",
               flush=True)
-        row = lh.layer_host_times(heads=a.heads, kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, iters=iters)
+        row = lh.layer_host_times(heads=a.heads, kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, iters=iters,
+                                  device=a.layer_device)
         print(lh.format_layer_host_time(row), flush=True)
         if a.json:
             with open(a.json, "w") as f:
