@@ -79,12 +79,11 @@ def _auto_worker(rank, world):
                        "MEGATRON_RING_BANDWIDTH": str(1e8 / (rank + 1)), "MEGATRON_RING_INTER_BANDWIDTH": "1e8",
                        "MEGATRON_RING_LATENCY_S": str(1e-4 * (rank + 1)), "MEGATRON_RING_CALL_OVERHEAD_S": "1e-4"})
     from megatron_ring import ring_attention
-    from megatron_ring.strategies import auto
+    from megatron_ring.transport.groups import contexts
 
     q = torch.randn(1, 16, 4, 8)
     for _ in range(3):  # the choice is made (and logged) once
         ring_attention(q, q, q, comm_type="auto", causal=True)
-    from megatron_ring.transport.groups import contexts
     machine = next(m for _, ctx in contexts() for m in ctx.machines.values())
     return [c for _, ctx in contexts() for c in ctx.choices.values()], records, (machine.flops, machine.bw_intra,
                                                                                  machine.latency)
