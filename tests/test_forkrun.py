@@ -126,5 +126,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by its dead parent's reaper) is gone
-        return f.read().split(")")[-1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by its dead parent's reaper) is gone
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # it went (and was reaped) between the two looks
+        return False
