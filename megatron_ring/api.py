@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from megatron_ring import settings
 from megatron_ring.call import Call, agree, dropout_spec, offset_kind, sink_logits
-from megatron_ring.transport.groups import context
-from megatron_ring.transport.ring import LoopbackRing, Ring, Transport
+from megatron_ring.transport.groups import ring_over
+from megatron_ring.transport.ring import LoopbackRing, Transport
 from megatron_ring.core.engine import RingAttentionFunction, RingPlan
 from megatron_ring.kernels.block import BlockKernel, select_kernel
 from megatron_ring.schedules.layouts import Layout
@@ -32,11 +32,7 @@ def resolve_group(group: Any) -> Any:
 def _ring_for(group: Any, device: torch.device, timeout_s: float | None) -> Transport:
     if group is None:
         return LoopbackRing(1, 0, device)
-    rings = context(group).rings
-    ring = rings.get((device, timeout_s))
-    if ring is None:
-        ring = rings[(device, timeout_s)] = Ring(group, device, timeout_s)
-    return ring
+    return ring_over(group, device, timeout_s)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,

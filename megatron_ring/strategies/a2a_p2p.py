@@ -16,11 +16,10 @@ from typing import Any
 import torch
 
 from megatron_ring.wire.codecs import IdentityCodec
-from megatron_ring.transport.ring import Ring
 from megatron_ring.core.engine import RingPlan
 from megatron_ring.strategies.a2a import _A2A, check_heads, run_grouped
 from megatron_ring.transport.deadline import timeout_seconds
-from megatron_ring.transport.groups import context, group_ranks
+from megatron_ring.transport.groups import group_ranks, ring_over
 from megatron_ring.strategies.refusal import precheck_kv
 
 __all__ = ["run", "check_hierarchical_groups", "make_hierarchical_groups", "HIER_HINT"]
@@ -86,10 +85,7 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
     what = f"comm_type='a2a+p2p' (inner group of {n})"
     check_heads(qh.shape[1], n, what)
     timeout = timeout_seconds(ring)
-    rings = context(outer).outer_rings
-    outer_ring = rings.get((qh.device, timeout))
-    if outer_ring is None:
-        outer_ring = rings[(qh.device, timeout)] = Ring(outer, qh.device, timeout)
+    outer_ring = ring_over(outer, qh.device, timeout, outer=True)
     kh, vh = precheck_kv(plan, plan.codec, kh, vh)  # K/V the outer ring's codec refuses: zeros, recorded
     return run_grouped(qh, kh, vh, plan, inner=_A2A(inner, n, timeout), outer=outer_ring,
                        a2a_codec=IdentityCodec(), ring_codec=plan.codec, sink=sink,

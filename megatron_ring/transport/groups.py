@@ -20,9 +20,12 @@ from __future__ import annotations
 import weakref
 from typing import Any, Hashable
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["group_ranks", "is_live", "GroupContext", "context", "contexts", "forget"]
+from megatron_ring.transport.ring import Ring
+
+__all__ = ["group_ranks", "is_live", "GroupContext", "context", "contexts", "forget", "ring_over"]
 
 
 def group_ranks(group: Any) -> list[int]:
@@ -77,6 +80,17 @@ def context(group: Any) -> GroupContext:
             del _contexts[old]
         ctx = _contexts[group] = GroupContext()
     return ctx
+
+
+def ring_over(group: Any, device: torch.device, timeout_s: float | None, *, outer: bool = False) -> Ring:
+    """The Ring over ``group`` kept in its context, one per device and timeout (``outer``: ``group`` as
+    ``a2a+p2p``'s outer group, kept apart)."""
+    ctx = context(group)
+    rings = ctx.outer_rings if outer else ctx.rings
+    ring = rings.get((device, timeout_s))
+    if ring is None:
+        ring = rings[(device, timeout_s)] = Ring(group, device, timeout_s)
+    return ring
 
 
 def contexts() -> list[tuple[Any, GroupContext]]:
