@@ -6,7 +6,7 @@ Triton (where installed): the CUDA kernel of core/merge_triton.py runs on CPU te
 :func:`merge_reference` within the derived bound below, including rows with no key on either side, fresh
 accumulators, row-slice views and strided (BSHD-ordered) accumulators, blk_out in fp32/bf16/fp16 and a head dim
 that is not a power of two; a negative control shows the check fails on a wrong merge. The backward's fused adds
-(``_add_all`` of core/engine.py) equal the adds one by one.
+(``_add_all`` of core/engine.py) equal the adds one by one (the list op itself: tests/test_foreach_fused.py).
 
 The bound: both sides compute the same fp32 terms (max, two exp, one reciprocal, two products and a sum);
 each op adds at most one rounding of the fp32 unit roundoff ``u`` and exp/log implementations differ by at
@@ -61,6 +61,19 @@ def test_registered_op_on_cpu_is_the_torch_expression():
     assert torch.equal(a1, blk.float()) and torch.equal(l1, blk_lse)  # fresh: copied in
 
 
+def test_the_status_copy_rides_on_the_merge():
+    """``merge_into(..., status=(dst, src))``: the merge as without it, and ``dst`` takes ``src`` (CPU, and the
+    registered op)."""
+    for run in (lambda *a, st: merge_into(*a, status=st),
+                lambda *a, st: torch.ops.megatron_ring.merge_(*a, False, *st)):
+        acc, acc_lse, blk, blk_lse = _inputs()
+        a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
+        codes, elem = torch.zeros(3, dtype=torch.bfloat16), torch.full((1,), 1.0, dtype=torch.bfloat16)
+        merge_reference(a1, l1, blk, blk_lse)
+        run(a2, l2, blk, blk_lse, st=(codes[1:2], elem))
+        assert torch.equal(a1, a2) and torch.equal(l1, l2) and codes.tolist() == [0, 1, 0]
+
+
 def test_merge_into_on_cpu_runs_the_expression_on_row_slices():
     acc, acc_lse, blk, blk_lse = _inputs()
     a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
@@ -109,6 +122,13 @@ def check_triton_against_reference() -> None:
                         (dtype, d, fresh, rows, (a2 - a1).abs().max())
                     if fresh:
                         assert torch.equal(a2, a1) and torch.equal(l2, l1)
+    # the status copy rides along (the first program copies one element; the merge is unchanged)
+    acc, acc_lse, blk, blk_lse = _inputs()
+    a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
+    codes, elem = torch.zeros(4, dtype=torch.bfloat16), torch.full((1,), 2.0, dtype=torch.bfloat16)
+    merge_reference(a1, l1, blk, blk_lse)
+    merge_triton(a2, l2, blk, blk_lse, False, (codes[2:3], elem))
+    assert codes.tolist() == [0, 0, 2, 0] and _within_bound(a2, l2, a1, l1, acc, blk)
     # negative control: a merge of a slightly different block is outside the bound
     acc, acc_lse, blk, blk_lse = _inputs()
     a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
@@ -132,14 +152,14 @@ def test_triton_kernel_in_the_interpreter_matches_the_expression(monkeypatch):
 
 
 def test_fused_adds_keep_each_accumulators_order_and_split_only_on_overlap(monkeypatch):
-    """The backward's CUDA adds (core/engine.py ``_add_all``): one ``_foreach_add_`` where no two blocks of one
-    accumulator overlap, a new one where they do (a foreach kernel updates its tensors in parallel); the result
-    equals the adds one by one, bit for bit."""
+    """The backward's CUDA adds (core/engine.py ``_add_all``): one ``foreach_into`` where no two blocks of one
+    accumulator overlap, a new one where they do (its pairs are updated in parallel); the result equals the
+    adds one by one, bit for bit."""
     from megatron_ring.core import engine
 
     calls = []
-    real = torch._foreach_add_
-    monkeypatch.setattr(torch, "_foreach_add_", lambda a, b: (calls.append(len(a)), real(a, b)))
+    real = engine.foreach_into
+    monkeypatch.setattr(engine, "foreach_into", lambda a, b, add: (calls.append((len(a), add)), real(a, b, add)))
     g = torch.Generator().manual_seed(1)
     dq, dk = torch.randn(1, 2, 8, 4, generator=g), torch.randn(1, 2, 8, 4, generator=g)
     blocks = [torch.randn(1, 2, 4, 4, generator=g) * 1e3 for _ in range(4)]
@@ -148,12 +168,12 @@ def test_fused_adds_keep_each_accumulators_order_and_split_only_on_overlap(monke
     for (name, sl), blk in zip(plan, blocks):
         (want_q if name == "dq" else want_k)[:, :, sl].add_(blk)
     engine._add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk) for (name, sl), blk in zip(plan, blocks)])
-    assert calls == [3, 1]
+    assert calls == [(3, True), (1, True)]
     assert torch.equal(dq, want_q) and torch.equal(dk, want_k)
     calls.clear()
     engine._add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk)
                      for (name, sl), blk in zip(plan[:3], blocks)])
-    assert calls == [3]  # no overlap: one call
+    assert calls == [(3, True)]  # no overlap: one call
 
 
 def test_the_direct_launch_is_taken_only_where_nothing_would_see_the_op():
@@ -164,19 +184,19 @@ def test_the_direct_launch_is_taken_only_where_nothing_would_see_the_op():
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_ring.core.merge import _eager
+    from megatron_ring.core.merge import direct_launch_ok
 
     class Seen(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
     x = torch.zeros(2)
-    assert _eager(x, x)
+    assert direct_launch_ok(x, x)
     with Seen():
-        assert not _eager(x, x)
+        assert not direct_launch_ok(x, x)
     with TorchFunctionMode():
-        assert not _eager(x, x)
+        assert not direct_launch_ok(x, x)
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(x)
-    assert not _eager(fake, x)
-    assert not _eager(torch.nn.Parameter(x), x)
+    assert not direct_launch_ok(fake, x)
+    assert not direct_launch_ok(torch.nn.Parameter(x), x)

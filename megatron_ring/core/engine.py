@@ -42,6 +42,7 @@ from megatron_ring.kernels.varlen import masked_kernel, whole_blocks
 from megatron_ring.schedules.layouts import Schedule, TaskKind
 from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
 from megatron_ring.schedules.on_device import positions_on
+from megatron_ring.core.foreach import foreach_into
 from megatron_ring.core.merge import merge_into
 from megatron_ring.core.rotation import Rotation, divisor_at_most, start_for
 from megatron_ring.core.status import PendingChecks, RingStatus, StatusRecorder, status_buffers
@@ -153,6 +154,7 @@ class _KVStream:
         self.local = [(k, v) if _covers(hs, h_kv) else (k[:, hs], v[:, hs]) for hs in self.heads]
         self.rot: Rotation | None = None
         self.status: RingStatus | None = None
+        self._receipts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._exact = False
         if plan.ring.world > 1:
             self.slots = status_buffers(plan.codec, self.spec, n + 1)
@@ -161,27 +163,37 @@ class _KVStream:
             # decoding makes views of the slot (the identity wire): they follow its contents, made once per set
             self._exact = _decodes_to_views(plan.codec, self.spec)
             cur = self.rot.cur[:n]
-            writes = [functools.partial(self._write, slot) for slot in cur] \
-                if self._exact and not plan.codec.checks_values else [None] * n
             raws = [self.rot.slots[slot] for slot in cur]
+            fused = self._exact and not plan.codec.checks_values  # K/V written by one foreach_into
             if status:
-                self.status = RingStatus(plan.ring, plan.codec, k.device, refusal=refusal,
+                self.status = RingStatus(plan.ring, plan.codec, k.device, raws[0].dtype, refusal=refusal,
                                          backward_follows=plan.checks.backward_follows)
+                elems = [self._elem(slot) for slot in cur]
+                # the same launch zeroes the status elements and the codes (the code where every piece is OK)
+                writes = self._writes(cur, [*elems, self.status.codes]) if fused else [None] * n
                 # an error is raised after the ring, on every rank
-                self.status.encode_pieces(self.local, raws, writes, [self._elem(slot) for slot in cur])
+                self.status.encode_pieces(self.local, raws, writes, elems, zeroed=fused)
             else:
+                writes = self._writes(cur) if fused else [None] * n
                 for (kj, vj), raw, w in zip(self.local, raws, writes):
                     if w is None:
                         plan.codec.encode_flagged(kj, vj, raw[:-1])  # checked by the forward: verdict unused
                     else:
                         w(kj, vj)
 
-    def _write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Encode ``k``, ``v`` into ``slot`` where the wire is the identity: a copy into its decoded views
-        (the bytes :meth:`KVCodec.encode` writes, through views made once)."""
-        kd, vd = self._decoded(0, slot)
-        kd.copy_(k)
-        vd.copy_(v)
+    def _writes(self, cur: list[int], zero: tuple | list = ()) -> list[Callable[[torch.Tensor, torch.Tensor], None]]:
+        """Per piece, its writer for :meth:`RingStatus.encode` where the wire is the identity: the first
+        copies EVERY piece's K and V into the decoded views of its slot (the bytes :meth:`KVCodec.encode`
+        writes, through views made once) and zeroes the tensors ``zero`` in one :func:`foreach_into` (one
+        launch on CUDA for 4 tensors: one piece and its status), the others do nothing. A failing copy is
+        still caught and sent as the status."""
+        dsts = [t for slot in cur for t in self._decoded(0, slot)] + list(zero)
+        srcs = [t for kv in self.local for t in kv] + [None] * len(zero)
+
+        def write_all(k: torch.Tensor, v: torch.Tensor) -> None:
+            foreach_into(dsts, srcs)
+
+        return [write_all] + [_write_nothing] * (len(cur) - 1)
 
     def _elem(self, slot: int) -> torch.Tensor:
         """The status element of ``slot`` (its last element; a view made once per set)."""
@@ -206,9 +218,15 @@ class _KVStream:
             return self.local[j]
         self.rot.arrived(j, step)
         slot = self.rot.cur[j]
-        if self.status is not None:
-            self.status.received((self.plan.ring.rank - step) % self.plan.ring.world, self._elem(slot))
+        if self.status is not None:  # recorded by the step's first merge (:meth:`take_receipt`)
+            self._receipts[j] = self.status.receipt((self.plan.ring.rank - step) % self.plan.ring.world,
+                                                    self._elem(slot))
         return self._decoded(step, slot)
+
+    def take_receipt(self, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The status of piece ``j``'s visiting block still to record, ``(codes element, status element)``
+        (see :meth:`RingStatus.receipt`): the caller copies it, in its first merge where it has one."""
+        return self._receipts.pop(j, None)
 
     def _decoded(self, step: int, slot: int):
         """K, V decoded from ``slot``; made once per set where decoding makes views of it (the identity
@@ -243,6 +261,10 @@ def _decodes_to_views(codec: KVCodec, spec: KVSpec) -> bool:
     meta = replace(spec, device=torch.device("meta"))
     buf = codec.new_buffer(meta)
     return all(t._base is buf for t in codec.decode(buf, meta))
+
+
+def _write_nothing(k: torch.Tensor, v: torch.Tensor) -> None:
+    """A piece's writer where the first piece's writer wrote every piece (:meth:`_KVStream._writes`)."""
 
 
 def _pieces(plan: RingPlan, k: torch.Tensor) -> int:
@@ -283,7 +305,11 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
         tasks = plan.tasks(step, s, whole) if refusal is None else ()  # refused: the stream only, no compute
         for j, (_, piece_plan) in enumerate(pieces):
             q_j, out_j, lse_j = views[j]
-            fresh[j] = _forward_step(q_j, *kv.block(step, j), piece_plan, step, tasks, out_j, lse_j, fresh[j])
+            kt, vt = kv.block(step, j)
+            fresh[j], receipt = _forward_step(q_j, kt, vt, piece_plan, step, tasks, out_j, lse_j, fresh[j],
+                                              kv.take_receipt(j))
+            if receipt is not None:  # no merge this step (nothing computed): recorded by a copy of its own
+                receipt[0].copy_(receipt[1])
         kv.advance()
     kv.release(steps)
     if plan.ring.world > 1:
@@ -301,9 +327,12 @@ def _init_acc(out: torch.Tensor, lse: torch.Tensor) -> None:
 
 
 def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: RingPlan, step: int, tasks,
-                  out: torch.Tensor, lse: torch.Tensor, fresh: bool) -> bool:
+                  out: torch.Tensor, lse: torch.Tensor, fresh: bool,
+                  receipt: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ) -> tuple[bool, tuple[torch.Tensor, torch.Tensor] | None]:
     """Fold one visiting block (piece) into ``out``/``lse``; a function so its temporaries die before the
-    next step. Returns whether the accumulator is still unwritten."""
+    next step. ``receipt``: the block's status to record, copied by the first merge (no launch of its own on
+    CUDA). Returns whether the accumulator is still unwritten, and the receipt if no merge took it."""
     s = q.shape[2]
     for task in tasks:
         rows, cols = task.q, task.kv
@@ -317,12 +346,12 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
             _init_acc(out, lse)
         with breakdown.section(step, "merge"):  # first result covering every row: copied in (one op on CUDA)
             if whole:
-                merge_into(out, lse, o, l, fresh=fresh)
+                merge_into(out, lse, o, l, fresh=fresh, status=receipt)
             else:
-                merge_into(out[:, :, rows], lse[:, :, rows], o, l)
-        fresh = False
+                merge_into(out[:, :, rows], lse[:, :, rows], o, l, status=receipt)
+        fresh, receipt = False, None
         del o, l
-    return fresh
+    return fresh, receipt
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -341,21 +370,29 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     with breakdown.section(0, "copies"):
         kv = _KVStream(plan, k, v, "bwd_kv", n, steps, status=False)
         dkv = _Accumulators(plan.ring, k, v, n)
-    dq = torch.zeros_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
+        dq = torch.empty_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
+    whole = plan.runs_whole_blocks(q)
+    # one task of step 0 (the local block) covering every row and column writes each accumulator whole: its
+    # results are copied in, nothing is zeroed; else the accumulators are zeroed in one launch on CUDA (fp32,
+    # dense: torch's fast route)
+    first = plan.tasks(0, s, whole) if steps else ()
+    fresh = len(first) == 1 and _covers(first[0].q, s) and _covers(first[0].kv, k.shape[2])
+    if not fresh:
+        torch._foreach_zero_([dq, *dkv.to_zero])
     pieces = _piece_plans(plan, kv.heads, q.shape[1] // k.shape[1])
     # per piece, made once: its query heads' views, lse contiguous (as the kernels take it)
     views = [(dout_j, q_j, out_j, lse_j.contiguous(), dq_j)
              for dout_j, q_j, out_j, lse_j, dq_j in (_heads(qs, q.shape[1], dout, q, out, lse, dq)
                                                      for qs, _ in pieces)]
     lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
-    whole = plan.runs_whole_blocks(q)
     for step in range(steps):
-        tasks = plan.tasks(step, s, whole)
+        tasks = first if step == 0 else plan.tasks(step, s, whole)
         for j, (_, piece_plan) in enumerate(pieces):
             kt, vt = kv.block(step, j)
             dout_j, q_j, out_j, lse_j, dq_j = views[j]
             _backward_step(dout_j, q_j, kt, vt, out_j, lse_j, piece_plan, step, dq_j,
-                           lambda: dkv.arrived(j, step), *dkv.views(j), tasks, lse_rows[j])
+                           lambda: dkv.arrived(j, step), *dkv.views(j), tasks, lse_rows[j],
+                           fresh and step == 0)
             dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
         kv.advance()
         dkv.advance()
@@ -378,17 +415,18 @@ class _Accumulators:
     def __init__(self, ring: Transport, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
         b, h_kv, s, self.dk = k.shape
         self.n, self.hj = n, h_kv // n
+        #: what the caller zeroes before the first add (with dQ, in one op)
+        self.to_zero: list[torch.Tensor] = []
         if ring.world == 1:
-            self.all = k.new_zeros((1, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
+            self.all = k.new_empty((1, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
             self.rot = None
+            self.to_zero.append(self.all)
         else:
             self.all = k.new_empty((n + 1, self.hj, b, s, self.dk + v.shape[-1]), dtype=torch.float32)
             self.rot = Rotation(ring, list(self.all.unbind(0)), "bwd_dkv", start_for(n, ring.world))
             # the own block's pieces start at zero; the free slot is first written by a receive: not zeroed
             spare = self.rot.spare
-            for part in (self.all[:spare], self.all[spare + 1:]):
-                if part.shape[0]:
-                    part.zero_()
+            self.to_zero += [part for part in (self.all[:spare], self.all[spare + 1:]) if part.shape[0]]
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def views(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,14 +462,16 @@ class _Accumulators:
 
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, plan: RingPlan, step: int, dq: torch.Tensor,
-                   wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks, lse_rows: dict) -> None:
+                   wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks, lse_rows: dict,
+                   fresh: bool = False) -> None:
     """``tasks`` of one visiting block: dQ into ``dq``; dK/dV into the travelling accumulator, after
     ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute).
 
     ``lse_rows``: the contiguous lse row slices of earlier steps (the same rows recur every step), filled here.
-    On CUDA every add of the step (dQ, dK, dV of each task) is ONE ``torch._foreach_add_`` after the wait
-    (one launch instead of three per task); on CPU, where ``_foreach`` ops are a loop, each dQ is added as soon
-    as its task is done (its block freed at once)."""
+    ``fresh``: the accumulators hold nothing yet and the one task covers them whole: its results are copied in.
+    On CUDA every add of the step (dQ, dK, dV of each task) is ONE :func:`foreach_into` after the wait
+    (one launch for up to 4 adds, where torch's ``_foreach_add_`` would loop: fp32 accumulators, bf16 blocks);
+    on CPU each dQ is added as soon as its task is done (its block freed at once)."""
     fused = dq.device.type == "cuda"
     partial: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
     adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]] = []  # CUDA: (accumulator, its rows, view, block)
@@ -450,7 +490,7 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
             adds.append(("dq", rows, dq_view, dq_b))
         else:
             with breakdown.section(step, "copies"):  # add_ into the view: no write-back copy as ``+=`` does
-                dq_view.add_(dq_b)
+                dq_view.copy_(dq_b) if fresh else dq_view.add_(dq_b)
         del dq_b
         partial.append((task.kv, dk_b, dv_b))
     wait_for_acc()
@@ -459,25 +499,29 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
             dk_view, dv_view = (dk_acc, dv_acc) if _covers(cols, sk) else _cols(dk_acc, dv_acc, cols)
             if fused:
                 adds += (("dk", cols, dk_view, dk_b), ("dv", cols, dv_view, dv_b))
+            elif fresh:
+                dk_view.copy_(dk_b)
+                dv_view.copy_(dv_b)
             else:
                 dk_view.add_(dk_b)
                 dv_view.add_(dv_b)
-        _add_all(adds)
+        _add_all(adds, add=not fresh)
 
 
-def _add_all(adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]]) -> None:
-    """``view.add_(block)`` for each entry, in as few ``torch._foreach_add_`` calls as can be: one, unless two
-    entries overlap in the same accumulator (a foreach kernel updates its tensors in parallel, so overlapping
-    ones go to the next call, which keeps each accumulator's additions in their order: the same result)."""
+def _add_all(adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]], add: bool = True) -> None:
+    """``view.add_(block)`` (``view.copy_(block)`` where not ``add``) for each entry, in as few
+    :func:`foreach_into` calls as can be: one, unless two entries overlap in the same accumulator (the pairs of
+    one call are updated in parallel, so overlapping ones go to the next call, which keeps each accumulator's
+    additions in their order: the same result)."""
     batch: list[tuple[str, slice, torch.Tensor, torch.Tensor]] = []
     for entry in adds:
         name, sl = entry[0], entry[1]
         if any(n == name and sl.start < o.stop and o.start < sl.stop for n, o, _, _ in batch):
-            torch._foreach_add_([e[2] for e in batch], [e[3] for e in batch])
+            foreach_into([e[2] for e in batch], [e[3] for e in batch], add=add)
             batch = []
         batch.append(entry)
     if batch:
-        torch._foreach_add_([e[2] for e in batch], [e[3] for e in batch])
+        foreach_into([e[2] for e in batch], [e[3] for e in batch], add=add)
 
 
 def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict) -> torch.Tensor:
@@ -557,7 +601,7 @@ class RingAttentionFunction(torch.autograd.Function):
         if sink is not None and ctx.needs_input_grad[4]:
             extra[1] = sink_grad(dout, out, lse, sink).to(sink.dtype)
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
-        return (_as_result(dq, q), _as_result(dk, k, any_strides=True), _as_result(dv, v, any_strides=True), *extra)
+        return (*_as_results((dq, q, False), (dk, k, True), (dv, v, True)), *extra)
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
@@ -630,12 +674,26 @@ def _as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False)
 
     Avoids one full-size copy per tensor for fp32 inputs (the accumulators are fp32).
     """
-    if acc.dtype == like.dtype and (any_strides or acc.stride() == like.stride()):
-        return acc
-    if acc.shape == like.shape:
-        return torch.empty_like(like).copy_(acc)
-    return torch.empty_strided(acc.shape, _strides_like(acc.shape, like), dtype=like.dtype,  # out with v's head dim
-                               device=like.device).copy_(acc)
+    return _as_results((acc, like, any_strides))[0]
+
+
+def _as_results(*items: tuple[torch.Tensor, torch.Tensor, bool]) -> list[torch.Tensor]:
+    """:func:`_as_result` of each ``(acc, like, any_strides)``; the copies made in ONE :func:`foreach_into`
+    (one launch on CUDA for up to 4)."""
+    got, dsts, srcs = [], [], []
+    for acc, like, any_strides in items:
+        if acc.dtype == like.dtype and (any_strides or acc.stride() == like.stride()):
+            got.append(acc)
+            continue
+        if acc.shape == like.shape:
+            dst = torch.empty_like(like)
+        else:  # out with v's head dim
+            dst = torch.empty_strided(acc.shape, _strides_like(acc.shape, like), dtype=like.dtype, device=like.device)
+        got.append(dst)
+        dsts.append(dst)
+        srcs.append(acc)
+    foreach_into(dsts, srcs)
+    return got
 
 
 def _strides_like(shape, like: torch.Tensor) -> list[int]:

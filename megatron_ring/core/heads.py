@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from math import gcd
 
 from megatron_ring.errors import HeadSplitError
 

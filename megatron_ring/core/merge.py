@@ -16,12 +16,14 @@ more than the kernel itself at 2K tokens per rank.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from megatron_ring.core.merge_triton import merge_triton  # imports Triton at its first launch only
 
-__all__ = ["merge_into", "merge_reference"]
+__all__ = ["direct_launch_ok", "merge_into", "merge_reference"]
 
 
 def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor,
@@ -41,39 +43,48 @@ def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch
     acc_lse.copy_(m.add_(torch.log(total)))
 
 
-@torch.library.custom_op("megatron_ring::merge_", mutates_args=("acc_out", "acc_lse"))
+@torch.library.custom_op("megatron_ring::merge_", mutates_args=("acc_out", "acc_lse", "status_dst"))
 def _merge_op(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
-              fresh: bool) -> None:
+              fresh: bool, status_dst: Optional[torch.Tensor] = None, status_src: Optional[torch.Tensor] = None) -> None:
     merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh)
+    if status_dst is not None:
+        status_dst.copy_(status_src)
 
 
 @_merge_op.register_kernel("cuda")
-def _merge_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh) -> None:
-    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh)
+def _merge_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst=None, status_src=None) -> None:
+    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, None if status_dst is None else (status_dst, status_src))
 
 
 @_merge_op.register_fake
-def _merge_fake(acc_out, acc_lse, blk_out, blk_lse, fresh) -> None:
+def _merge_fake(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst=None, status_src=None) -> None:
     return None
 
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor,
-               blk_lse: torch.Tensor, fresh: bool = False) -> None:
+               blk_lse: torch.Tensor, fresh: bool = False,
+               status: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Fold a block result into the running accumulator, in place.
 
     acc_out: ``[b, h, n, d]`` float32 (may be a row-slice view); acc_lse: ``[b, h, n]`` float32.
     blk_out: ``[b, h, n, d]`` any float dtype; blk_lse: ``[b, h, n]`` float32.
     ``fresh``: the accumulator holds nothing yet: the block is copied in (the first result of a ring).
+    ``status``: ``(dst, src)``, one element each of one dtype: ``dst.copy_(src)`` in the same launch on CUDA
+    (the visiting block's status code recorded, core/status.py).
     """
     if acc_out.device.type != "cuda":
         merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh)
-    elif _eager(acc_out, acc_lse, blk_out, blk_lse):
-        merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh)
-    else:
+        if status is not None:
+            status[0].copy_(status[1])
+    elif direct_launch_ok(acc_out, acc_lse, blk_out, blk_lse):
+        merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, status)
+    elif status is None:
         torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh)
+    else:
+        torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh, *status)
 
 
-def _eager(*tensors: torch.Tensor) -> bool:
+def direct_launch_ok(*tensors: torch.Tensor) -> bool:
     """Plain tensors, no dispatch or torch-function mode, no compiler trace: nothing would see the op."""
     return (all(type(t) is torch.Tensor for t in tensors) and _get_current_dispatch_mode() is None
             and not torch._C._is_torch_function_mode_enabled() and not torch.compiler.is_compiling())

@@ -6,7 +6,8 @@ strides: row-slice views of the accumulator are passed as they are; ``blk_out`` 
 and widened to fp32), and writes the merged row and lse in place, computing exactly the terms of
 :func:`~megatron_ring.core.merge.merge_reference` in fp32: ``m = max`` (0 where both are -inf), the weights
 ``exp(lse - m)``, ``inv = 1 / total`` (0 where ``total`` is 0: the row stays 0, its lse -inf). ``fresh``: the
-block is copied in (widened to fp32).
+block is copied in (widened to fp32). ``status``: the visiting block's status code is copied into the ring's
+codes by the first program (core/status.py), so recording it costs no launch of its own.
 """
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ def _kernel():
 
     @triton.jit
     def _merge_kernel(acc_ptr, acc_lse_ptr, blk_ptr, blk_lse_ptr, H, N, D,
-                      sa0, sa1, sa2, sa3, sl0, sl1, sl2, sb0, sb1, sb2, sb3, sm0, sm1, sm2,
-                      FRESH: tl.constexpr, BLOCK_D: tl.constexpr):
+                      sa0, sa1, sa2, sa3, sl0, sl1, sl2, sb0, sb1, sb2, sb3, sm0, sm1, sm2, st_dst, st_src,
+                      FRESH: tl.constexpr, STATUS: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: accumulators over 2**31 elements
+        if STATUS:
+            if row == 0:  # the block's status code, recorded by the first program
+                tl.store(st_dst, tl.load(st_src))
         n = row % N
         h = (row // N) % H
         b = row // (N * H)
@@ -56,14 +60,18 @@ def _kernel():
 
 
 def merge_triton(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
-                 fresh: bool) -> None:
-    """Launch the kernel over every row (see the module doc; shapes as in :func:`.merge.merge_into`)."""
+                 fresh: bool, status: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Launch the kernel over every row (see the module doc; shapes as in :func:`.merge.merge_into`);
+    ``status``: ``(dst, src)``, one element each of one dtype, copied by the first program."""
     b, h, n, d = acc_out.shape
     rows = b * h * n
     if rows == 0 or d == 0:
+        if status is not None:
+            status[0].copy_(status[1])
         return
     import triton
 
+    st_dst, st_src = status if status is not None else (acc_lse, acc_lse)
     _kernel()[(rows,)](acc_out, acc_lse, blk_out, blk_lse, h, n, d,
-                       *acc_out.stride(), *acc_lse.stride(), *blk_out.stride(), *blk_lse.stride(),
-                       FRESH=bool(fresh), BLOCK_D=triton.next_power_of_2(d))
+                       *acc_out.stride(), *acc_lse.stride(), *blk_out.stride(), *blk_lse.stride(), st_dst, st_src,
+                       FRESH=bool(fresh), STATUS=status is not None, BLOCK_D=triton.next_power_of_2(d))

@@ -8,7 +8,7 @@ a kernel that does not run on this rank's device). The code is written once by t
 forwarded unchanged with the block, so after a full forward ring (P steps) every rank has seen every rank's
 code. The backward ring sends the same K/V again with the element unwritten (nothing reads it: the forward
 ring has judged these K/V). A ring that a window shortens to ``steps < P`` steps carries each block only ``steps - 1`` hops; it
-then carries the codes (one small fp32 vector of P codes, merged by maximum at every rank) the remaining
+then carries the codes (one small vector of P codes in the element's dtype, merged by maximum at every rank) the remaining
 ``P - steps`` hops (:meth:`RingStatus.spread`, channel ``fwd_status``), so every rank has seen every rank's
 code there too: one small exchange per dropped step, launched only by windowed calls whose ring is shortened.
 
@@ -24,7 +24,7 @@ is refused before its K/V could be encoded runs the same K/V stream with zeros a
   make the others wait). The read first asks whether the copy's event is complete
   (:meth:`~megatron_ring.device.DeviceOps.event_done`, never blocks); only if the device has not reached
   the end of this call's forward ring yet does the host wait for it (one device-to-host synchronisation,
-  on a copy of ``4 * P`` bytes). In training the backward of a layer starts after the forward of every
+  on a copy of P codes). In training the backward of a layer starts after the forward of every
   later layer and the loss, so the copy is long complete: steady state makes no host sync;
 * a call with no backward (``torch.no_grad``, inference) and a value-checking wire (fp8 with
   ``check_finite``, fp16): at the end of the forward ring, one synchronisation per call (without a
@@ -118,13 +118,15 @@ class RingStatus:
     :data:`BAD_INPUT` (its payload is whatever it encodes, zeros), and it raises ``refusal``.
     ``backward_follows``: False for a call without a backward (see the module doc)."""
 
-    def __init__(self, ring: Any, codec: KVCodec, device: torch.device,
+    def __init__(self, ring: Any, codec: KVCodec, device: torch.device, dtype: torch.dtype,
                  refusal: BaseException | None = None, backward_follows: bool = True) -> None:
         self.ring, self.codec = ring, codec
         self.ops = ops_for(device)
         self.refusal = refusal
         self.local_error: BaseException | None = refusal
-        self.codes = torch.zeros(ring.world, dtype=torch.float32, device=device)
+        # the codes in the status elements' ``dtype`` (a code is copied from an element as it is; the codes and
+        # the elements are zeroed in ONE launch: :meth:`encode_pieces`); written there, not here
+        self.codes = torch.empty(ring.world, dtype=dtype, device=device)
         self._mine = self.codes[ring.rank:ring.rank + 1]
         self.read_in_forward = self.ops.host_reads_free or (codec.checks_values and not backward_follows)
         self._checked: list[tuple[torch.Tensor, torch.Tensor]] = []  # pieces whose values the device checked
@@ -147,11 +149,13 @@ class RingStatus:
         return code, flag
 
     def encode_pieces(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], raws: list[torch.Tensor],
-                      writes: list | None = None, elems: list[torch.Tensor] | None = None) -> None:
+                      writes: list | None = None, elems: list[torch.Tensor] | None = None,
+                      zeroed: bool = False) -> None:
         """Encode the local block's pieces; every piece carries the worst code of them all. A value the
         codec refuses on the device makes the code :data:`BAD_VALUES` there, without a host read.
         ``writes``: per piece, a writer for :meth:`encode`; ``elems``: per piece, its status element
-        (``raw[-1:]``, a view made once by the caller)."""
+        (``raw[-1:]``, a view made once by the caller); ``zeroed``: the writers zeroed the elements and the
+        codes (nothing more to write where every code is OK)."""
         writes = writes or [None] * len(raws)
         results = [self.encode(k, v, raw, w) for (k, v), raw, w in zip(blocks, raws, writes)]
         worst = max(code for code, _ in results)
@@ -159,7 +163,13 @@ class RingStatus:
         bad = None
         if flags and worst == OK:
             bad = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-        for elem in (elems or [raw[-1:] for raw in raws]):
+        elems = elems or [raw[-1:] for raw in raws]
+        if worst == OK and bad is None:
+            if not zeroed:  # one launch on CUDA (one dtype, dense: torch's fast route)
+                torch._foreach_zero_([self.codes, *elems])
+            return
+        self.codes.zero_()
+        for elem in elems:
             self.mark(elem, worst, bad)
 
     def mark(self, elem: torch.Tensor, code: int, bad: torch.Tensor | None = None) -> None:
@@ -172,10 +182,11 @@ class RingStatus:
             elem.masked_fill_(bad, BAD_VALUES)
             mine.masked_fill_(bad, BAD_VALUES)
 
-    def received(self, src: int, elem: torch.Tensor) -> None:
-        """Record the status element ``elem`` (``raw[-1:]``) of the block that came from group rank ``src``
-        (a device copy, no sync)."""
-        self.codes[src:src + 1].copy_(elem)
+    def receipt(self, src: int, elem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What records the status element ``elem`` (``raw[-1:]``) of the block that came from group rank
+        ``src``: ``(dst, elem)``, for ``dst.copy_(elem)`` (a device copy, no sync; on CUDA done by the step's
+        first merge: :func:`~megatron_ring.core.merge.merge_into`)."""
+        return self.codes[src:src + 1], elem
 
     def explain(self) -> None:
         """On the failure path only: this rank's own K/V were refused by the device check; raise the

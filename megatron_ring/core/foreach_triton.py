@@ -1,0 +1,60 @@
+"""The element-wise list op of :mod:`.foreach` as ONE Triton launch (CUDA; Triton is imported at the first
+launch, so this module imports without it).
+
+Up to :data:`ENTRIES` pairs ``(dst, src)`` per launch, each of any shape (up to 4 dims), any strides and any
+float dtypes, each with its mode (:data:`COPY`, :data:`ADD`, :data:`ZERO`): ``dst = src`` (cast to dst's dtype),
+``dst = dst + src`` (both loaded, widened to fp32, added once, stored in dst's dtype: the one rounding of torch's
+``dst.add_(src)`` for an fp32 ``dst``) or ``dst = 0`` (``src`` unused). The grid is every pair's element blocks
+one after another; a program finds its pair by the blocks' ends.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["ADD", "COPY", "ENTRIES", "ZERO", "foreach_triton"]
+
+#: pairs per launch (a longer list takes more launches)
+ENTRIES = 4
+BLOCK = 1024
+COPY, ADD, ZERO = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """The jitted kernel: its module is imported (again, after a cache clear) here, so Triton is imported at
+    the first launch and ``TRITON_INTERPRET`` is read then."""
+    import importlib
+
+    from megatron_ring.core import _foreach_kernels
+
+    return importlib.reload(_foreach_kernels).foreach_kernel
+
+
+def _as4(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``t``'s sizes and strides as 4 dims (leading size-1 dims added)."""
+    pad = 4 - t.dim()
+    return [1] * pad + list(t.shape), [0] * pad + list(t.stride())
+
+
+def foreach_triton(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], modes: list[int]) -> None:
+    """Launch the kernel over every pair (see the module doc), :data:`ENTRIES` pairs per launch; ``src`` is
+    None where the mode is :data:`ZERO`."""
+    pairs = [p for p in zip(dsts, srcs, modes) if p[0].numel()]
+    for at in range(0, len(pairs), ENTRIES):
+        _launch(pairs[at:at + ENTRIES])
+
+
+def _launch(pairs: list[tuple[torch.Tensor, torch.Tensor | None, int]]) -> None:
+    args: list = []
+    end = 0
+    for dst, src, mode in pairs:
+        sizes, a = _as4(dst)
+        b = [0, 0, 0, 0] if src is None else _as4(src)[1]
+        n = dst.numel()
+        end += -(-n // BLOCK)
+        args += [dst, dst if src is None else src, mode, n, end, sizes[1], sizes[2], sizes[3], *a, *b]
+    used = len(pairs)
+    args += args[:16] * (ENTRIES - used)  # unused slots: never read (N is constexpr)
+    _kernel()[(end,)](*args, N=used, BLOCK=BLOCK)

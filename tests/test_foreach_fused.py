@@ -1,0 +1,128 @@
+"""The list op (``torch.ops.megatron_ring.foreach_``, core/foreach.py) against torch's ops pair by pair.
+
+CPU: the registered op is ``dst.add_(src)`` / ``dst.copy_(src)`` pair by pair (bit-equal) and traces under
+FakeTensorMode as one op. Triton (where installed): the CUDA kernel of core/foreach_triton.py runs on CPU tensors
+in Triton's interpreter (``TRITON_INTERPRET=1``; the kernel module is re-imported under it) on pairs of 1 to 4
+dims, adds, copies and zeroings mixed in one launch, strided and row-slice views, fp32 accumulators with bf16/fp16/fp32 sources, more pairs than one launch
+takes, and sizes that are not a multiple of its block. The bound: an add into fp32 is ONE fp32 rounding of the
+same two operands on both sides (torch computes ``dst + float(src)`` in fp32): bit-equal. A copy to a narrower
+type: bit-equal on a GPU, where the cast rounds to nearest even as torch's does; Triton's interpreter truncates
+fp32 -> bf16 instead (its numpy emulation), so there a bf16 copy is held to one bf16 unit in the last place,
+``2**-7 |x|``, and an fp16 copy (numpy rounds to nearest even) is bit-equal. A negative control shows the
+comparison fails on a wrong add.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from megatron_ring.core.foreach import foreach_into, foreach_reference
+from megatron_ring.core.foreach_triton import ADD, COPY, ZERO
+
+has_triton = importlib.util.find_spec("triton") is not None
+
+
+def _pairs(seed: int = 0):
+    """(fp32 accumulators, sources): a BSHD-ordered 4-d view, a row slice, a 3-d and a 1-d tensor, in
+    bf16 / fp16 / fp32 / bf16; sizes that no block divides."""
+    g = torch.Generator().manual_seed(seed)
+    accs = [torch.randn(2, 9, 3, 12, generator=g).permute(0, 2, 1, 3),
+            torch.randn(1, 3, 1100, 5, generator=g)[:, :, 7:1050],
+            torch.randn(3, 70, 6, generator=g),
+            torch.randn(7, generator=g)]
+    srcs = [torch.randn(2, 3, 9, 12, generator=g).bfloat16(),
+            torch.randn(1, 3, 1043, 5, generator=g).half(),
+            torch.randn(3, 6, 70, generator=g).transpose(1, 2),
+            torch.randn(7, generator=g).bfloat16()]
+    return accs, srcs
+
+
+def test_registered_op_on_cpu_is_torch_pair_by_pair():
+    for modes in ([ADD] * 4, [COPY] * 4, [ADD, ZERO, COPY, ZERO]):
+        accs, srcs = _pairs()
+        srcs = [None if m == ZERO else x for x, m in zip(srcs, modes)]
+        want = [a.clone() for a in accs]
+        foreach_reference(want, srcs, modes)
+        got = [a.clone() for a in accs]
+        torch.ops.megatron_ring.foreach_(got, srcs, modes)
+        assert all(torch.equal(w, x) for w, x in zip(want, got))
+        for a, x, m, w in zip(accs, srcs, modes, want):
+            assert torch.equal(w, a + x.float() if m == ADD else x.float() if m == COPY else torch.zeros_like(a))
+
+
+def test_the_op_traces_as_one_op_under_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode():
+        accs = [torch.empty(2, 4), torch.empty(3)]
+        srcs = [torch.empty(2, 4, dtype=torch.bfloat16), torch.empty(3, dtype=torch.bfloat16)]
+        with Seen() as seen:
+            torch.ops.megatron_ring.foreach_(accs, srcs, [ADD, ADD])
+    assert seen.ops == ["megatron_ring.foreach_.default"]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit-equal, or for bf16 within one unit in the last place (the interpreter's truncating cast)."""
+    if got.dtype != torch.bfloat16:
+        return torch.equal(got, want)
+    return bool(((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs()).all())
+
+
+def check_triton_against_torch() -> None:
+    """Run in Triton's interpreter (see the module doc); raises AssertionError on a mismatch."""
+    from megatron_ring.core.foreach_triton import ENTRIES, foreach_triton
+
+    accs, srcs = _pairs()
+    want = [a.clone() for a in accs]
+    foreach_reference(want, srcs, [ADD] * 4)
+    got = [a.clone() for a in accs]
+    foreach_triton(got, srcs, [ADD] * 4)
+    assert all(torch.equal(w, x) for w, x in zip(want, got)), [(w - x).abs().max() for w, x in zip(want, got)]
+    # copies to the sources' dtypes and strides (the results' conversion), more pairs than one launch takes
+    dsts = [torch.empty_like(s) for s in srcs] + [torch.empty(3, 5).t()]
+    fp32 = want + [torch.randn(5, 3)]
+    assert len(dsts) > ENTRIES
+    foreach_triton(dsts, fp32, [COPY] * len(dsts))
+    for d, w in zip(dsts, fp32):
+        assert _close(d, w.to(d.dtype)), (d.dtype, (d.float() - w).abs().max())
+    # modes mixed in one launch: an add, a zeroing (its src not read), a copy
+    mixed = [a.clone() for a in accs[:3]]
+    foreach_triton(mixed, [srcs[0], None, srcs[2]], [ADD, ZERO, COPY])
+    assert torch.equal(mixed[0], want[0]) and not mixed[1].any() and torch.equal(mixed[2], srcs[2])
+    # negative control: a wrong add is caught
+    bad = [a.clone() for a in accs]
+    foreach_triton(bad, [s * 1.001 for s in srcs], [ADD] * 4)
+    assert not all(torch.equal(w, x) for w, x in zip(want, bad))
+
+
+@pytest.mark.skipif(not has_triton, reason="Triton is not installed (CPU torch)")
+def test_triton_kernel_in_the_interpreter_matches_torch(monkeypatch):
+    from megatron_ring.core.foreach_triton import _kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _kernel.cache_clear()
+    try:
+        check_triton_against_torch()
+    finally:
+        _kernel.cache_clear()
+
+
+def test_foreach_into_on_cpu_is_the_reference_and_takes_an_empty_list():
+    accs, srcs = _pairs(1)
+    want = [a.clone() for a in accs]
+    foreach_reference(want, [srcs[0], None, srcs[2], srcs[3]], [ADD, ZERO, COPY, ADD])
+    foreach_into(accs, [srcs[0], None, srcs[2], srcs[3]], add=[True, False, False, True])
+    assert all(torch.equal(w, x) for w, x in zip(want, accs))
+    foreach_into([], [])
