@@ -50,7 +50,7 @@ __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gp
            "has_transformer_engine", "hybrid_stack_class", "megatron_hybrid_stack_spec",
            "local_norm_class", "local_moe_spec", "megatron_lm_args", "megatron_lm_packed_split",
            "QK_CLIP_FLAGS", "qk_clip_requested", "has_qk_clip", "qk_clip_te_check",
-           "qk_clip_passes_layers_without_attention"]
+           "qk_clip_passes_layers_without_attention", "KNOWN_ISSUE_RELEASES", "known_issue_affects"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,6 +59,25 @@ def mcore_version() -> tuple[int, ...]:
     from megatron.core import package_info
 
     return tuple(int(x) for x in (package_info.MAJOR, package_info.MINOR, package_info.PATCH))
+
+
+#: known Megatron CP issues (the doctor's ``--static`` list, lab/megatron_ring_lab/doctor/static.py): per reference,
+#: (first affected megatron-core release, first fixed release or None). "First affected" is the oldest release
+#: it was seen in here, not necessarily where it began; (0, 0, 0): every release.
+KNOWN_ISSUE_RELEASES: dict[str, tuple[tuple[int, int, int], tuple[int, int, int] | None]] = {
+    "NVIDIA/Megatron-LM#3959": ((0, 19, 0), None),
+    "NVIDIA/Megatron-LM#5047": ((0, 0, 0), None),
+    "NVIDIA-NeMo/Megatron-Bridge#2952": ((0, 0, 0), None),
+    "NVIDIA/Megatron-LM#7452": ((0, 0, 0), None),
+}
+
+
+def known_issue_affects(ref: str, version: tuple[int, ...] | None) -> bool | None:
+    """Whether megatron-core ``version`` is in the affected range of known issue ``ref`` (None: no version)."""
+    first, fixed = KNOWN_ISSUE_RELEASES[ref]
+    if version is None:
+        return None
+    return tuple(version) >= first and (fixed is None or tuple(version) < fixed)
 
 
 def accepted_kwargs(fn: Callable, *fallbacks: Callable) -> frozenset[str] | None:

@@ -69,3 +69,14 @@ def test_cli_refuses_bad_input_with_exit_2(tmp_path):
     p = run("--static", "--json", str(out), "--cp", "2", "--", __file__, "--seq-length", "64", "--hidden-dropout", "0")
     assert p.returncode == 0, p.stdout + p.stderr
     assert json.loads(out.read_text())["static"] == []
+
+
+def test_every_known_issue_has_its_releases_in_compat():
+    """The doctor's known issues name no release: compat.py holds each one's affected range."""
+    from megatron_ring.megatron import compat
+
+    refs = [issue[0] for issue in static.KNOWN_ISSUES]
+    assert sorted(refs) == sorted(compat.KNOWN_ISSUE_RELEASES)
+    assert compat.known_issue_affects("NVIDIA/Megatron-LM#3959", (0, 16, 1)) is False
+    assert compat.known_issue_affects("NVIDIA/Megatron-LM#3959", (0, 19, 2)) is True
+    assert compat.known_issue_affects("NVIDIA/Megatron-LM#3959", None) is None

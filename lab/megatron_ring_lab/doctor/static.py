@@ -20,31 +20,21 @@ class Finding:
     text: str
 
 
-#: known Megatron CP issues: (reference, what, applies(args) -> bool, (first affected megatron-core release,
-#: first fixed release or None), what to do). "First affected" is the oldest release it was seen in here,
-#: not necessarily where it began.
+#: known Megatron CP issues: (reference, what, applies(args) -> bool, what to do); the releases each affects
+#: are in ``megatron_ring.megatron.compat.KNOWN_ISSUE_RELEASES`` (the one place that knows releases)
 KNOWN_ISSUES = [
     ("NVIDIA/Megatron-LM#3959", "MTP loss weighted per CP rank (each rank divides by its own rolled-token "
-     "count)", lambda a: a.has("--mtp-num-layers"), ((0, 19, 0), None),
-     "MEGATRON_RING_MTP_CP_INVARIANT=1 (with the ring spec)"),
+     "count)", lambda a: a.has("--mtp-num-layers"), "MEGATRON_RING_MTP_CP_INVARIANT=1 (with the ring spec)"),
     ("NVIDIA/Megatron-LM#5047", "MoE aux-loss scaling with CP", lambda a: a.has("--num-experts") and any(
-        float(x) > 0 for x in (a.values("--moe-aux-loss-coeff") or ["0"])), ((0, 0, 0), None),
+        float(x) > 0 for x in (a.values("--moe-aux-loss-coeff") or ["0"])),
      "run the doctor: it compares router gradients and the logged aux loss"),
     ("NVIDIA-NeMo/Megatron-Bridge#2952", "document boundaries dropped on middle pipeline stages (Megatron-Bridge)",
      lambda a: int(a.get("--pipeline-model-parallel-size", "1") or 1) > 2 and (
-         a.has("--reset-attention-mask") or a.has("--sft")), ((0, 0, 0), None),
+         a.has("--reset-attention-mask") or a.has("--sft")),
      "check that packed_seq_params / the attention mask reach every stage"),
     ("NVIDIA/Megatron-LM#7452", "silent parallelism bugs found by fuzzing, with CPU/gloo reproductions",
-     lambda a: True, ((0, 0, 0), None), "run the doctor at the CP sizes you train with"),
+     lambda a: True, "run the doctor at the CP sizes you train with"),
 ]
-
-
-def _affects(releases: tuple, version: tuple | None) -> bool | None:
-    """Whether the installed megatron-core is in the affected range (None: not known here)."""
-    first, fixed = releases
-    if version is None:
-        return None
-    return tuple(version) >= first and (fixed is None or tuple(version) < fixed)
 
 
 def _releases(releases: tuple) -> str:
@@ -97,18 +87,19 @@ def check(argv: list[str], cps: list[int]) -> tuple[list[Finding], dict[str, Any
     if pp > 1:
         out.append(Finding("info", "pipeline", f"PP={pp} with CP: every stage splits the same sequence; document "
                            "boundaries (packed_seq_params / attention mask) must reach every stage"))
-    version = None
+    version, releases, affects = None, {}, lambda ref, v: None
     try:
-        from megatron_ring.megatron.compat import mcore_version
+        from megatron_ring.megatron.compat import KNOWN_ISSUE_RELEASES, known_issue_affects, mcore_version
 
+        releases, affects = KNOWN_ISSUE_RELEASES, known_issue_affects
         version = mcore_version()
     except Exception as e:  # megatron-core not importable here
         out.append(Finding("info", "version", f"megatron-core not importable ({type(e).__name__}): "
                            "known issues listed without a version check"))
-    issues = [{"ref": ref, "what": what, "releases": _releases(rel), "fix": fix,
-               "config": bool(applies(a)), "version": _affects(rel, version),
-               "applies": bool(applies(a)) and _affects(rel, version) is not False}
-              for ref, what, applies, rel, fix in KNOWN_ISSUES]
+    issues = [{"ref": ref, "what": what, "fix": fix, "config": bool(applies(a)), "version": affects(ref, version),
+               "releases": _releases(releases[ref]) if ref in releases else "releases not known here",
+               "applies": bool(applies(a)) and affects(ref, version) is not False}
+              for ref, what, applies, fix in KNOWN_ISSUES]
     return out, {"megatron_core": ".".join(map(str, version)) if version else None, "known_issues": issues}
 
 
