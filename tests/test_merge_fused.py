@@ -74,6 +74,26 @@ def test_the_status_copy_rides_on_the_merge():
         assert torch.equal(a1, a2) and torch.equal(l1, l2) and codes.tolist() == [0, 1, 0]
 
 
+def test_a_kernel_lse_of_plus_inf_merges_as_minus_inf():
+    """``posinf_empty``: a variable-length kernel's +inf (a row that sees no key) reads as our -inf: the merge,
+    fresh or not, equals the merge of the fixed-up lse, bit for bit (CPU and the registered op); NaN stays NaN.
+    Negative control: without the flag the +inf rows come out wrong."""
+    for fresh in (False, True):
+        acc, acc_lse, blk, blk_lse = _inputs()
+        blk_lse[1, 1, 3] = float("nan")
+        raw = blk_lse.masked_fill(torch.isneginf(blk_lse), float("inf"))
+        a1, l1, a2, l2, a3, l3 = (t.clone() for t in (acc, acc_lse) * 3)
+        merge_reference(a1, l1, blk, blk_lse, fresh)
+        merge_into(a2, l2, blk, raw, fresh, posinf_empty=True)
+        torch.ops.megatron_ring.merge_(a3, l3, blk, raw, fresh, None, None, True)
+        for a, l_ in ((a2, l2), (a3, l3)):
+            assert torch.equal(a.nan_to_num(7.0), a1.nan_to_num(7.0)) and torch.equal(l_.nan_to_num(7.0),
+                                                                                      l1.nan_to_num(7.0))
+        a4, l4 = acc.clone(), acc_lse.clone()
+        merge_into(a4, l4, blk, raw, fresh)
+        assert not torch.equal(l4.nan_to_num(7.0), l1.nan_to_num(7.0))
+
+
 def test_merge_into_on_cpu_runs_the_expression_on_row_slices():
     acc, acc_lse, blk, blk_lse = _inputs()
     a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
@@ -129,6 +149,14 @@ def check_triton_against_reference() -> None:
     merge_reference(a1, l1, blk, blk_lse)
     merge_triton(a2, l2, blk, blk_lse, False, (codes[2:3], elem))
     assert codes.tolist() == [0, 0, 2, 0] and _within_bound(a2, l2, a1, l1, acc, blk)
+    # a kernel's +inf lse (a row that sees no key) reads as -inf
+    acc, acc_lse, blk, blk_lse = _inputs()
+    raw = blk_lse.masked_fill(torch.isneginf(blk_lse), float("inf"))
+    for fresh in (False, True):
+        a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
+        merge_reference(a1, l1, blk, blk_lse, fresh)
+        merge_triton(a2, l2, blk, raw, fresh, None, True)
+        assert _within_bound(a2, l2, a1, l1, acc, blk), fresh
     # negative control: a merge of a slightly different block is outside the bound
     acc, acc_lse, blk, blk_lse = _inputs()
     a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()

@@ -261,3 +261,34 @@ def test_plans_from_row_ranges_equal_the_plans_from_the_matrix(monkeypatch):
                         continue
                     assert (fast.calls, fast.shared_keys) == (slow.calls, slow.shared_keys), (lay, world, rule, r)
     assert fast_path > 100, fast_path
+
+
+def test_the_kernel_lse_option_only_moves_the_fix_ups():
+    """``kernel_lse=True`` (the engine's call, core/engine.py): the forward's lse is +inf where ``kernel_lse=False``
+    gives -inf, all else equal; the backward given that lse equals the backward given ours, bit for bit
+    (the stand-in, a padded document mix: rows that see no key)."""
+    T, world = 48, 2
+    cu = _docs(T, 3)
+    layout = get_layout("striped")
+    rule = AttentionMask(True, tuple(cu))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, T // world, 16, generator=g) for _ in range(4))
+    kern = varlen._VARLEN_CPU
+    seen = 0
+    for src in range(world):
+        for task in schedule(layout, rule, world, 0, src, T // world, T // world):
+            mask = task.explicit_mask()
+            if mask is None:
+                continue
+            args = (q[:, :, task.q], k[:, :, task.kv], v[:, :, task.kv])
+            out, lse = kern.forward(*args, False, 0.25, mask=mask)
+            out_k, lse_k = kern.forward(*args, False, 0.25, mask=mask, kernel_lse=True)
+            assert torch.equal(out, out_k)
+            assert torch.equal(torch.isposinf(lse_k), torch.isneginf(lse)) and not torch.isneginf(lse_k).any()
+            fin = torch.isfinite(lse)
+            assert torch.equal(lse[fin], lse_k[fin])
+            grads = kern.backward(dout[:, :, task.q], *args, out, lse, False, 0.25, mask=mask)
+            grads_k = kern.backward(dout[:, :, task.q], *args, out, lse_k, False, 0.25, mask=mask, kernel_lse=True)
+            assert all(torch.equal(a, b) for a, b in zip(grads, grads_k))
+            seen += bool(torch.isneginf(lse).any())
+    assert seen, "no task had a row that sees no key: the case checks nothing"

@@ -116,12 +116,32 @@ class RingPlan:
         return _mask_kernel(self.kernel), False, {"mask": task.explicit_mask()}
 
     def forward_block(self, task, q, k, v, step: int | None = None):
+        """``(out, lse, posinf_empty)``: the block's result; ``posinf_empty``: its lse is the kernel's own, +inf
+        where a row sees no key (a variable-length kernel's; the merge reads it as -inf, merge_into)."""
         kernel, causal, kw = self._kernel_for(task, step, q.device)
-        return kernel.forward(q, k, v, causal, self.scale, **kw)
+        own = "mask" in kw and getattr(kernel, "takes_kernel_lse", False)
+        if own:
+            kw["kernel_lse"] = True
+        return (*kernel.forward(q, k, v, causal, self.scale, **kw), own)
 
     def backward_block(self, task, dout, q, k, v, out, lse, step: int | None = None):
+        """``lse``: the lse of the task's rows, or ``lse(own)``, a function giving it in our convention
+        (``own`` False) or in a variable-length kernel's (True: +inf where a row sees no key), made once per call
+        by the caller; such a kernel takes the latter instead of fixing the lse up itself."""
         kernel, causal, kw = self._kernel_for(task, step, q.device)
+        if callable(lse):
+            own = "mask" in kw and getattr(kernel, "takes_kernel_lse", False)
+            if own:
+                kw["kernel_lse"] = True
+            lse = lse(own)
         return kernel.backward(dout, q, k, v, out, lse, causal, self.scale, **kw)
+
+    def rows_may_see_nothing(self, s: int) -> bool:
+        """Whether a local query row may see no key at all: only padding does (tokens at or past the last
+        document's end; a window always holds the diagonal), so only documents that end before the
+        ``s * world`` tokens of the stream."""
+        m = self.mask
+        return m is not None and m.cu_seqlens is not None and m.cu_seqlens[-1] < s * self.ring.world
 
 
 def _mask_kernel(kernel: BlockKernel) -> BlockKernel:
@@ -338,7 +358,7 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
         rows, cols = task.q, task.kv
         whole = _covers(rows, s)
         with breakdown.section(step, "kernel"):
-            o, l = plan.forward_block(task, q if whole else q[:, :, rows], *_cols(kt, vt, cols), step)
+            o, l, posinf = plan.forward_block(task, q if whole else q[:, :, rows], *_cols(kt, vt, cols), step)
         if plan.row_max is not None:
             with breakdown.section(step, "kernel"):  # the max-logit pass is block compute too
                 fold_task_max(plan.row_max, task, q, kt, plan.scale)
@@ -346,9 +366,9 @@ def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: Rin
             _init_acc(out, lse)
         with breakdown.section(step, "merge"):  # first result covering every row: copied in (one op on CUDA)
             if whole:
-                merge_into(out, lse, o, l, fresh=fresh, status=receipt)
+                merge_into(out, lse, o, l, fresh=fresh, status=receipt, posinf_empty=posinf)
             else:
-                merge_into(out[:, :, rows], lse[:, :, rows], o, l, status=receipt)
+                merge_into(out[:, :, rows], lse[:, :, rows], o, l, status=receipt, posinf_empty=posinf)
         fresh, receipt = False, None
         del o, l
     return fresh, receipt
@@ -385,6 +405,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
              for dout_j, q_j, out_j, lse_j, dq_j in (_heads(qs, q.shape[1], dout, q, out, lse, dq)
                                                      for qs, _ in pieces)]
     lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
+    may_see_nothing = plan.rows_may_see_nothing(s)
     for step in range(steps):
         tasks = first if step == 0 else plan.tasks(step, s, whole)
         for j, (_, piece_plan) in enumerate(pieces):
@@ -392,7 +413,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             dout_j, q_j, out_j, lse_j, dq_j = views[j]
             _backward_step(dout_j, q_j, kt, vt, out_j, lse_j, piece_plan, step, dq_j,
                            lambda: dkv.arrived(j, step), *dkv.views(j), tasks, lse_rows[j],
-                           fresh and step == 0)
+                           fresh and step == 0, may_see_nothing)
             dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
         kv.advance()
         dkv.advance()
@@ -463,12 +484,14 @@ class _Accumulators:
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, plan: RingPlan, step: int, dq: torch.Tensor,
                    wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks, lse_rows: dict,
-                   fresh: bool = False) -> None:
+                   fresh: bool = False, may_see_nothing: bool = True) -> None:
     """``tasks`` of one visiting block: dQ into ``dq``; dK/dV into the travelling accumulator, after
     ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute).
 
     ``lse_rows``: the contiguous lse row slices of earlier steps (the same rows recur every step), filled here.
     ``fresh``: the accumulators hold nothing yet and the one task covers them whole: its results are copied in.
+    ``may_see_nothing``: a row may see no key at all (lse -inf: :meth:`RingPlan.rows_may_see_nothing`); a
+    variable-length kernel then takes the lse with +inf there, made once per call and row slice (:func:`_lse_rows`).
     On CUDA every add of the step (dQ, dK, dV of each task) is ONE :func:`foreach_into` after the wait
     (one launch for up to 4 adds, where torch's ``_foreach_add_`` would loop: fp32 accumulators, bf16 blocks);
     on CPU each dQ is added as soon as its task is done (its block freed at once)."""
@@ -478,13 +501,13 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     s, sk = q.shape[2], kt.shape[2]
     for task in tasks:
         rows = task.q
+        lse_of = functools.partial(_lse_rows, lse, rows, lse_rows, may_see_nothing)
         with breakdown.section(step, "kernel"):
             if _covers(rows, s):
-                dq_b, dk_b, dv_b = plan.backward_block(task, dout, q, *_cols(kt, vt, task.kv), out, lse, step)
+                dq_b, dk_b, dv_b = plan.backward_block(task, dout, q, *_cols(kt, vt, task.kv), out, lse_of, step)
             else:
                 dq_b, dk_b, dv_b = plan.backward_block(
-                    task, dout[:, :, rows], q[:, :, rows], *_cols(kt, vt, task.kv),
-                    out[:, :, rows], _lse_rows(lse, rows, lse_rows), step)
+                    task, dout[:, :, rows], q[:, :, rows], *_cols(kt, vt, task.kv), out[:, :, rows], lse_of, step)
         dq_view = dq if _covers(rows, s) else dq[:, :, rows]
         if fused:
             adds.append(("dq", rows, dq_view, dq_b))
@@ -524,8 +547,20 @@ def _add_all(adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]], add: boo
         foreach_into([e[2] for e in batch], [e[3] for e in batch], add=add)
 
 
-def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict) -> torch.Tensor:
-    """``lse[:, :, rows]`` contiguous (as the kernels take it), made once per row slice and call (``cache``)."""
+def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict, may_see_nothing: bool = False,
+             own: bool = False) -> torch.Tensor:
+    """``lse[:, :, rows]`` contiguous (as the kernels take it; ``lse`` itself for all rows), made once per row
+    slice and call (``cache``). ``own``: in a variable-length kernel's convention instead, +inf where a row sees
+    no key (one op, also making it contiguous; ``lse`` as is where no row may see nothing: ``may_see_nothing``)."""
+    if own and may_see_nothing:
+        key = ("kernel", rows.start, rows.stop, rows.step)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = lse[:, :, rows].nan_to_num(nan=float("nan"), neginf=float("inf"),
+                                                          posinf=float("inf"))
+        return got
+    if _covers(rows, lse.shape[2]):
+        return lse
     key = (rows.start, rows.stop, rows.step)
     got = cache.get(key)
     if got is None:

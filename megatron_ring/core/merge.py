@@ -27,8 +27,10 @@ __all__ = ["direct_launch_ok", "merge_into", "merge_reference"]
 
 
 def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor,
-                    blk_lse: torch.Tensor, fresh: bool = False) -> None:
+                    blk_lse: torch.Tensor, fresh: bool = False, posinf_empty: bool = False) -> None:
     """The merge as a torch expression (the CPU path and the fused kernel's reference); see :func:`merge_into`."""
+    if posinf_empty:  # the kernel's +inf for a row that sees no key: ours is -inf
+        blk_lse = blk_lse.masked_fill(blk_lse == float("inf"), float("-inf"))
     if fresh:
         acc_out.copy_(blk_out)
         acc_lse.copy_(blk_lse)
@@ -45,25 +47,29 @@ def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch
 
 @torch.library.custom_op("megatron_ring::merge_", mutates_args=("acc_out", "acc_lse", "status_dst"))
 def _merge_op(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
-              fresh: bool, status_dst: Optional[torch.Tensor] = None, status_src: Optional[torch.Tensor] = None) -> None:
-    merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh)
+              fresh: bool, status_dst: Optional[torch.Tensor] = None, status_src: Optional[torch.Tensor] = None,
+              posinf_empty: bool = False) -> None:
+    merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
     if status_dst is not None:
         status_dst.copy_(status_src)
 
 
 @_merge_op.register_kernel("cuda")
-def _merge_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst=None, status_src=None) -> None:
-    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, None if status_dst is None else (status_dst, status_src))
+def _merge_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst=None, status_src=None,
+                posinf_empty=False) -> None:
+    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, None if status_dst is None else (status_dst, status_src),
+                 posinf_empty)
 
 
 @_merge_op.register_fake
-def _merge_fake(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst=None, status_src=None) -> None:
+def _merge_fake(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst=None, status_src=None,
+                posinf_empty=False) -> None:
     return None
 
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor,
                blk_lse: torch.Tensor, fresh: bool = False,
-               status: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               status: tuple[torch.Tensor, torch.Tensor] | None = None, posinf_empty: bool = False) -> None:
     """Fold a block result into the running accumulator, in place.
 
     acc_out: ``[b, h, n, d]`` float32 (may be a row-slice view); acc_lse: ``[b, h, n]`` float32.
@@ -71,17 +77,18 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tens
     ``fresh``: the accumulator holds nothing yet: the block is copied in (the first result of a ring).
     ``status``: ``(dst, src)``, one element each of one dtype: ``dst.copy_(src)`` in the same launch on CUDA
     (the visiting block's status code recorded, core/status.py).
+    ``posinf_empty``: ``blk_lse`` is +inf for a row that sees no key (a variable-length kernel's own lse,
+    kernels/varlen.py), read as -inf: the kernel's fix-up is done here, with no launch of its own on CUDA.
     """
     if acc_out.device.type != "cuda":
-        merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh)
+        merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
         if status is not None:
             status[0].copy_(status[1])
     elif direct_launch_ok(acc_out, acc_lse, blk_out, blk_lse):
-        merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, status)
-    elif status is None:
-        torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh)
+        merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, status, posinf_empty)
     else:
-        torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh, *status)
+        st = (None, None) if status is None else status
+        torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh, *st, posinf_empty)
 
 
 def direct_launch_ok(*tensors: torch.Tensor) -> bool:

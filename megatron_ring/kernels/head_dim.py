@@ -35,6 +35,11 @@ class HeadDimPadKernel(BlockKernel):
     def unsupported(self, q, head_dim):
         return self.base.unsupported(q, head_dim)
 
+    @property
+    def takes_kernel_lse(self) -> bool:
+        """As the base kernel (kernels/varlen.py: the lse in the kernel's own convention, passed through)."""
+        return getattr(self.base, "takes_kernel_lse", False)
+
     def forward(self, q, k, v, causal, scale, **kw):
         dqk, dv = q.shape[-1], v.shape[-1]
         d = max(dqk, dv)

@@ -83,6 +83,9 @@ class _VarlenKernel(BlockKernel):
     plan, or a case the kernel does not take, runs on the math kernel (counted in :data:`COUNTS`)."""
 
     supports_mask = True
+    #: ``forward``/``backward`` take ``kernel_lse=True``: the lse in the kernel's own convention (+inf for a row
+    #: that sees no key), so the engine does the fix-ups in its merge and once per call (core/engine.py)
+    takes_kernel_lse = True
 
     def __init__(self) -> None:
         self._fits: dict[tuple, bool] = {}
@@ -101,7 +104,9 @@ class _VarlenKernel(BlockKernel):
         COUNTS[self.name if plan is not None else "math"] += 1
         return plan
 
-    def forward(self, q, k, v, causal, scale, mask=None):
+    def forward(self, q, k, v, causal, scale, mask=None, kernel_lse=False):
+        """``kernel_lse``: return the lse as the kernel gives it, +inf (not -inf) where a row sees no key (the
+        math fallback's -inf stays): the caller reads +inf as -inf."""
         plan = self._plan(q, v, mask)
         if plan is None:
             return _MATH.forward(q, k, v, causal, scale, mask=mask)
@@ -118,20 +123,23 @@ class _VarlenKernel(BlockKernel):
             lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         else:  # rows no call covers see no key
             out = q.new_zeros((*q.shape[:3], v.shape[-1]))
-            lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+            lse = q.new_full(q.shape[:3], float("inf" if kernel_lse else "-inf"), dtype=torch.float32)
         if len(results) > 1 or plan.shared_keys:
             for call, o, l_ in results:
                 out[:, :, call.q] = o
                 lse[:, :, call.q] = l_
-        return out, _no_key_as(lse, float("-inf"))  # rows that see no key: our -inf
+        return out, lse if kernel_lse else _no_key_as(lse, float("-inf"))  # rows that see no key: our -inf
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, kernel_lse=False):
+        """``kernel_lse``: ``lse`` is already +inf (not -inf) where a row sees no key."""
         plan = self._plan(q, v, mask)
         if plan is None:
+            if kernel_lse:
+                lse = _no_key_as(lse, float("-inf"))
             return _MATH.backward(dout, q, k, v, out, lse, causal, scale, mask=mask)
         b, h = q.shape[:2]
         # the kernel's lse layout [heads, rows] with +inf where a row sees no key (the forward's values)
-        lse_k = _no_key_as(lse, float("inf")).transpose(0, 1)
+        lse_k = (lse if kernel_lse else _no_key_as(lse, float("inf"))).transpose(0, 1)
         grads = []
         for call, (cq, ck) in zip(plan.calls, plan.cum(q.device, b)):
             dq, dk, dv = self._bwd(_thd(dout[:, :, call.q]), _thd(q[:, :, call.q]), _thd(k[:, :, call.kv]),

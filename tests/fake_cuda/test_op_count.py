@@ -1,8 +1,8 @@
 """Device ops per call on the CUDA path, counted on the fake-CUDA tier (issue 34: a ring step should be its
 attention kernel plus one fused epilogue).
 
-One forward + backward of ``ring_attention`` on :class:`LoopbackRing` (rank 1, kernel ``auto``) is traced as in
-``test_fake_cuda.run_case`` (FakeTensorMode, the fake CUDA device) under :class:`OpCounter`, a dispatch mode
+Two forward + backward calls of ``ring_attention`` on :class:`LoopbackRing` (rank 1, kernel ``auto``) are traced
+as in ``test_fake_cuda.run_case`` (FakeTensorMode, the fake CUDA device) under :class:`OpCounter`, a dispatch mode
 that sees every aten op the engine issues. The counting rule:
 
 - an op counts when one of its tensor arguments or results is on ``cuda`` (host ops of the planner do not);
@@ -22,9 +22,10 @@ that sees every aten op the engine issues. The counting rule:
 On a GPU each counted op is one kernel launch (or one copy); issue 34 matched this count (131 ops at P=4) to the
 127 launches the torch profiler counted on an H200. The test prints a table per case and asserts two things:
 ``other`` stays within :data:`CEILING` (the numbers measured when this test was written: a regression fails),
-and the target of issue 34, at most 3 other ops per attention op, in :func:`test_target_three_ops_per_kernel`:
-met by the dense cases at P = 2, 4, 8 (causal, full, GQA), ``xfail`` for packed documents (the variable-length
-kernel's lse fix-ups and the first call's cumulative lengths).
+and the target of issue 34, at most 3 other ops per attention op on a warm call (a signature's first call also
+copies what it caches on the device), in :func:`test_target_three_ops_per_kernel`: met at P = 2, 4, 8 by the
+dense cases (causal, full, GQA) and by packed documents at P = 4, 8; packed documents with padding at P = 2 take
+13 for 4 attention ops (the backward's one lse fix-up per call), ``xfail``.
 """
 from __future__ import annotations
 
@@ -106,19 +107,22 @@ def foreach_launches(name: str, args) -> int:
     return 1 if fast else len(lists[0])
 
 
-def count(case: Case, rank: int = 1) -> OpCounter:
-    """One forward + backward of ``case`` on fake CUDA, counted."""
+def count(case: Case, rank: int = 1) -> tuple[OpCounter, OpCounter]:
+    """Two forward + backward calls of ``case`` on fake CUDA, each counted: ``(first, warm)``. The first call of
+    a signature also copies what it caches on the device (the variable-length plans' cumulative lengths)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _plan_on_host(case, rank)
-    counter = OpCounter()
+    counters = (OpCounter(), OpCounter())
     with device.use("cuda", FakeCuda()), FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v, kw, leaves = _inputs(case)  # made before counting: the caller's tensors
         dout = torch.ones(*q.shape[:-1], v.shape[-1], device="cuda", dtype=q.dtype)  # the caller's gradient
-        with counter:
-            out = ring_attention(q, k, v, ring=LoopbackRing(case.P, rank, q.device), **kw)
-            fake_backward(out, dout, leaves)
-    return counter
+        ring = LoopbackRing(case.P, rank, q.device)
+        for counter in counters:
+            with counter:
+                out = ring_attention(q, k, v, ring=ring, **kw)
+                fake_backward(out, dout, leaves)
+    return counters
 
 
 def _case(name: str, P: int) -> Case:
@@ -129,30 +133,32 @@ def _case(name: str, P: int) -> Case:
 
 NAMES = ("causal", "full", "gqa", "thd")
 PS = (2, 4, 8)
-#: (attention ops, other ops) per case at the time of writing: ``other`` may only go down
+#: (attention ops, other ops of the first call, of a warm call) per case at the time of writing: may only go down
 CEILING = {
     # the K/V written into the wire slot with its status zeroed (1), the exchanges (P - 1 forward, K/V P - 1 and
     # dK/dV P backward), the merges (P, each recording the visiting block's status), the backward's adds (P, the
     # first a copy: nothing zeroed), the results' conversion (1 forward, 1 backward), and at P = 4 and 8 the
     # causal lse rows made contiguous (1); before the list op and the status fusions (counting torch's
     # ``_foreach_add_`` slow route as its launches) 26 / 43 / 75
-    ("causal", 2): (4, 12), ("causal", 4): (8, 23), ("causal", 8): (16, 43),
-    ("full", 2): (4, 12), ("full", 4): (8, 22), ("full", 8): (16, 42),
+    ("causal", 2): (4, 12, 12), ("causal", 4): (8, 23, 23), ("causal", 8): (16, 43, 43),
+    ("full", 2): (4, 12, 12), ("full", 4): (8, 22, 22), ("full", 8): (16, 42, 42),
     # GQA: the kernel takes the fewer K/V heads as they are (FakeCuda's takes_gqa: a torch whose cuDNN path takes
     # GQA); with K/V expanded per call (an older torch) it was 34 / 59 / 107: repeat_interleave and dK/dV sums
-    ("gqa", 2): (4, 12), ("gqa", 4): (8, 23), ("gqa", 8): (16, 43),
+    ("gqa", 2): (4, 12, 12), ("gqa", 4): (8, 23, 23), ("gqa", 8): (16, 43, 43),
     # packed documents: the tasks cut by a document boundary run on the variable-length flash kernel
-    # (kernels/varlen.py; on the math kernel before it: 132 / 204 / 228 other ops), whose lse fix-ups
-    # (+inf <-> -inf: one nan_to_num per kernel call) count as "other", and so do the first call's copies of the
-    # plan's cumulative lengths to the device (4 / 6 / 6; none on later calls)
-    ("thd", 2): (4, 20), ("thd", 4): (10, 40), ("thd", 8): (18, 60),
+    # (kernels/varlen.py; on the math kernel before it: 132 / 204 / 228 other ops); its lse fix-ups are the
+    # merge's (forward) and one op per call and row slice (backward, where a row may see no key: this case pads
+    # the stream); the first call also copies the plans' cumulative lengths to the device (4 / 6 / 6). Before
+    # the fix-ups moved: 20 / 40 / 60 first calls (34 / 62 / 94 before the list op)
+    ("thd", 2): (4, 17, 13), ("thd", 4): (10, 35, 29), ("thd", 8): (18, 55, 49),
 }
 
 def _table(results: dict) -> str:
-    rows = ["| case | P | attention ops | other ops | other per attention op |", "|---|---|---|---|---|"]
-    for (name, P), c in results.items():
-        rows.append(f"| {name} | {P} | {c.attention} | {sum(c.other.values())} | "
-                    f"{sum(c.other.values()) / max(c.attention, 1):.2f} |")
+    rows = ["| case | P | attention ops | other ops, first call | other ops, warm call | other per attention op, warm |",
+            "|---|---|---|---|---|---|"]
+    for (name, P), (first, warm) in results.items():
+        rows.append(f"| {name} | {P} | {warm.attention} | {sum(first.other.values())} | {sum(warm.other.values())} | "
+                    f"{sum(warm.other.values()) / max(warm.attention, 1):.2f} |")
     return "\n".join(rows)
 
 
@@ -160,28 +166,30 @@ def _table(results: dict) -> str:
 def counts():
     got = {(name, P): count(_case(name, P)) for name in NAMES for P in PS}
     print("\n" + _table(got))
-    for key, c in got.items():
-        print(key, dict(c.other.most_common()))
+    for key, (_, warm) in got.items():
+        print(key, dict(warm.other.most_common()))
     return got
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("P", PS)
 def test_other_ops_within_ceiling(counts, name, P):
-    c = counts[(name, P)]
-    attention, other = CEILING[(name, P)]
-    assert c.attention == attention, (c.attention, attention)
-    assert sum(c.other.values()) <= other, (sum(c.other.values()), other, dict(c.other.most_common()))
+    first, warm = counts[(name, P)]
+    attention, other_first, other_warm = CEILING[(name, P)]
+    assert first.attention == warm.attention == attention, (first.attention, warm.attention, attention)
+    assert sum(first.other.values()) <= other_first, (sum(first.other.values()), other_first, dict(first.other))
+    assert sum(warm.other.values()) <= other_warm, (sum(warm.other.values()), other_warm, dict(warm.other))
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("P", PS)
 def test_target_three_ops_per_kernel(counts, name, P):
-    if name == "thd":
-        pytest.xfail("issue 34: the variable-length kernel's lse fix-ups (one nan_to_num per call) and the first "
-                     "call's copies of the cumulative lengths still count")
-    c = counts[(name, P)]
-    assert sum(c.other.values()) <= 3 * c.attention, (sum(c.other.values()), c.attention)
+    """Issue 34's target on a warm call (the steady state of training)."""
+    _, warm = counts[(name, P)]
+    if name == "thd" and sum(warm.other.values()) > 3 * warm.attention:
+        pytest.xfail("issue 34: packed documents with padding at P = 2: the lse fix-up of the backward (one op "
+                     "per call) is one op over 3 per attention op")
+    assert sum(warm.other.values()) <= 3 * warm.attention, (sum(warm.other.values()), warm.attention)
 
 
 def test_the_counter_counts_launches_not_views():
