@@ -26,6 +26,18 @@ against its own library, order alternating; printed: each revision's median per 
 of the within-round ratios B/A with their spread, and whether the layer's outputs and gradients are
 bit-identical between the revisions.
 
+    python scripts/bench_revisions.py 59a641f HEAD --gpu-rows --rounds 3
+    python scripts/bench_revisions.py A B --trees /path/to/tree_a /path/to/tree_b --gpu-rows
+
+``--gpu-rows`` (a CUDA GPU): the GPU benchmark row of each revision's own lab
+(``megatron_ring_lab.bench.gpu.gpu_row``: every rank's ring schedule on the one GPU through the loopback, bf16,
+GQA 32:8, head dim 128, causal; ``--gpu-sizes P:tokens_per_rank ...``, ``--gpu-docs`` for packed documents, each
+size ``--iters`` calls, default 7) in one worker process per revision, sizes and revisions interleaved, the order
+alternating between rounds after a dropped warm-up round; printed per size: each revision's median host ms per
+call and efficiency, launches per call, and the median over rounds of the slowest rank's time B/A with its
+spread. ``--trees A B``: two prepared trees (``rev_a``, ``rev_b`` then only name them), for a machine without
+this repository's git history (a lent GPU gets the working tree only).
+
     .venv/bin/python scripts/bench_revisions.py aa3e893 HEAD --outputs
 
 ``--outputs``: no timing; checks that the two revisions compute bit-identical results. Per world size
@@ -251,6 +263,63 @@ def _layer_host_time_rows(trees: list[str], a) -> list[dict]:
     return [row]
 
 
+GPU_WORKER = r"""
+import json, sys, torch
+from megatron_ring_lab.bench.gpu import gpu_row
+cfg = json.loads(sys.argv[1])
+for line in sys.stdin:
+    p, t = json.loads(line)
+    r = gpu_row(p, p * t, 32, 8, 128, torch.bfloat16 if cfg["device"] == "cuda" else torch.float32,
+                iters=cfg["iters"], docs=cfg["docs"], device=cfg["device"])
+    print("ROW " + json.dumps({k: r.get(k) for k in ("efficiency", "host_ms", "ring_slowest_rank_ms", "one_device_ms",
+                                                     "launches")}), flush=True)
+"""
+
+
+def _gpu_rows(trees: list[str], a) -> list[dict]:
+    """``--gpu-rows`` (see the module doc)."""
+    sizes = [tuple(int(x) for x in s.split(":")) for s in a.gpu_sizes]
+    cfg = json.dumps(dict(iters=a.iters, docs=a.gpu_docs, device=a.gpu_device))
+    procs = []
+    for tree in trees:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "lab"),
+                                                           os.environ.get("PYTHONPATH", "")]))
+        procs.append(subprocess.Popen([sys.executable, "-c", GPU_WORKER, cfg], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir()))
+    got: dict[tuple, list[dict]] = {(i, s): [] for i in (0, 1) for s in sizes}
+    try:
+        for rnd in range(a.rounds + 1):  # round 0: warm-up (compiles, caches), dropped
+            for s in sizes:
+                for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
+                    procs[i].stdin.write(json.dumps(s) + "\n")
+                    procs[i].stdin.flush()
+                    line = procs[i].stdout.readline()
+                    while line and not line.startswith("ROW "):
+                        line = procs[i].stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"the GPU worker of {trees[i]} stopped (size {s})")
+                    if rnd:
+                        got[(i, s)].append(json.loads(line[4:]))
+    finally:
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait(timeout=60)
+    rows = []
+    print(f"| P | tokens per rank | host ms {a.rev_a} / {a.rev_b} | efficiency {a.rev_a} / {a.rev_b} | launches | "
+          "slowest rank B/A (spread) |\n|---|---|---|---|---|---|", flush=True)
+    for s in sizes:
+        ra, rb = got[(0, s)], got[(1, s)]
+        med = lambda rows_, k: statistics.median(r[k] for r in rows_)  # noqa: E731
+        ratios = [y["ring_slowest_rank_ms"] / x["ring_slowest_rank_ms"] for x, y in zip(ra, rb)]
+        row = dict(P=s[0], tokens_per_rank=s[1], a=ra, b=rb, ratio=statistics.median(ratios), ratio_min=min(ratios),
+                   ratio_max=max(ratios))
+        rows.append(row)
+        print(f"| {s[0]} | {s[1]} | {med(ra, 'host_ms'):.2f} / {med(rb, 'host_ms'):.2f} | {med(ra, 'efficiency'):.3f} "
+              f"/ {med(rb, 'efficiency'):.3f} | {ra[0]['launches']} / {rb[0]['launches']} | {row['ratio']:.3f} "
+              f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) |", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rev_a")
@@ -270,22 +339,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "--iters calls, default 400)")
     ap.add_argument("--outputs", action="store_true", help="check that the two revisions' outputs and gradients "
                     "are bit-identical (OUTPUT_CASES) instead of timing")
+    ap.add_argument("--gpu-rows", action="store_true", help="compare the GPU benchmark rows (a CUDA GPU; see the "
+                    "module doc)")
+    ap.add_argument("--gpu-sizes", nargs="+", default=["2:2048", "4:2048", "8:2048", "2:8192", "8:8192"],
+                    help="--gpu-rows: P:tokens_per_rank per row")
+    ap.add_argument("--gpu-docs", action="store_true", help="--gpu-rows: packed documents (a real length mix)")
+    ap.add_argument("--gpu-device", default="cuda", help="--gpu-rows: cpu runs the same rows on CPU (fp32; a check "
+                    "of the script, not a GPU figure)")
+    ap.add_argument("--trees", nargs=2, metavar=("TREE_A", "TREE_B"), help="two prepared trees instead of git "
+                    "revisions (rev_a, rev_b only name them)")
     a = ap.parse_args(argv)
     if a.host_time and a.iters == 3:
         a.iters = 200
     if a.layer_host_time and a.iters == 3:
         a.iters = 400
-    repo = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()
+    if a.gpu_rows and a.iters == 3:
+        a.iters = 7
     with tempfile.TemporaryDirectory() as tmp:
-        trees = []
-        for i, rev in enumerate((a.rev_a, a.rev_b)):
-            path = os.path.join(tmp, f"rev{i}")
-            subprocess.check_call(["git", "-C", repo, "worktree", "add", "-q", "--detach", path, rev])
-            trees.append(path)
+        trees, made = [os.path.abspath(t) for t in a.trees] if a.trees else [], []
+        if not trees:
+            repo = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()
+            for i, rev in enumerate((a.rev_a, a.rev_b)):
+                path = os.path.join(tmp, f"rev{i}")
+                subprocess.check_call(["git", "-C", repo, "worktree", "add", "-q", "--detach", path, rev])
+                made.append(path)
+            trees = made
         try:
             rows = _host_time_rows(trees, a) if a.host_time else _output_rows(trees, a) if a.outputs else \
-                _layer_host_time_rows(trees, a) if a.layer_host_time else []
-            for world in ([] if a.host_time or a.outputs or a.layer_host_time else a.world_sizes):
+                _layer_host_time_rows(trees, a) if a.layer_host_time else _gpu_rows(trees, a) if a.gpu_rows else []
+            for world in ([] if a.host_time or a.outputs or a.layer_host_time or a.gpu_rows else a.world_sizes):
                 for causal in (True, False):
                     cfg = dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, iters=a.iters, causal=causal)
                     t = {0: [], 1: []}
@@ -301,7 +383,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           f"  ratio {row['ratio']:.3f} (rounds {row['ratio_min']:.3f}-{row['ratio_max']:.3f})",
                           flush=True)
         finally:
-            for path in trees:
+            for path in made:
                 subprocess.call(["git", "-C", repo, "worktree", "remove", "--force", path])
     if a.json:
         with open(a.json, "w") as f:

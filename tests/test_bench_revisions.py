@@ -1,0 +1,22 @@
+"""scripts/bench_revisions.py ``--gpu-rows`` with ``--trees``: one worker per tree, rounds interleaved, a row per
+size. Run here on CPU (``--gpu-device cpu``: the script's plumbing, not a GPU figure), both trees this checkout."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow  # two worker processes
+def test_gpu_rows_of_two_trees_on_cpu(capsys):
+    spec = importlib.util.spec_from_file_location("bench_revisions", os.path.join(ROOT, "scripts", "bench_revisions.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["A", "B", "--trees", ROOT, ROOT, "--gpu-rows", "--gpu-device", "cpu", "--gpu-sizes", "2:32",
+                     "--rounds", "1", "--iters", "1"])
+    assert len(rows) == 1 and rows[0]["P"] == 2 and rows[0]["tokens_per_rank"] == 32
+    assert len(rows[0]["a"]) == len(rows[0]["b"]) == 1 and rows[0]["ratio"] > 0
+    assert "| 2 | 32 |" in capsys.readouterr().out
