@@ -54,16 +54,8 @@ def test_registered_op_on_cpu_is_torch_pair_by_pair():
 
 def test_the_op_traces_as_one_op_under_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from tests.helpers.seen_ops import SeenOps as Seen
 
     with FakeTensorMode():
         accs = [torch.empty(2, 4), torch.empty(3)]
@@ -110,13 +102,9 @@ def check_triton_against_torch() -> None:
 @pytest.mark.skipif(not has_triton, reason="Triton is not installed (CPU torch)")
 def test_triton_kernel_in_the_interpreter_matches_torch(monkeypatch):
     from megatron_ring.core.foreach_triton import _kernel
+    from tests.helpers.triton_interp import run_interpreted
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _kernel.cache_clear()
-    try:
-        check_triton_against_torch()
-    finally:
-        _kernel.cache_clear()
+    run_interpreted(monkeypatch, _kernel, check_triton_against_torch)
 
 
 def test_foreach_into_on_cpu_is_the_reference_and_takes_an_empty_list():

@@ -105,16 +105,8 @@ def test_merge_into_on_cpu_runs_the_expression_on_row_slices():
 
 def test_the_op_traces_as_one_op_under_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from tests.helpers.seen_ops import SeenOps as Seen
 
     with FakeTensorMode():
         acc, lse = torch.empty(1, 2, 4, 8), torch.empty(1, 2, 4)
@@ -167,16 +159,10 @@ def check_triton_against_reference() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU torch)")
 def test_triton_kernel_in_the_interpreter_matches_the_expression(monkeypatch):
-    # triton.jit reads TRITON_INTERPRET when it decorates: the kernel is made afresh under it, and forgotten
-    # afterwards (a CUDA run compiles its own)
     from megatron_ring.core.merge_triton import _kernel
+    from tests.helpers.triton_interp import run_interpreted
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _kernel.cache_clear()
-    try:
-        check_triton_against_reference()
-    finally:
-        _kernel.cache_clear()
+    run_interpreted(monkeypatch, _kernel, check_triton_against_reference)
 
 
 def test_fused_adds_keep_each_accumulators_order_and_split_only_on_overlap(monkeypatch):
