@@ -93,6 +93,11 @@ def check_triton_against_torch() -> None:
     mixed = [a.clone() for a in accs[:3]]
     foreach_triton(mixed, [srcs[0], None, srcs[2]], [ADD, ZERO, COPY])
     assert torch.equal(mixed[0], want[0]) and not mixed[1].any() and torch.equal(mixed[2], srcs[2])
+    # shapes it does not take are refused by name, before any launch
+    with pytest.raises(ValueError, match="at most 4 dims"):
+        foreach_triton([torch.empty(1, 1, 1, 1, 2)], [torch.empty(1, 1, 1, 1, 2)], [COPY])
+    with pytest.raises(ValueError, match="equal shapes"):
+        foreach_triton([torch.empty(2, 3)], [torch.empty(3, 2)], [COPY])
     # negative control: a wrong add is caught
     bad = [a.clone() for a in accs]
     foreach_triton(bad, [s * 1.001 for s in srcs], [ADD] * 4)

@@ -42,6 +42,10 @@ def foreach_triton(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], mo
     """Launch the kernel over every pair (see the module doc), :data:`ENTRIES` pairs per launch; ``src`` is
     None where the mode is :data:`ZERO`."""
     pairs = [p for p in zip(dsts, srcs, modes) if p[0].numel()]
+    for dst, src, _ in pairs:
+        if dst.dim() > 4 or (src is not None and src.shape != dst.shape):
+            raise ValueError(f"foreach_triton: pairs of equal shapes of at most 4 dims, got {tuple(dst.shape)} and "
+                             f"{None if src is None else tuple(src.shape)}")
     for at in range(0, len(pairs), ENTRIES):
         _launch(pairs[at:at + ENTRIES])
 
