@@ -3,7 +3,7 @@
 CPU: the registered op is ``dst.add_(src)`` / ``dst.copy_(src)`` pair by pair (bit-equal) and traces under
 FakeTensorMode as one op. Triton (where installed): the CUDA kernel of core/foreach_triton.py runs on CPU tensors
 in Triton's interpreter (``TRITON_INTERPRET=1``; the kernel module is re-imported under it) on pairs of 1 to 4
-dims, adds, copies and zeroings mixed in one launch, strided and row-slice views, fp32 accumulators with bf16/fp16/fp32 sources, more pairs than one launch
+dims, adds, copies and zeroings mixed in one launch, a last dim wider than a program's columns, strided and row-slice views, fp32 accumulators with bf16/fp16/fp32 sources, more pairs than one launch
 takes, and sizes that are not a multiple of its block. The bound: an add into fp32 is ONE fp32 rounding of the
 same two operands on both sides (torch computes ``dst + float(src)`` in fp32): bit-equal. A copy to a narrower
 type: bit-equal on a GPU, where the cast rounds to nearest even as torch's does; Triton's interpreter truncates
@@ -89,6 +89,11 @@ def check_triton_against_torch() -> None:
     foreach_triton(dsts, fp32, [COPY] * len(dsts))
     for d, w in zip(dsts, fp32):
         assert _close(d, w.to(d.dtype)), (d.dtype, (d.float() - w).abs().max())
+    # a last dim wider than a program's columns (run in chunks) beside a narrow one, rows not a tile's multiple
+    wide = [torch.randn(3, 7, 300, generator=torch.Generator().manual_seed(5)), torch.randn(1, 3)]
+    into = [torch.zeros(3, 300, 7).transpose(1, 2), torch.zeros(1, 3)]
+    foreach_triton(into, wide, [COPY, COPY])
+    assert all(torch.equal(d, w) for d, w in zip(into, wide))
     # modes mixed in one launch: an add, a zeroing (its src not read), a copy
     mixed = [a.clone() for a in accs[:3]]
     foreach_triton(mixed, [srcs[0], None, srcs[2]], [ADD, ZERO, COPY])

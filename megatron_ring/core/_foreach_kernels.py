@@ -5,40 +5,49 @@ import triton.language as tl
 
 
 @triton.jit
-def foreach_entry(pid, first, mode, dst, src, n, d1, d2, d3, a0, a1, a2, a3, b0, b1, b2, b3, BLOCK: tl.constexpr):
-    """Block ``pid - first`` of one pair: ``n`` elements of a ``[*, d1, d2, d3]`` shape, strides ``a`` (dst)
-    and ``b`` (src); ``mode`` 0: copy, 1: add, 2: zero (src not read)."""
-    i = (pid - first).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: entries over 2**31 elements
-    keep = i < n
-    i3 = i % d3
-    r = i // d3
+def foreach_entry(pid, first, mode, dst, src, R, C, d1, d2, a0, a1, a2, a3, b0, b1, b2, b3,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows ``BLOCK_R * (pid - first) ..`` of one pair seen as ``R`` rows of ``C`` elements (a ``[*, d1, d2, C]``
+    shape; strides ``a`` of dst, ``b`` of src): the row offsets are found once per row, the columns run in
+    chunks of ``BLOCK_C``. ``mode`` 0: copy, 1: add, 2: zero (src not read)."""
+    r = (pid - first).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # 64-bit: tensors over 2**31 elements
+    rows = r < R
     i2 = r % d2
-    r = r // d2
-    i1 = r % d1
-    i0 = r // d1
-    x = tl.load(src + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3, mask=keep & (mode != 2), other=0.0).to(tl.float32)
-    at = dst + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3
-    if mode == 1:
-        x = tl.load(at, mask=keep, other=0.0).to(tl.float32) + x
-    tl.store(at, x.to(dst.dtype.element_ty), mask=keep)
+    t = r // d2
+    i1 = t % d1
+    i0 = t // d1
+    drow = i0 * a0 + i1 * a1 + i2 * a2
+    srow = i0 * b0 + i1 * b1 + i2 * b2
+    for c0 in range(0, C, BLOCK_C):
+        c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+        keep = rows[:, None] & (c < C)[None, :]
+        x = tl.load(src + srow[:, None] + c[None, :] * b3, mask=keep & (mode != 2), other=0.0).to(tl.float32)
+        at = dst + drow[:, None] + c[None, :] * a3
+        if mode == 1:
+            x = tl.load(at, mask=keep, other=0.0).to(tl.float32) + x
+        tl.store(at, x.to(dst.dtype.element_ty), mask=keep)
 
 
 @triton.jit
-def foreach_kernel(dst0, src0, m0, n0, e0, p0, q0, r0, a00, a01, a02, a03, b00, b01, b02, b03,
-                   dst1, src1, m1, n1, e1, p1, q1, r1, a10, a11, a12, a13, b10, b11, b12, b13,
-                   dst2, src2, m2, n2, e2, p2, q2, r2, a20, a21, a22, a23, b20, b21, b22, b23,
-                   dst3, src3, m3, n3, e3, p3, q3, r3, a30, a31, a32, a33, b30, b31, b32, b33,
-                   N: tl.constexpr, BLOCK: tl.constexpr):
-    """Up to 4 pairs (``N`` used); ``eK``: the end (exclusive) of pair K's blocks in the grid."""
+def foreach_kernel(dst0, src0, m0, R0, e0, C0, p0, q0, a00, a01, a02, a03, b00, b01, b02, b03,
+                   dst1, src1, m1, R1, e1, C1, p1, q1, a10, a11, a12, a13, b10, b11, b12, b13,
+                   dst2, src2, m2, R2, e2, C2, p2, q2, a20, a21, a22, a23, b20, b21, b22, b23,
+                   dst3, src3, m3, R3, e3, C3, p3, q3, a30, a31, a32, a33, b30, b31, b32, b33,
+                   N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Up to 4 pairs (``N`` used); ``eK``: the end (exclusive) of pair K's programs in the grid."""
     pid = tl.program_id(0)
     if pid < e0:
-        foreach_entry(pid, 0, m0, dst0, src0, n0, p0, q0, r0, a00, a01, a02, a03, b00, b01, b02, b03, BLOCK)
+        foreach_entry(pid, 0, m0, dst0, src0, R0, C0, p0, q0, a00, a01, a02, a03, b00, b01, b02, b03,
+                      BLOCK_R, BLOCK_C)
     if N > 1:
         if (pid >= e0) & (pid < e1):
-            foreach_entry(pid, e0, m1, dst1, src1, n1, p1, q1, r1, a10, a11, a12, a13, b10, b11, b12, b13, BLOCK)
+            foreach_entry(pid, e0, m1, dst1, src1, R1, C1, p1, q1, a10, a11, a12, a13, b10, b11, b12, b13,
+                          BLOCK_R, BLOCK_C)
     if N > 2:
         if (pid >= e1) & (pid < e2):
-            foreach_entry(pid, e1, m2, dst2, src2, n2, p2, q2, r2, a20, a21, a22, a23, b20, b21, b22, b23, BLOCK)
+            foreach_entry(pid, e1, m2, dst2, src2, R2, C2, p2, q2, a20, a21, a22, a23, b20, b21, b22, b23,
+                          BLOCK_R, BLOCK_C)
     if N > 3:
         if pid >= e2:
-            foreach_entry(pid, e2, m3, dst3, src3, n3, p3, q3, r3, a30, a31, a32, a33, b30, b31, b32, b33, BLOCK)
+            foreach_entry(pid, e2, m3, dst3, src3, R3, C3, p3, q3, a30, a31, a32, a33, b30, b31, b32, b33,
+                          BLOCK_R, BLOCK_C)

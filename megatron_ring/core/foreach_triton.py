@@ -4,8 +4,10 @@ launch, so this module imports without it).
 Up to :data:`ENTRIES` pairs ``(dst, src)`` per launch, each of any shape (up to 4 dims), any strides and any
 float dtypes, each with its mode (:data:`COPY`, :data:`ADD`, :data:`ZERO`): ``dst = src`` (cast to dst's dtype),
 ``dst = dst + src`` (both loaded, widened to fp32, added once, stored in dst's dtype: the one rounding of torch's
-``dst.add_(src)`` for an fp32 ``dst``) or ``dst = 0`` (``src`` unused). The grid is every pair's element blocks
-one after another; a program finds its pair by the blocks' ends.
+``dst.add_(src)`` for an fp32 ``dst``) or ``dst = 0`` (``src`` unused). A pair is seen as rows of its last dim:
+a program takes a tile of rows, finds their offsets once per row (the divisions by the other sizes are per row,
+not per element) and runs along the last dim (stride 1 in every tensor the engine passes: coalesced). The grid is
+every pair's programs one after another; a program finds its pair by the ends.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ __all__ = ["ADD", "COPY", "ENTRIES", "ZERO", "foreach_triton"]
 
 #: pairs per launch (a longer list takes more launches)
 ENTRIES = 4
-BLOCK = 1024
+#: elements per program, and at most this many columns (of the last dim) at a time
+TILE, COLUMNS = 4096, 128
 COPY, ADD, ZERO = 0, 1, 2
 
 
@@ -51,14 +54,18 @@ def foreach_triton(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], mo
 
 
 def _launch(pairs: list[tuple[torch.Tensor, torch.Tensor | None, int]]) -> None:
+    """One launch: each pair as rows of its last dim (a program takes ``BLOCK_R`` rows; see the kernel)."""
+    widest = max(p[0].shape[-1] if p[0].dim() else 1 for p in pairs)
+    block_c = min(COLUMNS, 1 << max(0, (widest - 1).bit_length()))
+    block_r = max(1, TILE // block_c)
     args: list = []
     end = 0
     for dst, src, mode in pairs:
         sizes, a = _as4(dst)
         b = [0, 0, 0, 0] if src is None else _as4(src)[1]
-        n = dst.numel()
-        end += -(-n // BLOCK)
-        args += [dst, dst if src is None else src, mode, n, end, sizes[1], sizes[2], sizes[3], *a, *b]
+        rows = sizes[0] * sizes[1] * sizes[2]
+        end += -(-rows // block_r)
+        args += [dst, dst if src is None else src, mode, rows, end, sizes[3], sizes[1], sizes[2], *a, *b]
     used = len(pairs)
     args += args[:16] * (ENTRIES - used)  # unused slots: never read (N is constexpr)
-    _kernel()[(end,)](*args, N=used, BLOCK=BLOCK)
+    _kernel()[(end,)](*args, N=used, BLOCK_R=block_r, BLOCK_C=block_c)
