@@ -1,8 +1,8 @@
 """The list op (``torch.ops.megatron_ring.foreach_``, core/foreach.py) against torch's ops pair by pair.
 
 CPU: the registered op is ``dst.add_(src)`` / ``dst.copy_(src)`` pair by pair (bit-equal) and traces under
-FakeTensorMode as one op. Triton (where installed): the CUDA kernel of core/foreach_triton.py runs on CPU tensors
-in Triton's interpreter (``TRITON_INTERPRET=1``; the kernel module is re-imported under it) on pairs of 1 to 4
+FakeTensorMode as one op. :func:`check_triton_against_torch` (run by tests/fake_cuda/test_triton_kernels.py, where
+Triton is installed): the CUDA kernel of core/foreach_triton.py runs on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``; the kernel module is re-imported under it) on pairs of 1 to 4
 dims, adds, copies and zeroings mixed in one launch, a last dim wider than a program's columns, strided and row-slice views, fp32 accumulators with bf16/fp16/fp32 sources, more pairs than one launch
 takes, and sizes that are not a multiple of its block. The bound: an add into fp32 is ONE fp32 rounding of the
 same two operands on both sides (torch computes ``dst + float(src)`` in fp32): bit-equal. A copy to a narrower
@@ -13,15 +13,11 @@ comparison fails on a wrong add.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from megatron_ring.core.foreach import foreach_into, foreach_reference
 from megatron_ring.core.foreach_triton import ADD, COPY, ZERO
-
-has_triton = importlib.util.find_spec("triton") is not None
 
 
 def _pairs(seed: int = 0):
@@ -107,14 +103,6 @@ def check_triton_against_torch() -> None:
     bad = [a.clone() for a in accs]
     foreach_triton(bad, [s * 1.001 for s in srcs], [ADD] * 4)
     assert not all(torch.equal(w, x) for w, x in zip(want, bad))
-
-
-@pytest.mark.skipif(not has_triton, reason="Triton is not installed (CPU torch)")
-def test_triton_kernel_in_the_interpreter_matches_torch(monkeypatch):
-    from megatron_ring.core.foreach_triton import _kernel
-    from tests.helpers.triton_interp import run_interpreted
-
-    run_interpreted(monkeypatch, _kernel, check_triton_against_torch)
 
 
 def test_foreach_into_on_cpu_is_the_reference_and_takes_an_empty_list():

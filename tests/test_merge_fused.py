@@ -1,7 +1,8 @@
 """The fused merge (``torch.ops.megatron_ring.merge_``, core/merge.py) against the torch expression.
 
 CPU: the registered op runs the torch expression (bit-equal) and traces under FakeTensorMode as one op.
-Triton (where installed): the CUDA kernel of core/merge_triton.py runs on CPU tensors in Triton's interpreter
+:func:`check_triton_against_reference` (run by tests/fake_cuda/test_triton_kernels.py, where Triton is installed):
+the CUDA kernel of core/merge_triton.py runs on CPU tensors in Triton's interpreter
 (``TRITON_INTERPRET=1``, read when ``triton.jit`` decorates: the kernel is made afresh under it) against
 :func:`merge_reference` within the derived bound below, including rows with no key on either side, fresh
 accumulators, row-slice views and strided (BSHD-ordered) accumulators, blk_out in fp32/bf16/fp16 and a head dim
@@ -15,9 +16,6 @@ by at most ``8 u (|m| + 1)`` (``log(total)``, total in [1, 2]). -inf lse and the
 """
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
 
 from megatron_ring.core.merge import merge_into, merge_reference
@@ -155,14 +153,6 @@ def check_triton_against_reference() -> None:
     merge_reference(a1, l1, blk, blk_lse)
     merge_triton(a2, l2, blk, blk_lse + 1e-3, False)
     assert not _within_bound(a2, l2, a1, l1, acc, blk)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU torch)")
-def test_triton_kernel_in_the_interpreter_matches_the_expression(monkeypatch):
-    from megatron_ring.core.merge_triton import _kernel
-    from tests.helpers.triton_interp import run_interpreted
-
-    run_interpreted(monkeypatch, _kernel, check_triton_against_reference)
 
 
 def test_fused_adds_keep_each_accumulators_order_and_split_only_on_overlap(monkeypatch):
