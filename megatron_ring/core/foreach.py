@@ -9,7 +9,8 @@ and otherwise loop one launch per pair; an fp32 accumulator plus a bf16 block, a
 ``[s, b, h, d]`` K/V are each such a case. The op has a fake implementation (it traces under FakeTensorMode and
 ``torch.compile`` as one op); its CPU implementation is :func:`foreach_reference`, ``dst.add_(src)`` /
 ``dst.copy_(src)`` / ``dst.zero_()`` pair by pair, which is also what :func:`foreach_into` runs on CPU directly. On plain eager CUDA
-tensors the kernel is launched directly (no dispatcher round trip), as :func:`~.merge.merge_into` does.
+tensors the kernel is launched directly (no dispatcher round trip), as :func:`~.merge.merge_into` does. Without
+Triton (:func:`~.merge.has_triton`) the CUDA path runs the reference: the same results, more launches.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from megatron_ring.core.foreach_triton import ADD, COPY, ZERO, foreach_triton  # Triton at its first launch only
-from megatron_ring.core.merge import direct_launch_ok
+from megatron_ring.core.merge import direct_launch_ok, has_triton
 
 __all__ = ["foreach_into", "foreach_reference"]
 
@@ -42,6 +43,8 @@ def _foreach_op(dsts: list[torch.Tensor], srcs: list[Optional[torch.Tensor]], mo
 
 @_foreach_op.register_kernel("cuda")
 def _foreach_cuda(dsts, srcs, modes) -> None:
+    if not has_triton():
+        return foreach_reference(dsts, srcs, modes)
     foreach_triton(dsts, srcs, modes)
 
 
@@ -61,7 +64,7 @@ def foreach_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], add:
         return
     adds = add if isinstance(add, list) else [add] * len(dsts)
     modes = [ZERO if s is None else ADD if a else COPY for s, a in zip(srcs, adds)]
-    if dsts[0].device.type != "cuda":
+    if dsts[0].device.type != "cuda" or not has_triton():
         foreach_reference(dsts, srcs, modes)
     elif direct_launch_ok(*dsts, *(s for s in srcs if s is not None)):
         foreach_triton(dsts, srcs, modes)

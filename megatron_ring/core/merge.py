@@ -16,6 +16,8 @@ more than the kernel itself at 2K tokens per rank.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Optional
 
 import torch
@@ -23,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from megatron_ring.core.merge_triton import merge_triton  # imports Triton at its first launch only
 
-__all__ = ["direct_launch_ok", "merge_into", "merge_reference"]
+__all__ = ["direct_launch_ok", "has_triton", "merge_into", "merge_reference"]
 
 
 def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor,
@@ -45,18 +47,24 @@ def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch
     acc_lse.copy_(m.add_(torch.log(total)))
 
 
-@torch.library.custom_op("megatron_ring::merge_", mutates_args=("acc_out", "acc_lse", "status_dst"))
-def _merge_op(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
-              fresh: bool, status_dst: Optional[torch.Tensor] = None, status_src: Optional[torch.Tensor] = None,
-              posinf_empty: bool = False) -> None:
+def _merge_op_impl(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst, status_src, posinf_empty) -> None:
     merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
     if status_dst is not None:
         status_dst.copy_(status_src)
 
 
+@torch.library.custom_op("megatron_ring::merge_", mutates_args=("acc_out", "acc_lse", "status_dst"))
+def _merge_op(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
+              fresh: bool, status_dst: Optional[torch.Tensor] = None, status_src: Optional[torch.Tensor] = None,
+              posinf_empty: bool = False) -> None:
+    _merge_op_impl(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst, status_src, posinf_empty)
+
+
 @_merge_op.register_kernel("cuda")
 def _merge_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst=None, status_src=None,
                 posinf_empty=False) -> None:
+    if not has_triton():
+        return _merge_op_impl(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst, status_src, posinf_empty)
     merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, None if status_dst is None else (status_dst, status_src),
                  posinf_empty)
 
@@ -80,7 +88,7 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tens
     ``posinf_empty``: ``blk_lse`` is +inf for a row that sees no key (a variable-length kernel's own lse,
     kernels/varlen.py), read as -inf: the kernel's fix-up is done here, with no launch of its own on CUDA.
     """
-    if acc_out.device.type != "cuda":
+    if acc_out.device.type != "cuda" or not has_triton():
         merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
         if status is not None:
             status[0].copy_(status[1])
@@ -89,6 +97,13 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tens
     else:
         st = (None, None) if status is None else status
         torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh, *st, posinf_empty)
+
+
+@functools.lru_cache(maxsize=1)
+def has_triton() -> bool:
+    """Whether Triton is installed (torch's CUDA wheels bring it; without it the CUDA path runs the torch
+    expressions: the same results, more launches)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def direct_launch_ok(*tensors: torch.Tensor) -> bool:

@@ -233,3 +233,15 @@ def test_the_counter_counts_a_foreach_slow_route_per_entry():
         with OpCounter() as c:
             torch._foreach_copy_([t.t().contiguous().t() for t in acc], acc)  # other strides
         assert c.other["aten::_foreach_copy_"] == 3
+
+
+def test_without_triton_the_cuda_path_runs_the_torch_expressions(monkeypatch):
+    """A CUDA torch without Triton: the merge and the list op run their torch references (the same results,
+    more launches), never the Triton kernels or their ops."""
+    from megatron_ring.core import foreach, merge
+
+    monkeypatch.setattr(merge, "has_triton", lambda: False)
+    monkeypatch.setattr(foreach, "has_triton", lambda: False)
+    _, warm = count(_case("causal", 2))
+    assert not any(name.startswith("megatron_ring::") for name in warm.other), dict(warm.other)
+    assert sum(warm.other.values()) > CEILING[("causal", 2)][2]
