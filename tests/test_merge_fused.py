@@ -54,16 +54,16 @@ def test_registered_op_on_cpu_is_the_torch_expression():
         acc, acc_lse, blk, blk_lse = _inputs()
         a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
         merge_reference(a1, l1, blk, blk_lse, fresh)
-        torch.ops.megatron_ring.merge_(a2, l2, blk, blk_lse, fresh)
+        torch.ops.megatron_ring.merge_(a2, l2, blk, blk_lse, fresh, False)
         assert torch.equal(a1, a2) and torch.equal(l1, l2)
     assert torch.equal(a1, blk.float()) and torch.equal(l1, blk_lse)  # fresh: copied in
 
 
 def test_the_status_copy_rides_on_the_merge():
     """``merge_into(..., status=(dst, src))``: the merge as without it, and ``dst`` takes ``src`` (CPU, and the
-    registered op)."""
+    registered op, ``merge_status_``)."""
     for run in (lambda *a, st: merge_into(*a, status=st),
-                lambda *a, st: torch.ops.megatron_ring.merge_(*a, False, *st)):
+                lambda *a, st: torch.ops.megatron_ring.merge_status_(*a, False, False, *st)):
         acc, acc_lse, blk, blk_lse = _inputs()
         a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
         codes, elem = torch.zeros(3, dtype=torch.bfloat16), torch.full((1,), 1.0, dtype=torch.bfloat16)
@@ -83,7 +83,7 @@ def test_a_kernel_lse_of_plus_inf_merges_as_minus_inf():
         a1, l1, a2, l2, a3, l3 = (t.clone() for t in (acc, acc_lse) * 3)
         merge_reference(a1, l1, blk, blk_lse, fresh)
         merge_into(a2, l2, blk, raw, fresh, posinf_empty=True)
-        torch.ops.megatron_ring.merge_(a3, l3, blk, raw, fresh, None, None, True)
+        torch.ops.megatron_ring.merge_(a3, l3, blk, raw, fresh, True)
         for a, l_ in ((a2, l2), (a3, l3)):
             assert torch.equal(a.nan_to_num(7.0), a1.nan_to_num(7.0)) and torch.equal(l_.nan_to_num(7.0),
                                                                                       l1.nan_to_num(7.0))
@@ -110,7 +110,7 @@ def test_the_op_traces_as_one_op_under_fake_tensors():
         acc, lse = torch.empty(1, 2, 4, 8), torch.empty(1, 2, 4)
         blk, blk_lse = torch.empty(1, 2, 4, 8, dtype=torch.bfloat16), torch.empty(1, 2, 4)
         with Seen() as seen:
-            torch.ops.megatron_ring.merge_(acc, lse, blk, blk_lse, False)
+            torch.ops.megatron_ring.merge_(acc, lse, blk, blk_lse, False, False)
     assert seen.ops == ["megatron_ring.merge_.default"]
 
 

@@ -7,25 +7,25 @@ import triton.language as tl
 @triton.jit
 def foreach_entry(pid, first, mode, dst, src, R, C, d1, d2, a0, a1, a2, a3, b0, b1, b2, b3,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows ``BLOCK_R * (pid - first) ..`` of one pair seen as ``R`` rows of ``C`` elements (a ``[*, d1, d2, C]``
-    shape; strides ``a`` of dst, ``b`` of src): the row offsets are found once per row, the columns run in
-    chunks of ``BLOCK_C``. ``mode`` 0: copy, 1: add, 2: zero (src not read)."""
-    r = (pid - first).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # 64-bit: tensors over 2**31 elements
-    rows = r < R
+    """Program ``pid - first`` of one pair seen as ``R`` rows of ``C`` elements (a ``[*, d1, d2, C]`` shape;
+    strides ``a`` of dst, ``b`` of src): a tile of ``BLOCK_R`` rows by ``BLOCK_C`` columns (the pair's programs
+    run over its row tiles, each over its column chunks); the row offsets are found once per row. ``mode`` 0:
+    copy, 1: add, 2: zero (src not read)."""
+    local = (pid - first).to(tl.int64)  # 64-bit: tensors over 2**31 elements
+    chunks = (C + BLOCK_C - 1) // BLOCK_C
+    r = (local // chunks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = (local % chunks) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
     i2 = r % d2
     t = r // d2
     i1 = t % d1
     i0 = t // d1
-    drow = i0 * a0 + i1 * a1 + i2 * a2
-    srow = i0 * b0 + i1 * b1 + i2 * b2
-    for c0 in range(0, C, BLOCK_C):
-        c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
-        keep = rows[:, None] & (c < C)[None, :]
-        x = tl.load(src + srow[:, None] + c[None, :] * b3, mask=keep & (mode != 2), other=0.0).to(tl.float32)
-        at = dst + drow[:, None] + c[None, :] * a3
-        if mode == 1:
-            x = tl.load(at, mask=keep, other=0.0).to(tl.float32) + x
-        tl.store(at, x.to(dst.dtype.element_ty), mask=keep)
+    keep = (r < R)[:, None] & (c < C)[None, :]
+    x = tl.load(src + (i0 * b0 + i1 * b1 + i2 * b2)[:, None] + c[None, :] * b3, mask=keep & (mode != 2),
+                other=0.0).to(tl.float32)
+    at = dst + (i0 * a0 + i1 * a1 + i2 * a2)[:, None] + c[None, :] * a3
+    if mode == 1:
+        x = tl.load(at, mask=keep, other=0.0).to(tl.float32) + x
+    tl.store(at, x.to(dst.dtype.element_ty), mask=keep)
 
 
 @triton.jit

@@ -5,8 +5,9 @@ Up to :data:`ENTRIES` pairs ``(dst, src)`` per launch, each of any shape (up to 
 float dtypes, each with its mode (:data:`COPY`, :data:`ADD`, :data:`ZERO`): ``dst = src`` (cast to dst's dtype),
 ``dst = dst + src`` (both loaded, widened to fp32, added once, stored in dst's dtype: the one rounding of torch's
 ``dst.add_(src)`` for an fp32 ``dst``) or ``dst = 0`` (``src`` unused). A pair is seen as rows of its last dim:
-a program takes a tile of rows, finds their offsets once per row (the divisions by the other sizes are per row,
-not per element) and runs along the last dim (stride 1 in every tensor the engine passes: coalesced). The grid is
+a program takes a tile of rows by a chunk of columns, finds the rows' offsets once per row (the divisions by the
+other sizes are per row, not per element) and runs along the last dim (stride 1 in every tensor the engine
+passes: coalesced). The grid is
 every pair's programs one after another; a program finds its pair by the ends.
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _launch(pairs: list[tuple[torch.Tensor, torch.Tensor | None, int]]) -> None:
         sizes, a = _as4(dst)
         b = [0, 0, 0, 0] if src is None else _as4(src)[1]
         rows = sizes[0] * sizes[1] * sizes[2]
-        end += -(-rows // block_r)
+        end += -(-rows // block_r) * -(-sizes[3] // block_c)  # row tiles x column chunks
         args += [dst, dst if src is None else src, mode, rows, end, sizes[3], sizes[1], sizes[2], *a, *b]
     used = len(pairs)
     args += args[:16] * (ENTRIES - used)  # unused slots: never read (N is constexpr)

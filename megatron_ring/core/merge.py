@@ -6,7 +6,8 @@ and ``lse_A = log sum exp(s_A)``. Two partials over disjoint key sets combine ex
 ``o = o_A exp(lse_A - lse) + o_B exp(lse_B - lse)``: every exponent is <= 0, so nothing overflows.
 A row with no keys yet has ``lse = -inf`` and weight 0.
 
-On CUDA the merge of a step is ONE op, ``torch.ops.megatron_ring.merge_`` (a Triton kernel,
+On CUDA the merge of a step is ONE op, ``torch.ops.megatron_ring.merge_`` (``merge_status_`` where it also records
+a status code; a Triton kernel,
 :mod:`.merge_triton`; Triton is imported at its first launch); it has a fake implementation, so it traces under
 FakeTensorMode (and ``torch.compile``) as one op. Its CPU implementation is :func:`merge_reference`, the torch
 expression, which is also what :func:`merge_into` runs on CPU directly (no dispatcher round trip). On plain CUDA
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -47,31 +47,43 @@ def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch
     acc_lse.copy_(m.add_(torch.log(total)))
 
 
-def _merge_op_impl(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst, status_src, posinf_empty) -> None:
-    merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
-    if status_dst is not None:
-        status_dst.copy_(status_src)
-
-
-@torch.library.custom_op("megatron_ring::merge_", mutates_args=("acc_out", "acc_lse", "status_dst"))
+@torch.library.custom_op("megatron_ring::merge_", mutates_args=("acc_out", "acc_lse"))
 def _merge_op(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
-              fresh: bool, status_dst: Optional[torch.Tensor] = None, status_src: Optional[torch.Tensor] = None,
-              posinf_empty: bool = False) -> None:
-    _merge_op_impl(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst, status_src, posinf_empty)
+              fresh: bool, posinf_empty: bool) -> None:
+    merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
 
 
 @_merge_op.register_kernel("cuda")
-def _merge_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst=None, status_src=None,
-                posinf_empty=False) -> None:
+def _merge_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty) -> None:
     if not has_triton():
-        return _merge_op_impl(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst, status_src, posinf_empty)
-    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, None if status_dst is None else (status_dst, status_src),
-                 posinf_empty)
+        return merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
+    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, None, posinf_empty)
 
 
 @_merge_op.register_fake
-def _merge_fake(acc_out, acc_lse, blk_out, blk_lse, fresh, status_dst=None, status_src=None,
-                posinf_empty=False) -> None:
+def _merge_fake(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty) -> None:
+    return None
+
+
+# the merge that also records a status code: an op of its own, every argument required (torch 2.11's in-place
+# bookkeeping of a custom op indexes its mutated arguments by position, and a trailing default is dropped)
+@torch.library.custom_op("megatron_ring::merge_status_", mutates_args=("acc_out", "acc_lse", "status_dst"))
+def _merge_status_op(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
+                     fresh: bool, posinf_empty: bool, status_dst: torch.Tensor, status_src: torch.Tensor) -> None:
+    merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
+    status_dst.copy_(status_src)
+
+
+@_merge_status_op.register_kernel("cuda")
+def _merge_status_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, status_dst, status_src) -> None:
+    if not has_triton():
+        merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
+        return status_dst.copy_(status_src)
+    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, (status_dst, status_src), posinf_empty)
+
+
+@_merge_status_op.register_fake
+def _merge_status_fake(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, status_dst, status_src) -> None:
     return None
 
 
@@ -94,9 +106,10 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tens
             status[0].copy_(status[1])
     elif direct_launch_ok(acc_out, acc_lse, blk_out, blk_lse):
         merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, status, posinf_empty)
+    elif status is None:
+        torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
     else:
-        st = (None, None) if status is None else status
-        torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh, *st, posinf_empty)
+        torch.ops.megatron_ring.merge_status_(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, *status)
 
 
 @functools.lru_cache(maxsize=1)
