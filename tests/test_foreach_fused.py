@@ -3,7 +3,8 @@
 CPU: the registered op is ``dst.add_(src)`` / ``dst.copy_(src)`` pair by pair (bit-equal) and traces under
 FakeTensorMode as one op. :func:`check_triton_against_torch` (run by tests/fake_cuda/test_triton_kernels.py, where
 Triton is installed): the CUDA kernel of core/foreach_triton.py runs on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``; the kernel module is re-imported under it) on pairs of 1 to 4
-dims, adds, copies and zeroings mixed in one launch, a last dim wider than a program's columns, strided and row-slice views, fp32 accumulators with bf16/fp16/fp32 sources, more pairs than one launch
+dims, adds, copies, zeroings and -inf-to-+inf copies mixed in one launch, a last dim wider than a program's
+columns, strided and row-slice views, fp32 accumulators with bf16/fp16/fp32 sources, more pairs than one launch
 takes, and sizes that are not a multiple of its block. The bound: an add into fp32 is ONE fp32 rounding of the
 same two operands on both sides (torch computes ``dst + float(src)`` in fp32): bit-equal. A copy to a narrower
 type: bit-equal on a GPU, where the cast rounds to nearest even as torch's does; Triton's interpreter truncates
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from megatron_ring.core.foreach import foreach_into, foreach_reference
-from megatron_ring.core.foreach_triton import ADD, COPY, ZERO
+from megatron_ring.core.foreach_triton import ADD, COPY, FLIP, ZERO
 
 
 def _pairs(seed: int = 0):
@@ -33,6 +34,16 @@ def _pairs(seed: int = 0):
             torch.randn(3, 6, 70, generator=g).transpose(1, 2),
             torch.randn(7, generator=g).bfloat16()]
     return accs, srcs
+
+
+def test_the_flip_mode_is_the_kernels_lse_convention():
+    """FLIP: a copy with -inf made +inf (a variable-length kernel's lse), NaN and +inf kept, bit for bit as the
+    kernel's own fix-up (``nan_to_num``, kernels/varlen.py)."""
+    lse = torch.tensor([0.5, float("-inf"), float("inf"), float("nan"), -3.0])
+    got = torch.empty_like(lse)
+    foreach_into([got], [lse], flip=True)
+    want = lse.nan_to_num(nan=float("nan"), neginf=float("inf"), posinf=float("inf"))
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and got[3].isnan()
 
 
 def test_registered_op_on_cpu_is_torch_pair_by_pair():
@@ -90,10 +101,13 @@ def check_triton_against_torch() -> None:
     into = [torch.zeros(3, 300, 7).transpose(1, 2), torch.zeros(1, 3)]
     foreach_triton(into, wide, [COPY, COPY])
     assert all(torch.equal(d, w) for d, w in zip(into, wide))
-    # modes mixed in one launch: an add, a zeroing (its src not read), a copy
-    mixed = [a.clone() for a in accs[:3]]
-    foreach_triton(mixed, [srcs[0], None, srcs[2]], [ADD, ZERO, COPY])
+    # modes mixed in one launch: an add, a zeroing (its src not read), a copy, a copy with -inf made +inf
+    lse = torch.tensor([[0.5, float("-inf"), float("inf"), float("nan"), -3.0]])
+    mixed = [a.clone() for a in accs[:3]] + [torch.empty_like(lse)]
+    foreach_triton(mixed, [srcs[0], None, srcs[2], lse], [ADD, ZERO, COPY, FLIP])
     assert torch.equal(mixed[0], want[0]) and not mixed[1].any() and torch.equal(mixed[2], srcs[2])
+    assert mixed[3][0, :3].tolist() == [0.5, float("inf"), float("inf")] and mixed[3][0, 3].isnan()
+    assert mixed[3][0, 4] == -3.0
     # shapes it does not take are refused by name, before any launch
     with pytest.raises(ValueError, match="at most 4 dims"):
         foreach_triton([torch.empty(1, 1, 1, 1, 2)], [torch.empty(1, 1, 1, 1, 2)], [COPY])

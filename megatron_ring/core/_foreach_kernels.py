@@ -10,7 +10,7 @@ def foreach_entry(pid, first, mode, dst, src, R, C, d1, d2, a0, a1, a2, a3, b0, 
     """Program ``pid - first`` of one pair seen as ``R`` rows of ``C`` elements (a ``[*, d1, d2, C]`` shape;
     strides ``a`` of dst, ``b`` of src): a tile of ``BLOCK_R`` rows by ``BLOCK_C`` columns (the pair's programs
     run over its row tiles, each over its column chunks); the row offsets are found once per row. ``mode`` 0:
-    copy, 1: add, 2: zero (src not read)."""
+    copy, 1: add, 2: zero (src not read), 3: copy with -inf made +inf."""
     local = (pid - first).to(tl.int64)  # 64-bit: tensors over 2**31 elements
     chunks = (C + BLOCK_C - 1) // BLOCK_C
     r = (local // chunks) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -25,6 +25,8 @@ def foreach_entry(pid, first, mode, dst, src, R, C, d1, d2, a0, a1, a2, a3, b0, 
     at = dst + (i0 * a0 + i1 * a1 + i2 * a2)[:, None] + c[None, :] * a3
     if mode == 1:
         x = tl.load(at, mask=keep, other=0.0).to(tl.float32) + x
+    if mode == 3:
+        x = tl.where(x == float("-inf"), float("inf"), x)
     tl.store(at, x.to(dst.dtype.element_ty), mask=keep)
 
 

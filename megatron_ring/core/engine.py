@@ -164,8 +164,12 @@ class _KVStream:
     (decoded K, V where decoding makes views; the status element) are made once per set, not per ring."""
 
     def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str, n: int,
-                 steps: int, refusal: BaseException | None = None, status: bool = True) -> None:
+                 steps: int, refusal: BaseException | None = None, status: bool = True,
+                 flips: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> None:
+        """``flips``: ``(dst, src)`` pairs also copied, -inf made +inf, by the launch that writes the K/V into the
+        wire (a variable-length kernel's lse); ``flipped`` says whether it did (else the caller copies them)."""
         self.plan, self.k, self.v, self.steps = plan, k, v, steps
+        self.flipped = False
         self.heads = head_groups(k.shape[1], n)
         b, h_kv, s, d = k.shape
         hj = h_kv // n
@@ -194,24 +198,27 @@ class _KVStream:
                 # an error is raised after the ring, on every rank
                 self.status.encode_pieces(self.local, raws, writes, elems, zeroed=fused)
             else:
-                writes = self._writes(cur) if fused else [None] * n
+                writes = self._writes(cur, flips=flips) if fused else [None] * n
+                self.flipped = fused and bool(flips)
                 for (kj, vj), raw, w in zip(self.local, raws, writes):
                     if w is None:
                         plan.codec.encode_flagged(kj, vj, raw[:-1])  # checked by the forward: verdict unused
                     else:
                         w(kj, vj)
 
-    def _writes(self, cur: list[int], zero: tuple | list = ()) -> list[Callable[[torch.Tensor, torch.Tensor], None]]:
+    def _writes(self, cur: list[int], zero: tuple | list = (), flips: tuple = ()
+                ) -> list[Callable[[torch.Tensor, torch.Tensor], None]]:
         """Per piece, its writer for :meth:`RingStatus.encode` where the wire is the identity: the first
         copies EVERY piece's K and V into the decoded views of its slot (the bytes :meth:`KVCodec.encode`
-        writes, through views made once) and zeroes the tensors ``zero`` in one :func:`foreach_into` (one
-        launch on CUDA for 4 tensors: one piece and its status), the others do nothing. A failing copy is
-        still caught and sent as the status."""
-        dsts = [t for slot in cur for t in self._decoded(0, slot)] + list(zero)
-        srcs = [t for kv in self.local for t in kv] + [None] * len(zero)
+        writes, through views made once), zeroes the tensors ``zero`` and copies the ``flips`` pairs (-inf made
+        +inf) in one :func:`foreach_into` (one launch on CUDA for 4 tensors: one piece and its status), the
+        others do nothing. A failing copy is still caught and sent as the status."""
+        dsts = [t for slot in cur for t in self._decoded(0, slot)] + list(zero) + [d for d, _ in flips]
+        srcs = [t for kv in self.local for t in kv] + [None] * len(zero) + [x for _, x in flips]
+        flip = [False] * (len(dsts) - len(flips)) + [True] * len(flips)
 
         def write_all(k: torch.Tensor, v: torch.Tensor) -> None:
-            foreach_into(dsts, srcs)
+            foreach_into(dsts, srcs, flip=flip)
 
         return [write_all] + [_write_nothing] * (len(cur) - 1)
 
@@ -387,11 +394,18 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     breakdown.set_phase("bwd")
     n = _pieces(plan, k)
     steps = plan.steps(s)
+    whole = plan.runs_whole_blocks(q)
+    # a variable-length kernel takes the lse with +inf where a row sees no key; a row sees none only where there
+    # is padding: then that lse is made once, by the launch that writes the K/V into the wire
+    lse_own = torch.empty_like(lse, memory_format=torch.contiguous_format) \
+        if whole and plan.rows_may_see_nothing(s) else None
     with breakdown.section(0, "copies"):
-        kv = _KVStream(plan, k, v, "bwd_kv", n, steps, status=False)
+        kv = _KVStream(plan, k, v, "bwd_kv", n, steps, status=False,
+                       flips=((lse_own, lse),) if lse_own is not None else ())
+        if lse_own is not None and not kv.flipped:
+            foreach_into([lse_own], [lse], flip=True)
         dkv = _Accumulators(plan.ring, k, v, n)
         dq = torch.empty_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
-    whole = plan.runs_whole_blocks(q)
     # one task of step 0 (the local block) covering every row and column writes each accumulator whole: its
     # results are copied in, nothing is zeroed; else the accumulators are zeroed in one launch on CUDA (fp32,
     # dense: torch's fast route)
@@ -400,12 +414,13 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if not fresh:
         torch._foreach_zero_([dq, *dkv.to_zero])
     pieces = _piece_plans(plan, kv.heads, q.shape[1] // k.shape[1])
-    # per piece, made once: its query heads' views, lse contiguous (as the kernels take it)
+    # per piece, made once: its query heads' views, lse contiguous (as the kernels take it), and as a
+    # variable-length kernel takes it (None: the same)
     views = [(dout_j, q_j, out_j, lse_j.contiguous(), dq_j)
              for dout_j, q_j, out_j, lse_j, dq_j in (_heads(qs, q.shape[1], dout, q, out, lse, dq)
                                                      for qs, _ in pieces)]
+    owns = [None if lse_own is None else _heads(qs, q.shape[1], lse_own)[0].contiguous() for qs, _ in pieces]
     lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
-    may_see_nothing = plan.rows_may_see_nothing(s)
     for step in range(steps):
         tasks = first if step == 0 else plan.tasks(step, s, whole)
         for j, (_, piece_plan) in enumerate(pieces):
@@ -413,7 +428,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             dout_j, q_j, out_j, lse_j, dq_j = views[j]
             _backward_step(dout_j, q_j, kt, vt, out_j, lse_j, piece_plan, step, dq_j,
                            lambda: dkv.arrived(j, step), *dkv.views(j), tasks, lse_rows[j],
-                           fresh and step == 0, may_see_nothing)
+                           fresh and step == 0, owns[j])
             dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
         kv.advance()
         dkv.advance()
@@ -484,14 +499,14 @@ class _Accumulators:
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, plan: RingPlan, step: int, dq: torch.Tensor,
                    wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks, lse_rows: dict,
-                   fresh: bool = False, may_see_nothing: bool = True) -> None:
+                   fresh: bool = False, lse_own: torch.Tensor | None = None) -> None:
     """``tasks`` of one visiting block: dQ into ``dq``; dK/dV into the travelling accumulator, after
     ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute).
 
     ``lse_rows``: the contiguous lse row slices of earlier steps (the same rows recur every step), filled here.
     ``fresh``: the accumulators hold nothing yet and the one task covers them whole: its results are copied in.
-    ``may_see_nothing``: a row may see no key at all (lse -inf: :meth:`RingPlan.rows_may_see_nothing`); a
-    variable-length kernel then takes the lse with +inf there, made once per call and row slice (:func:`_lse_rows`).
+    ``lse_own``: ``lse`` as a variable-length kernel takes it, +inf where a row sees no key at all (None: no row
+    can, :meth:`RingPlan.rows_may_see_nothing`; ``lse`` itself); row slices made once per call (:func:`_lse_rows`).
     On CUDA every add of the step (dQ, dK, dV of each task) is ONE :func:`foreach_into` after the wait
     (one launch for up to 4 adds, where torch's ``_foreach_add_`` would loop: fp32 accumulators, bf16 blocks);
     on CPU each dQ is added as soon as its task is done (its block freed at once)."""
@@ -501,7 +516,7 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     s, sk = q.shape[2], kt.shape[2]
     for task in tasks:
         rows = task.q
-        lse_of = functools.partial(_lse_rows, lse, rows, lse_rows, may_see_nothing)
+        lse_of = functools.partial(_lse_rows, lse, rows, lse_rows, lse_own)
         with breakdown.section(step, "kernel"):
             if _covers(rows, s):
                 dq_b, dk_b, dv_b = plan.backward_block(task, dout, q, *_cols(kt, vt, task.kv), out, lse_of, step)
@@ -547,21 +562,18 @@ def _add_all(adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]], add: boo
         foreach_into([e[2] for e in batch], [e[3] for e in batch], add=add)
 
 
-def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict, may_see_nothing: bool = False,
+def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict, lse_own: torch.Tensor | None = None,
              own: bool = False) -> torch.Tensor:
     """``lse[:, :, rows]`` contiguous (as the kernels take it; ``lse`` itself for all rows), made once per row
-    slice and call (``cache``). ``own``: in a variable-length kernel's convention instead, +inf where a row sees
-    no key (one op, also making it contiguous; ``lse`` as is where no row may see nothing: ``may_see_nothing``)."""
-    if own and may_see_nothing:
-        key = ("kernel", rows.start, rows.stop, rows.step)
-        got = cache.get(key)
-        if got is None:
-            got = cache[key] = lse[:, :, rows].nan_to_num(nan=float("nan"), neginf=float("inf"),
-                                                          posinf=float("inf"))
-        return got
+    slice and call (``cache``). ``own``: from ``lse_own`` instead, where given (a variable-length kernel's
+    convention, +inf where a row sees no key)."""
+    if own and lse_own is not None:
+        lse, tag = lse_own, "own"
+    else:
+        tag = "ours"
     if _covers(rows, lse.shape[2]):
         return lse
-    key = (rows.start, rows.stop, rows.step)
+    key = (tag, rows.start, rows.stop, rows.step)
     got = cache.get(key)
     if got is None:
         got = cache[key] = lse[:, :, rows].contiguous()

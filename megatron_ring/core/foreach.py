@@ -18,20 +18,23 @@ from typing import Optional
 
 import torch
 
-from megatron_ring.core.foreach_triton import ADD, COPY, ZERO, foreach_triton  # Triton at its first launch only
+from megatron_ring.core.foreach_triton import ADD, COPY, FLIP, ZERO, foreach_triton  # Triton at its first launch only
 from megatron_ring.core.merge import direct_launch_ok, has_triton
 
 __all__ = ["foreach_into", "foreach_reference"]
 
 
 def foreach_reference(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], modes: list[int]) -> None:
-    """Pair by pair ``dst.copy_(src)``, ``dst.add_(src)`` or ``dst.zero_()`` (by its mode: ``COPY``, ``ADD``,
-    ``ZERO`` of :mod:`.foreach_triton`): the CPU path and the kernel's reference."""
+    """Pair by pair ``dst.copy_(src)``, ``dst.add_(src)``, ``dst.zero_()`` or the copy with -inf made +inf (by its
+    mode: ``COPY``, ``ADD``, ``ZERO``, ``FLIP`` of :mod:`.foreach_triton`): the CPU path and the kernel's
+    reference."""
     for dst, src, mode in zip(dsts, srcs, modes):
         if mode == ADD:
             dst.add_(src)
         elif mode == COPY:
             dst.copy_(src)
+        elif mode == FLIP:
+            dst.copy_(src.masked_fill(src == float("-inf"), float("inf")))
         else:
             dst.zero_()
 
@@ -53,9 +56,11 @@ def _foreach_fake(dsts, srcs, modes) -> None:
     return None
 
 
-def foreach_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], add: bool | list[bool] = False) -> None:
+def foreach_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], add: bool | list[bool] = False,
+                 flip: bool | list[bool] = False) -> None:
     """For each pair, in place: ``dst.zero_()`` where ``src`` is None, else ``dst.add_(src)`` where ``add`` (one
-    flag for all pairs, or one per pair), else ``dst.copy_(src)``.
+    flag for all pairs, or one per pair), else ``dst.copy_(src)``, with -inf made +inf where ``flip`` (an lse in a
+    variable-length kernel's convention).
 
     Pairs have equal shapes (at most 4 dims, any strides, any float dtypes); no two ``dst`` may overlap, and no
     ``dst`` may overlap a ``src`` (the pairs run in parallel on CUDA). The sum is computed in fp32 (the
@@ -63,7 +68,8 @@ def foreach_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], add:
     if not dsts:
         return
     adds = add if isinstance(add, list) else [add] * len(dsts)
-    modes = [ZERO if s is None else ADD if a else COPY for s, a in zip(srcs, adds)]
+    flips = flip if isinstance(flip, list) else [flip] * len(dsts)
+    modes = [ZERO if s is None else ADD if a else FLIP if f else COPY for s, a, f in zip(srcs, adds, flips)]
     if dsts[0].device.type != "cuda" or not has_triton():
         foreach_reference(dsts, srcs, modes)
     elif direct_launch_ok(*dsts, *(s for s in srcs if s is not None)):

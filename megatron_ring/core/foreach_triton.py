@@ -4,7 +4,8 @@ launch, so this module imports without it).
 Up to :data:`ENTRIES` pairs ``(dst, src)`` per launch, each of any shape (up to 4 dims), any strides and any
 float dtypes, each with its mode (:data:`COPY`, :data:`ADD`, :data:`ZERO`): ``dst = src`` (cast to dst's dtype),
 ``dst = dst + src`` (both loaded, widened to fp32, added once, stored in dst's dtype: the one rounding of torch's
-``dst.add_(src)`` for an fp32 ``dst``) or ``dst = 0`` (``src`` unused). A pair is seen as rows of its last dim:
+``dst.add_(src)`` for an fp32 ``dst``), ``dst = 0`` (``src`` unused) or ``dst = src`` with -inf made +inf (:data:`FLIP`:
+an lse in a variable-length kernel's convention, kernels/varlen.py). A pair is seen as rows of its last dim:
 a program takes a tile of rows by a chunk of columns, finds the rows' offsets once per row (the divisions by the
 other sizes are per row, not per element) and runs along the last dim (stride 1 in every tensor the engine
 passes: coalesced). The grid is
@@ -16,13 +17,13 @@ import functools
 
 import torch
 
-__all__ = ["ADD", "COPY", "ENTRIES", "ZERO", "foreach_triton"]
+__all__ = ["ADD", "COPY", "ENTRIES", "FLIP", "ZERO", "foreach_triton"]
 
 #: pairs per launch (a longer list takes more launches)
 ENTRIES = 4
 #: elements per program, and at most this many columns (of the last dim) at a time
 TILE, COLUMNS = 4096, 128
-COPY, ADD, ZERO = 0, 1, 2
+COPY, ADD, ZERO, FLIP = 0, 1, 2, 3
 
 
 @functools.lru_cache(maxsize=1)
