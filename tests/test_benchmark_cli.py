@@ -109,3 +109,12 @@ def test_gpu_row_runs_on_cpu_dense_and_packed():
         assert row["layout"] == ("striped" if docs else "zigzag") and (row["docs"] > 1) == docs
         assert row["reference"] == ("per-document sdpa" if docs else "sdpa")
         assert row["launches"] is None and row["peak_gib"] is None  # CUDA only
+
+
+def test_window_compute_rows_run_the_engines_block_calls():
+    """``--window --window-compute``: every rank's block tasks through ``RingPlan.forward_block`` /
+    ``backward_block`` in one process (the plan's own calls, so a change of their contract shows here)."""
+    from megatron_ring_lab.bench.documents import run_window_compute
+
+    rows = run_window_compute(2, 64, dict(heads=2, head_dim=8, layouts=["striped"]), reps=1)
+    assert {r["case"] for r in rows} >= {"full causal"} and all(r["compute_ms"] > 0 for r in rows)

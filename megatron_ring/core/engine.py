@@ -113,27 +113,27 @@ class RingPlan:
             return self.kernel, task.causal, {}
         if kind is TaskKind.REVERSED:  # key >= query: top-left causal on reversed rows, unmasked
             return ReversedKernel(self.kernel), True, {}
-        return _mask_kernel(self.kernel), False, {"mask": task.explicit_mask()}
+        kernel = _mask_kernel(self.kernel)
+        kw = {"mask": task.explicit_mask()}
+        if getattr(kernel, "takes_kernel_lse", False):  # its lse in its own convention (kernels/varlen.py)
+            kw["kernel_lse"] = True
+        return kernel, False, kw
 
     def forward_block(self, task, q, k, v, step: int | None = None):
         """``(out, lse, posinf_empty)``: the block's result; ``posinf_empty``: its lse is the kernel's own, +inf
         where a row sees no key (a variable-length kernel's; the merge reads it as -inf, merge_into)."""
         kernel, causal, kw = self._kernel_for(task, step, q.device)
-        own = "mask" in kw and getattr(kernel, "takes_kernel_lse", False)
-        if own:
-            kw["kernel_lse"] = True
-        return (*kernel.forward(q, k, v, causal, self.scale, **kw), own)
+        return (*kernel.forward(q, k, v, causal, self.scale, **kw), kw.get("kernel_lse", False))
 
     def backward_block(self, task, dout, q, k, v, out, lse, step: int | None = None):
-        """``lse``: the lse of the task's rows, or ``lse(own)``, a function giving it in our convention
-        (``own`` False) or in a variable-length kernel's (True: +inf where a row sees no key), made once per call
-        by the caller; such a kernel takes the latter instead of fixing the lse up itself."""
+        """``lse``: the lse of the task's rows as :meth:`forward_block` gave it (the kernel takes either
+        convention), or ``lse(own)``, a function giving it in ours (``own`` False) or in a variable-length
+        kernel's (True: +inf where a row sees no key), made once per call by the caller."""
         kernel, causal, kw = self._kernel_for(task, step, q.device)
         if callable(lse):
-            own = "mask" in kw and getattr(kernel, "takes_kernel_lse", False)
-            if own:
-                kw["kernel_lse"] = True
-            lse = lse(own)
+            lse = lse(kw.get("kernel_lse", False))
+        elif "kernel_lse" in kw:  # a tensor in either convention: the kernel fixes it up itself
+            kw["kernel_lse"] = False
         return kernel.backward(dout, q, k, v, out, lse, causal, self.scale, **kw)
 
     def rows_may_see_nothing(self, s: int) -> bool:

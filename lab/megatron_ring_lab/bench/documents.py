@@ -191,7 +191,7 @@ def run_window_compute(world: int, seq: int, cfg: dict[str, Any], reps: int = 5)
 
                     def compute(tasks=tasks, plan=plan):
                         for t in tasks:
-                            out, lse = plan.forward_block(t, q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv])
+                            out, lse, _ = plan.forward_block(t, q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv])
                             plan.backward_block(t, dout[:, :, t.q], q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv],
                                                 out, lse.contiguous())
                     best[i][r] = min(best[i][r], seconds(compute))
