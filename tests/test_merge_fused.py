@@ -188,7 +188,7 @@ def test_the_direct_launch_is_taken_only_where_nothing_would_see_the_op():
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_ring.core.merge import direct_launch_ok
+    from megatron_ring.core.launch import direct_launch_ok
 
     class Seen(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

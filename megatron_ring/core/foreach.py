@@ -8,9 +8,8 @@ dense, of one dtype (per list, for a copy) and strided alike pair by pair (``ate
 and otherwise loop one launch per pair; an fp32 accumulator plus a bf16 block, a row-slice view or a caller's
 ``[s, b, h, d]`` K/V are each such a case. The op has a fake implementation (it traces under FakeTensorMode and
 ``torch.compile`` as one op); its CPU implementation is :func:`foreach_reference`, ``dst.add_(src)`` /
-``dst.copy_(src)`` / ``dst.zero_()`` pair by pair, which is also what :func:`foreach_into` runs on CPU directly. On plain eager CUDA
-tensors the kernel is launched directly (no dispatcher round trip), as :func:`~.merge.merge_into` does. Without
-Triton (:func:`~.merge.has_triton`) the CUDA path runs the reference: the same results, more launches.
+``dst.copy_(src)`` / ``dst.zero_()`` pair by pair. :func:`foreach_into` runs the reference, the kernel directly
+or the op by :func:`~megatron_ring.core.launch.route`, as :func:`~.merge.merge_into` does.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from typing import Optional
 import torch
 
 from megatron_ring.core.foreach_triton import ADD, COPY, FLIP, ZERO, foreach_triton  # Triton at its first launch only
-from megatron_ring.core.merge import direct_launch_ok, has_triton
+from megatron_ring.core.launch import DIRECT, REFERENCE, has_triton, route
 
 __all__ = ["foreach_into", "foreach_reference"]
 
@@ -46,9 +45,7 @@ def _foreach_op(dsts: list[torch.Tensor], srcs: list[Optional[torch.Tensor]], mo
 
 @_foreach_op.register_kernel("cuda")
 def _foreach_cuda(dsts, srcs, modes) -> None:
-    if not has_triton():
-        return foreach_reference(dsts, srcs, modes)
-    foreach_triton(dsts, srcs, modes)
+    (foreach_triton if has_triton() else foreach_reference)(dsts, srcs, modes)
 
 
 @_foreach_op.register_fake
@@ -70,9 +67,10 @@ def foreach_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], add:
     adds = add if isinstance(add, list) else [add] * len(dsts)
     flips = flip if isinstance(flip, list) else [flip] * len(dsts)
     modes = [ZERO if s is None else ADD if a else FLIP if f else COPY for s, a, f in zip(srcs, adds, flips)]
-    if dsts[0].device.type != "cuda" or not has_triton():
+    how = route(*dsts, *(s for s in srcs if s is not None))
+    if how == REFERENCE:
         foreach_reference(dsts, srcs, modes)
-    elif direct_launch_ok(*dsts, *(s for s in srcs if s is not None)):
+    elif how == DIRECT:
         foreach_triton(dsts, srcs, modes)
     else:
         torch.ops.megatron_ring.foreach_(dsts, srcs, modes)

@@ -10,22 +10,17 @@ On CUDA the merge of a step is ONE op, ``torch.ops.megatron_ring.merge_`` (``mer
 a status code; a Triton kernel,
 :mod:`.merge_triton`; Triton is imported at its first launch); it has a fake implementation, so it traces under
 FakeTensorMode (and ``torch.compile``) as one op. Its CPU implementation is :func:`merge_reference`, the torch
-expression, which is also what :func:`merge_into` runs on CPU directly (no dispatcher round trip). On plain CUDA
-tensors in eager mode (no dispatch or torch-function mode, no compiler trace) :func:`merge_into` launches the
-Triton kernel directly too: the custom op's Python dispatch cost ~0.2 ms of host time per merge on an H200,
-more than the kernel itself at 2K tokens per rank.
+expression. :func:`merge_into` runs the expression, the kernel directly or the op by
+:func:`~megatron_ring.core.launch.route`, the rule the list op (core/foreach.py) follows too.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from megatron_ring.core.launch import DIRECT, OP, has_triton, route
 from megatron_ring.core.merge_triton import merge_triton  # imports Triton at its first launch only
 
-__all__ = ["direct_launch_ok", "has_triton", "merge_into", "merge_reference"]
+__all__ = ["merge_into", "merge_reference"]
 
 
 def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor,
@@ -47,17 +42,25 @@ def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch
     acc_lse.copy_(m.add_(torch.log(total)))
 
 
+def _merge_any(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, status, kernel: bool) -> None:
+    """The merge (and the status copy) as the Triton kernel (``kernel``, where Triton is installed) or the torch
+    expression: what both registered ops run."""
+    if kernel and has_triton():
+        return merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, status, posinf_empty)
+    merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
+    if status is not None:
+        status[0].copy_(status[1])
+
+
 @torch.library.custom_op("megatron_ring::merge_", mutates_args=("acc_out", "acc_lse"))
 def _merge_op(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
               fresh: bool, posinf_empty: bool) -> None:
-    merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
+    _merge_any(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, None, kernel=False)
 
 
 @_merge_op.register_kernel("cuda")
 def _merge_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty) -> None:
-    if not has_triton():
-        return merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
-    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, None, posinf_empty)
+    _merge_any(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, None, kernel=True)
 
 
 @_merge_op.register_fake
@@ -70,16 +73,12 @@ def _merge_fake(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty) -> None
 @torch.library.custom_op("megatron_ring::merge_status_", mutates_args=("acc_out", "acc_lse", "status_dst"))
 def _merge_status_op(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
                      fresh: bool, posinf_empty: bool, status_dst: torch.Tensor, status_src: torch.Tensor) -> None:
-    merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
-    status_dst.copy_(status_src)
+    _merge_any(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, (status_dst, status_src), kernel=False)
 
 
 @_merge_status_op.register_kernel("cuda")
 def _merge_status_cuda(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, status_dst, status_src) -> None:
-    if not has_triton():
-        merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
-        return status_dst.copy_(status_src)
-    merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, (status_dst, status_src), posinf_empty)
+    _merge_any(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, (status_dst, status_src), kernel=True)
 
 
 @_merge_status_op.register_fake
@@ -99,27 +98,12 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tens
     (the visiting block's status code recorded, core/status.py).
     ``posinf_empty``: ``blk_lse`` is +inf for a row that sees no key (a variable-length kernel's own lse,
     kernels/varlen.py), read as -inf: the kernel's fix-up is done here, with no launch of its own on CUDA.
+    Where it runs: :func:`~megatron_ring.core.launch.route`.
     """
-    if acc_out.device.type != "cuda" or not has_triton():
-        merge_reference(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
-        if status is not None:
-            status[0].copy_(status[1])
-    elif direct_launch_ok(acc_out, acc_lse, blk_out, blk_lse):
-        merge_triton(acc_out, acc_lse, blk_out, blk_lse, fresh, status, posinf_empty)
+    how = route(acc_out, acc_lse, blk_out, blk_lse)
+    if how != OP:
+        _merge_any(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, status, kernel=how == DIRECT)
     elif status is None:
         torch.ops.megatron_ring.merge_(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty)
     else:
         torch.ops.megatron_ring.merge_status_(acc_out, acc_lse, blk_out, blk_lse, fresh, posinf_empty, *status)
-
-
-@functools.lru_cache(maxsize=1)
-def has_triton() -> bool:
-    """Whether Triton is installed (torch's CUDA wheels bring it; without it the CUDA path runs the torch
-    expressions: the same results, more launches)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def direct_launch_ok(*tensors: torch.Tensor) -> bool:
-    """Plain tensors, no dispatch or torch-function mode, no compiler trace: nothing would see the op."""
-    return (all(type(t) is torch.Tensor for t in tensors) and _get_current_dispatch_mode() is None
-            and not torch._C._is_torch_function_mode_enabled() and not torch.compiler.is_compiling())

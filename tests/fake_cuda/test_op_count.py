@@ -235,10 +235,9 @@ def test_the_counter_counts_a_foreach_slow_route_per_entry():
 def test_without_triton_the_cuda_path_runs_the_torch_expressions(monkeypatch):
     """A CUDA torch without Triton: the merge and the list op run their torch references (the same results,
     more launches), never the Triton kernels or their ops."""
-    from megatron_ring.core import foreach, merge
+    from megatron_ring.core import launch
 
-    monkeypatch.setattr(merge, "has_triton", lambda: False)
-    monkeypatch.setattr(foreach, "has_triton", lambda: False)
+    monkeypatch.setattr(launch, "has_triton", lambda: False)
     _, warm = count(_case("causal", 2))
     assert not any(name.startswith("megatron_ring::") for name in warm.other), dict(warm.other)
     assert sum(warm.other.values()) > CEILING[("causal", 2)][2]
