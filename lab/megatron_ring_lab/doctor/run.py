@@ -39,6 +39,10 @@ class Run:
         return self.returncode == 0 and bool(self.ranks)
 
 
+#: runs of one CP size whose rendezvous port another process took first (EADDRINUSE), at most
+PORT_TRIES = 3
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,17 +109,23 @@ def launch(script: str, args: list[str], cp: int, workdir: str, *, pp: int = 1, 
     import torch
 
     fork = not torch.cuda.is_available()  # a forked rank could not use CUDA
-    if fork:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    cmd = command(script, args, cp, pp, fork=fork)
     progress(f"[doctor] CP={cp}: running {cp * pp} process(es) ...")
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        rc, tail = p.returncode, (p.stdout[-4000:] + "\n" + p.stderr[-6000:])
-    except subprocess.TimeoutExpired as e:
-        rc = 124
-        tail = f"timed out after {timeout_s:.0f} s\n" + str(e.stdout or "")[-2000:] + str(e.stderr or "")[-3000:]
+    for attempt in range(PORT_TRIES):
+        # a free port is only free when asked: another process may take it before rank 0 listens on it
+        # (EADDRINUSE); then the job runs again on another one
+        if fork:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        cmd = command(script, args, cp, pp, fork=fork)
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+            rc, tail = p.returncode, (p.stdout[-4000:] + "\n" + p.stderr[-6000:])
+        except subprocess.TimeoutExpired as e:
+            rc = 124
+            tail = f"timed out after {timeout_s:.0f} s\n" + str(e.stdout or "")[-2000:] + str(e.stderr or "")[-3000:]
+        if rc == 0 or "EADDRINUSE" not in tail or attempt + 1 == PORT_TRIES:
+            break
+        progress(f"[doctor] CP={cp}: the rendezvous port was taken meanwhile (EADDRINUSE): running again")
     secs = time.perf_counter() - t0
     with open(os.path.join(folder, "log.txt"), "w") as f:
         f.write(" ".join(cmd) + "\n\n" + tail)
