@@ -15,12 +15,25 @@ Each :class:`Entry` names a ``target`` (a dotted path: a module, or a class / fu
 ``users``: who relies on it (``glue``, ``lab-cpu``, ``doctor``, with the file). ``releases``: the megatron-core
 releases the entry exists on where it is not all supported ones (``"<0.19"``, ``">=0.19"``), else empty. This
 table and :mod:`megatron_ring.megatron.compat` are the only places that know releases.
+
+Each entry is either part of Megatron's **interface**, used as Megatron offers it (:data:`INTERFACE`), or an
+**internal**. The interface is what a module or a script is meant to plug into or drive: the core-attention
+interface a spec swaps in (``DotProductAttention``'s constructor and ``forward``, ``AttnMaskType``,
+``MegatronModule``); the spec system (``ModuleSpec``, ``build_module``, the ``*Submodules`` dataclasses, the
+layer / block / stack spec builders and the module classes specs name); the config and argument records
+(``TransformerConfig``, ``PackedSeqParams``, ``ProcessGroupCollection``); ``parallel_state``'s group API; the
+public utilities Megatron's own scripts and modules call (``get_batch_on_this_cp_rank``, RoPE,
+``get_cuda_rng_tracker``, the sharded-state-dict helper); the version; Megatron-LM's flags and ``pretrain``.
+Everything else is internal: a private name, an attribute replaced, a module attribute or object field reached
+from outside, a Megatron-LM training internal, a hook. ``tests/megatron/test_contract.py`` checks the rules an
+interface entry must meet (no private name, nothing replaced, no hook) and counts internals per user
+(:func:`counts`).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Entry", "CONTRACT", "KINDS"]
+__all__ = ["Entry", "CONTRACT", "KINDS", "INTERFACE", "counts"]
 
 KINDS = ("attribute", "callable", "class-field", "hook-arguments", "argument")
 
@@ -55,8 +68,6 @@ CONTRACT: tuple[Entry, ...] = (
           ("glue: attention/module.py",)),
     Entry("megatron-module", f"{_MC}.transformer.module.MegatronModule.__init__", "callable", ("config",),
           ("glue: attention/module.py",)),
-    Entry("divide", f"{_MC}.utils", "attribute", ("divide", "get_pg_rank"),
-          ("glue: attention/module.py", "glue: spec/deferred.py")),
     Entry("transformer-config", _TC, "class-field",
           ("attention_dropout", "context_parallel_size", "deterministic_mode", "mtp_num_layers", "kv_channels",
            "num_attention_heads", "num_query_groups", "qk_clip", "log_max_attention_logit", "tensor_model_parallel_size", "window_size",
@@ -317,3 +328,35 @@ CONTRACT: tuple[Entry, ...] = (
           ("seq_length", "train_iters", "num_layers", "hidden_size", "ffn_hidden_size", "global_batch_size", "lr",
            "hidden_dropout", "attention_dropout", "clip_grad"), ("doctor: doctor/capture.py",)),
 )
+
+#: entries that are Megatron's interface, used as offered (module docstring); every other entry is an internal
+INTERFACE: frozenset[str] = frozenset({
+    # the core-attention interface a spec swaps in
+    "core-attention-init", "core-attention-forward", "attn-mask-types", "megatron-module",
+    # config and argument records
+    "transformer-config", "heterogeneous-config", "packed-seq-params", "process-group-collection",
+    "use-mpu-process-groups",
+    # the spec system: specs, submodule records, builders, the module classes specs name
+    "module-spec", "build-module", "base-transformer-layer", "layer-submodules", "self-attention-submodules",
+    "attention-classes", "block-submodules", "local-spec", "local-submodules", "te-spec", "decoder-block-spec",
+    "heterogeneous-spec", "moe-module-spec", "local-norm", "local-linears", "local-core-attention", "te-modules",
+    "hybrid-stack", "hybrid-stack-submodules", "hybrid-stack-spec", "mamba-stack", "mamba-stack-spec",
+    "mamba-layer-submodules",
+    # parallel_state's group API
+    "parallel-state", "parallel-state-ranks", "initialize-model-parallel", "cp-group", "dp-group", "dp-size",
+    "hybrid-cp-groups",
+    # public utilities Megatron's own scripts and modules call
+    "megatron-cp-split", "megatron-cp-split-hybrid", "rotary-embedding", "apply-rope", "rng-tracker",
+    "sharded-tensors",
+    # the version, Megatron-LM's flags and its entry point
+    "version", "lm-arguments", "doctor-arguments", "lm-pretrain",
+})
+
+
+def counts(user: str) -> dict[str, int]:
+    """Entries and names of the contract one user (``glue``, ``lab-cpu``, ``doctor``) relies on: all of them, and
+    the internals among them (entries not in :data:`INTERFACE`)."""
+    mine = [e for e in CONTRACT if any(u.startswith(user + ":") for u in e.users)]
+    internal = [e for e in mine if e.name not in INTERFACE]
+    return {"entries": len(mine), "names": sum(len(e.names) for e in mine),
+            "internal_entries": len(internal), "internal_names": sum(len(e.names) for e in internal)}

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from megatron_ring.megatron import compat  # noqa: E402
-from megatron_ring.megatron.contract import CONTRACT, KINDS, Entry  # noqa: E402
+from megatron_ring.megatron.contract import CONTRACT, INTERFACE, KINDS, Entry, counts  # noqa: E402
 
 _USERS = ("glue: ", "lab-cpu: ", "doctor: ")
 
@@ -143,6 +143,70 @@ def test_every_patch_of_the_cpu_harness_is_an_entry():
     assert applied, "the CPU harness applied nothing"
     missing = sorted({f"{w}.{n}" for w, n in (*applied, *REPLACED) if not _named(w, n)})
     assert not missing, "replaced by the CPU harness but not in the contract: " + ", ".join(missing)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _replaced_by_the_glue() -> set[tuple[str, str]]:
+    """(module, attribute) pairs the glue replaces: the MTP ``roll_tensor`` wrappers, the THD partitioner's
+    stand-in (compat's lists)."""
+    out = {(m, "roll_tensor") for m in compat.MTP_ROLL_TENSOR_USERS}
+    out |= {(m, n) for m in compat.THD_PARTITIONER_USERS for n in ("tex", "is_te_min_version")}
+    return out
+
+
+def _touches(entry: Entry, where: str, name: str) -> bool:
+    return entry.target == f"{where}.{name}" or (entry.target == where and name in entry.names)
+
+
+def test_interface_entries_are_not_internals():
+    """An entry counted as Megatron's interface names nothing private, replaces nothing (neither the glue's
+    wrappers nor the CPU harness's ledger), and is no hook; every name of :data:`INTERFACE` is an entry."""
+    known = {e.name for e in CONTRACT}
+    assert INTERFACE <= known, f"INTERFACE names no entry: {sorted(INTERFACE - known)}"
+    replaced = _replaced_by_the_glue()
+    patches = None
+    try:
+        from megatron_ring_lab import patches  # noqa: F811
+        from megatron_ring_lab.cpu import megatron_cpu
+        from megatron_ring_lab.cpu.training import REPLACED
+
+        with megatron_cpu():
+            replaced |= {(p.where, p.name) for p in (*patches.list_patches(), *patches.during_calls())}
+        replaced |= set(REPLACED)
+    except ImportError:  # the lab is not installed: the glue's own replacements only
+        pass
+    bad = []
+    for e in CONTRACT:
+        if e.name not in INTERFACE:
+            continue
+        private = [p for p in (*e.target.split("."), *e.names) if _private(p)]
+        if private:
+            bad.append(f"{e.name}: private {', '.join(private)}")
+        if e.kind == "hook-arguments":
+            bad.append(f"{e.name}: a hook")
+        hit = sorted(f"{w}.{n}" for w, n in replaced if _touches(e, w, n))
+        if hit:
+            bad.append(f"{e.name}: replaces {', '.join(hit)}")
+    assert not bad, "contract entries counted as interface but internal:\n" + "\n".join(bad)
+
+
+def test_interface_rule_can_fail():
+    """Negative control: an internal entry put in INTERFACE is caught by the rules above."""
+    entry = next(e for e in CONTRACT if e.name == "mtp-roll-tensor")
+    where, name = entry.target.rsplit(".", 1)
+    assert (where, name) in _replaced_by_the_glue() and _touches(entry, where, name)
+    assert _private("_GLOBAL_ARGS") and not _private("__init__")
+
+
+def test_library_glue_touches_fewer_than_40_internals():
+    """Issue 36's target: Megatron internals the library glue relies on, counted as contract entries (a
+    function, class, module attribute group or record), under 40. The figures go to docs/design.md."""
+    glue = counts("glue")
+    print("contract counts:", {u: counts(u) for u in ("glue", "lab-cpu", "doctor")})
+    assert glue["internal_entries"] < 40, glue
 
 
 #: a deliberately renamed copy of one entry per kind: the check must fail naming it

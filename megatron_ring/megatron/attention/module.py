@@ -12,7 +12,6 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
 
 import megatron_ring
 
@@ -70,6 +69,14 @@ def _resolve_ring(layer: Any, state: Any, per_call: bool, group: Any) -> tuple[A
     if registered is not None:
         group = state.group  # the registered object: its sub-rings and caches
     return group, cfg, registered
+
+
+def _per_rank(total: int, tp: int, what: str) -> int:
+    """``total`` split over ``tp`` tensor-parallel ranks (as Megatron's core attention splits it)."""
+    if total % tp:
+        raise ContextParallelConfigError("--tensor-model-parallel-size", f"{what} = {total} is not divisible by "
+                                         f"the tensor-parallel size {tp}")
+    return total // tp
 
 
 class RingDotProductAttention(MegatronModule):
@@ -169,11 +176,11 @@ class RingDotProductAttention(MegatronModule):
         # MLA passes k_channels (Q/K head dim) and v_channels (V head dim, which sets the output size)
         k_ch = config.kv_channels if k_channels is None else k_channels
         v_ch = config.kv_channels if v_channels is None else v_channels
-        self.hidden_size_per_partition = divide(v_ch * config.num_attention_heads, tp)
+        self.hidden_size_per_partition = _per_rank(v_ch * config.num_attention_heads, tp, "kv_channels x num_attention_heads")
         self.hidden_size_per_attention_head = k_ch
-        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
+        self.num_attention_heads_per_partition = _per_rank(config.num_attention_heads, tp, "num_attention_heads")
         self.softmax_offset = make_softmax_offset(config, self.num_attention_heads_per_partition)
-        self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
+        self.num_query_groups_per_partition = _per_rank(config.num_query_groups, tp, "num_query_groups")
         # Megatron's query-key layer scaling divides the scale by layer_number and multiplies it back
         # inside the softmax: mathematically the plain scale, which is what the ring uses.
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
@@ -197,7 +204,7 @@ class RingDotProductAttention(MegatronModule):
                 "--cp-comm-type", f"layer {self.layer_number}: a2a+p2p needs the hierarchical sub-rings of the "
                                   "registered CP group, but this call runs on another group (pg_collection.cp or "
                                   "packed_seq_params.cp_group); use p2p, all_gather, a2a or auto there")
-        heads = divide(self.config.num_attention_heads, self.config.tensor_model_parallel_size)
+        heads = _per_rank(self.config.num_attention_heads, self.config.tensor_model_parallel_size, "num_attention_heads")
         if ct == "a2a" and size > 1 and heads < size:
             raise ContextParallelConfigError(
                 "--cp-comm-type", f"layer {self.layer_number}: a2a splits the {heads} attention heads of a rank "

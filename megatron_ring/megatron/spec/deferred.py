@@ -1,6 +1,9 @@
-"""``ring_layer_spec`` as a layer ``ModuleSpec`` for builders that use a ``--spec`` object as it is
-(Megatron-LM core_v0.16 ``gpt_builders``): its module, :class:`RingTransformerLayer`, defers everything to layer
-build time and returns the layer Megatron's own spec for that config describes, with ring core attention."""
+"""The ring layer spec as a layer ``ModuleSpec``, for code that hands a spec object to ``GPTModel`` as it is
+(``GPTModel(transformer_layer_spec=ring_layer_module_spec)`` with megatron-core alone, on every supported
+release; the builder of a Megatron-LM whose ``--spec`` object is used as it is, which
+:func:`~megatron_ring.megatron.compat.gpt_builder_calls_spec` tells apart). Its module,
+:class:`RingTransformerLayer`, defers everything to layer build time and returns the layer Megatron's own
+spec for that config describes, with ring core attention. Nothing here depends on the release."""
 from __future__ import annotations
 
 from typing import Any
@@ -19,9 +22,9 @@ def _pp_rank(pg_collection: Any) -> int | None:
     pp = getattr(pg_collection, "pp", None)
     if pp is None:
         return None
-    from megatron.core.utils import get_pg_rank
+    import torch.distributed as dist
 
-    return get_pg_rank(pp)
+    return pp.rank() if dist.is_initialized() else 0
 
 
 def _resolve_layer(config: Any, layer_number: int, vp_stage: int | None, pg_collection: Any) -> Any:
@@ -31,7 +34,7 @@ def _resolve_layer(config: Any, layer_number: int, vp_stage: int | None, pg_coll
 
     if getattr(config, "heterogeneous_block_specs", False):
         raise NotImplementedError(
-            "ring_layer_spec as a layer ModuleSpec (Megatron-LM core_v0.16 --spec): heterogeneous layer configs "
+            "ring_layer_spec as a layer ModuleSpec (a spec object used as it is): heterogeneous layer configs "
             "give each layer a derived config, from which Megatron's heterogeneous spec cannot be rebuilt; use "
             "ring_spec(get_gpt_heterogeneous_layer_spec(config, use_te)) in a model provider")
     refuse_unswapped_mtp(config)
@@ -77,8 +80,7 @@ class RingTransformerLayer(BaseTransformerLayer):
 
 class RingLayerSpec(ModuleSpec):
     """A layer ``ModuleSpec`` of :class:`RingTransformerLayer`, for builders that use a ``--spec`` object as
-    it is (Megatron-LM core_v0.16 ``gpt_builders``: ``TransformerBlock`` repeats it once per layer of the
-    stage). Called with ``(config[, vp_stage])`` it is :func:`ring_layer_spec_provider` (returns the spec);
+    it is (``TransformerBlock`` repeats it once per layer of the stage). Called with ``(config[, vp_stage])`` it is :func:`ring_layer_spec_provider` (returns the spec);
     called with layer arguments it builds the layer, as any ``ModuleSpec``."""
 
     def __call__(self, config: Any, vp_stage: int | None = None, **layer_kwargs: Any) -> Any:
