@@ -111,6 +111,26 @@ def test_gpu_row_runs_on_cpu_dense_and_packed():
         assert row["launches"] is None and row["peak_gib"] is None  # CUDA only
 
 
+def test_gpu_row_kernel_kinds():
+    """The GPU row's kernel breakdown sorts CUDA kernel names (as torch's profiler reports them on an H100/H200)
+    into attention, the fused merge, the list op, copies and other; a reduction is other, not attention."""
+    from megatron_ring_lab.bench.gpu import KERNEL_KINDS, kernel_kind
+
+    names = {
+        "void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t> >": "attention",
+        "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0": "attention",
+        "_merge_kernel": "merge",
+        "foreach_kernel": "lists",
+        "void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)": "copies",
+        "Memcpy DtoD (Device -> Device)": "copies",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native::sum_functor": "other",
+    }
+    for name, kind in names.items():
+        assert kernel_kind(name) == kind, name
+    assert set(names.values()) == set(KERNEL_KINDS)
+
+
 def test_window_compute_rows_run_the_engines_block_calls():
     """``--window --window-compute``: every rank's block tasks through ``RingPlan.forward_block`` /
     ``backward_block`` in one process (the plan's own calls, so a change of their contract shows here)."""

@@ -10,6 +10,10 @@ A row (:func:`gpu_row`) reports, besides the efficiency:
 * ``host_ms``: host time of the slowest rank's call (forward+backward launched, not waited for): where it
   approaches ``ring_slowest_rank_ms`` the call is host-bound;
 * ``launches``: CUDA kernels one call of that rank launches (torch profiler, one call);
+* ``kernel_ms_<kind>``: the GPU time of that call's kernels by kind (:func:`kernel_kind`: ``attention``,
+  ``merge``, ``lists`` (the list op), ``copies``, ``other``; same profiler pass), and
+  ``reference_kernel_ms_attention``, the one-GPU reference's attention kernels: where the ring's attention
+  kernels x P exceed the reference's, the gap is in the kernels on shorter blocks, else in the rest;
 * ``peak_gib``: peak GPU memory of one call above what the inputs hold;
 * ``graphed_*`` (``graphed=True``): the same call captured once into a CUDA graph and replayed (forward and
   backward, ``torch.autograd.grad``), its time and efficiency; a capture that fails is reported, not raised;
@@ -36,7 +40,7 @@ from megatron_ring.api import ring_attention
 from megatron_ring.schedules.layouts import get_layout
 from megatron_ring.transport.ring import LoopbackRing
 
-__all__ = ["gpu_row", "packed_lengths"]
+__all__ = ["gpu_row", "packed_lengths", "kernel_kind", "KERNEL_KINDS"]
 
 
 def packed_lengths(seq: int, seed: int = 0) -> list[int]:
@@ -75,14 +79,38 @@ def _timer(dev: torch.device) -> Callable[[Callable[[], Any], int], tuple[float,
     return time_it
 
 
-def _launches(fn) -> int | None:
-    """CUDA kernels one call of ``fn`` launches (torch profiler)."""
+#: kinds of CUDA kernels in a row's breakdown, in order
+KERNEL_KINDS = ("attention", "merge", "lists", "copies", "other")
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel, from its name: an attention kernel (flash, cuDNN, memory-efficient, SDPA),
+    the fused merge (``_merge_kernel``), the list op (``foreach_kernel``), a copy or fill (torch's copy and
+    fill kernels, memcpy / memset), or other."""
+    low = name.lower()
+    if "merge_kernel" in low:
+        return "merge"
+    if "foreach_kernel" in low:
+        return "lists"
+    if any(w in low for w in ("flash", "fmha", "cudnn", "attention", "sdpa", "cutlass_sm")):
+        return "attention"
+    if any(w in low for w in ("memcpy", "memset", "copy", "fill", "direct_copy")):
+        return "copies"
+    return "other"
+
+
+def _profile(fn) -> tuple[int, dict[str, float]]:
+    """CUDA kernels one call of ``fn`` launches (torch profiler), and their GPU ms by :func:`kernel_kind`."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ms = dict.fromkeys(KERNEL_KINDS, 0.0)
+    for e in kernels:
+        ms[kernel_kind(e.name)] += e.time_range.elapsed_us() / 1e3
+    return len(kernels), ms
 
 
 def _peak_gib(fn, dev: torch.device) -> float:
@@ -185,7 +213,9 @@ def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
     def step():
         call().sum().backward()
 
-    row["launches"] = _launches(step)
+    row["launches"], kinds = _profile(step)
+    row.update({f"kernel_ms_{k}": v for k, v in kinds.items()})
+    row["reference_kernel_ms_attention"] = _profile(reference)[1]["attention"]
     row["peak_gib"] = _peak_gib(step, dev)
     if graphed:
         try:
