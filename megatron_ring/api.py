@@ -11,7 +11,8 @@ from megatron_ring import settings
 from megatron_ring.call import Call, agree, dropout_spec, offset_kind, sink_logits
 from megatron_ring.transport.groups import ring_over
 from megatron_ring.transport.ring import LoopbackRing, Transport
-from megatron_ring.core.engine import RingAttentionFunction, RingPlan
+from megatron_ring.core.autograd import RingAttentionFunction
+from megatron_ring.core.plan import RingPlan
 from megatron_ring.kernels.block import BlockKernel, select_kernel
 from megatron_ring.schedules.layouts import Layout
 from megatron_ring.strategies import run_strategy

@@ -15,7 +15,7 @@ import torch
 from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, HeadDimPadKernel
 from megatron_ring.kernels.dropout import DropoutSpec
 from megatron_ring.wire.codecs import KVCodec, make_codec
-from megatron_ring.core.engine import RingPlan
+from megatron_ring.core.plan import RingPlan
 from megatron_ring.core.max_logit import new_row_max
 from megatron_ring.kernels.block import BlockKernel, MathKernel, select_kernel
 from megatron_ring.schedules.layouts import Layout, get_layout

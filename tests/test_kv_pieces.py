@@ -132,7 +132,8 @@ def test_dropout_does_not_depend_on_pieces():
 
 def _views_worker(rank, world):
     from megatron_ring.transport.ring import Ring
-    from megatron_ring.core.engine import RingPlan, ring_backward, ring_forward
+    from megatron_ring.core.plan import RingPlan
+    from megatron_ring.core.engine import ring_backward, ring_forward
     from megatron_ring.wire.codecs import make_codec
     from megatron_ring.kernels.block import select_kernel
     from megatron_ring.schedules.layouts import get_layout

@@ -7,7 +7,7 @@ the CUDA kernel of core/merge_triton.py runs on CPU tensors in Triton's interpre
 :func:`merge_reference` within the derived bound below, including rows with no key on either side, fresh
 accumulators, row-slice views and strided (BSHD-ordered) accumulators, blk_out in fp32/bf16/fp16 and a head dim
 that is not a power of two; a negative control shows the check fails on a wrong merge. The backward's fused adds
-(``_add_all`` of core/engine.py) equal the adds one by one (the list op itself: tests/test_foreach_fused.py).
+(``add_all`` of core/accumulators.py) equal the adds one by one (the list op itself: tests/test_foreach_fused.py).
 
 The bound: both sides compute the same fp32 terms (max, two exp, one reciprocal, two products and a sum);
 each op adds at most one rounding of the fp32 unit roundoff ``u`` and exp/log implementations differ by at
@@ -156,14 +156,14 @@ def check_triton_against_reference() -> None:
 
 
 def test_fused_adds_keep_each_accumulators_order_and_split_only_on_overlap(monkeypatch):
-    """The backward's CUDA adds (core/engine.py ``_add_all``): one ``foreach_into`` where no two blocks of one
+    """The backward's CUDA adds (core/accumulators.py ``add_all``): one ``foreach_into`` where no two blocks of one
     accumulator overlap, a new one where they do (its pairs are updated in parallel); the result equals the
     adds one by one, bit for bit."""
-    from megatron_ring.core import engine
+    from megatron_ring.core import accumulators
 
     calls = []
-    real = engine.foreach_into
-    monkeypatch.setattr(engine, "foreach_into", lambda a, b, add: (calls.append((len(a), add)), real(a, b, add)))
+    real = accumulators.foreach_into
+    monkeypatch.setattr(accumulators, "foreach_into", lambda a, b, add: (calls.append((len(a), add)), real(a, b, add)))
     g = torch.Generator().manual_seed(1)
     dq, dk = torch.randn(1, 2, 8, 4, generator=g), torch.randn(1, 2, 8, 4, generator=g)
     blocks = [torch.randn(1, 2, 4, 4, generator=g) * 1e3 for _ in range(4)]
@@ -171,11 +171,11 @@ def test_fused_adds_keep_each_accumulators_order_and_split_only_on_overlap(monke
     want_q, want_k = dq.clone(), dk.clone()
     for (name, sl), blk in zip(plan, blocks):
         (want_q if name == "dq" else want_k)[:, :, sl].add_(blk)
-    engine._add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk) for (name, sl), blk in zip(plan, blocks)])
+    accumulators.add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk) for (name, sl), blk in zip(plan, blocks)])
     assert calls == [(3, True), (1, True)]
     assert torch.equal(dq, want_q) and torch.equal(dk, want_k)
     calls.clear()
-    engine._add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk)
+    accumulators.add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk)
                      for (name, sl), blk in zip(plan[:3], blocks)])
     assert calls == [(3, True)]  # no overlap: one call
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import megatron_ring.core.engine as engine
+import megatron_ring.core.plan as plan_module
 from tests.helpers.launch import run_distributed
 from megatron_ring import ring_attention
 from megatron_ring.transport.ring import LoopbackRing, Ring
@@ -29,7 +29,7 @@ def _seam_worker(rank, world, pieces):
     ring = Ring(torch.distributed.group.WORLD, torch.device("cpu"))
     ring.stream = RecordingStream(log)
     kernel_calls = []
-    real_fwd, real_bwd = engine.RingPlan.forward_block, engine.RingPlan.backward_block
+    real_fwd, real_bwd = plan_module.RingPlan.forward_block, plan_module.RingPlan.backward_block
     launched = lambda: len([e for e in log if e[0] == "launch"])  # noqa: E731
 
     def spy_fwd(self, task, q, k, v, step=None):
@@ -40,12 +40,12 @@ def _seam_worker(rank, world, pieces):
         kernel_calls.append(("bwd kernel", None, launched()))
         return real_bwd(self, *a, **kw)
 
-    engine.RingPlan.forward_block, engine.RingPlan.backward_block = spy_fwd, spy_bwd
+    plan_module.RingPlan.forward_block, plan_module.RingPlan.backward_block = spy_fwd, spy_bwd
     q = torch.randn(1, 8, 2, 8, requires_grad=True)
     try:
         ring_attention(q, q, q, causal=True, ring=ring, kv_pieces=pieces).sum().backward()
     finally:
-        engine.RingPlan.forward_block, engine.RingPlan.backward_block = real_fwd, real_bwd
+        plan_module.RingPlan.forward_block, plan_module.RingPlan.backward_block = real_fwd, real_bwd
     return log, kernel_calls
 
 

@@ -86,7 +86,7 @@ class StatusRecorder(Protocol):
 class PendingChecks:
     """Status codes a forward ring left to check at the start of the backward ring (devices with streams,
     see the module doc): host copies with the event that completes each. One per plan, an explicit field
-    of :class:`~megatron_ring.core.engine.RingPlan`.
+    of :class:`~megatron_ring.core.plan.RingPlan`.
 
     ``backward_follows``: whether the call that runs the forward rings will run a backward (set by the
     autograd function; a call without one reads value-checking wires' codes at the forward's end)."""

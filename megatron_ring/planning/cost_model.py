@@ -172,9 +172,7 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
     lay = get_layout(pb.layout)
     b, h, hk, d, S = pb.batch, pb.heads, pb.kv_heads, pb.head_dim, pb.seq
     c = S // world  # local chunk
-    q_bytes = b * h * c * d * pb.elem_bytes
     kv_wire = 2 * b * hk * c * d * pb.w
-    kv_comp = 2 * b * hk * c * d * pb.elem_bytes
     dkv32 = 2 * b * hk * c * d * 4
     fpa = 4 * b * h * d  # flops per unit of (query, key) area, all heads
     if comm_type == "p2p":

@@ -1,6 +1,6 @@
 """Context-parallel exchange patterns behind one switch: ``ring_attention(..., comm_type=...)``.
 
-One file per strategy; each consumes the same :class:`~megatron_ring.core.engine.RingPlan` (layout schedule,
+One file per strategy; each consumes the same :class:`~megatron_ring.core.plan.RingPlan` (layout schedule,
 kernel, codec) and reuses the engine's ring forward/backward for its compute:
 
 * ``p2p`` (:mod:`.p2p`): the ring;
@@ -20,7 +20,8 @@ from typing import Any, Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-from megatron_ring.core.engine import RingPlan, refuse_on_ring
+from megatron_ring.core.plan import RingPlan
+from megatron_ring.core.engine import refuse_on_ring
 from megatron_ring.strategies import a2a, a2a_p2p, all_gather, p2p
 from megatron_ring.strategies.a2a_p2p import make_hierarchical_groups
 from megatron_ring.strategies.refusal import StrategyStatus
@@ -70,7 +71,7 @@ def hierarchical_usable(plan: RingPlan, hierarchical_groups: Any, required: bool
 def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
                  hierarchical_groups: Any = None, sink: torch.Tensor | None = None,
                  refusal: BaseException | None = None) -> torch.Tensor:
-    """BHSD views in (as :class:`~megatron_ring.core.engine.RingAttentionFunction` takes them), output out.
+    """BHSD views in (as :class:`~megatron_ring.core.autograd.RingAttentionFunction` takes them), output out.
 
     ``sink``: fp32 ``[h]`` softmax offsets (attention sinks); dropout rides in ``plan.dropout``.
     ``refusal``: this rank rejected its input (the tensors are zeros; see :func:`refuse`): run the

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron_ring.wire.codecs import IdentityCodec, KVCodec, KVSpec
 from megatron_ring.transport.ring import LoopbackRing, Ring
-from megatron_ring.core.engine import RingPlan
+from megatron_ring.core.plan import RingPlan
 from megatron_ring.core.max_logit import new_row_max
 from megatron_ring.core.heads import HeadSplit, check_head_count, head_split
 from megatron_ring.transport.collectives import all_to_all

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from megatron_ring.wire.codecs import IdentityCodec
-from megatron_ring.core.engine import RingPlan
+from megatron_ring.core.plan import RingPlan
 from megatron_ring.strategies.a2a import _A2A, check_heads, run_grouped
 from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.transport.groups import group_ranks, ring_over

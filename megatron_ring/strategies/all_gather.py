@@ -22,7 +22,9 @@ import torch
 from megatron_ring.kernels.sinks import sink_grad
 from megatron_ring.wire.codecs import KVSpec
 from megatron_ring.transport.ring import LoopbackRing
-from megatron_ring.core.engine import RingPlan, forward_by_heads, query_heads, ring_backward, ring_forward
+from megatron_ring.core.plan import RingPlan
+from megatron_ring.core.autograd import forward_by_heads
+from megatron_ring.core.engine import query_heads, ring_backward, ring_forward
 from megatron_ring.core.heads import head_groups
 from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.transport.collectives import Pending, all_gather, reduce_scatter

@@ -46,7 +46,8 @@ from megatron_ring.timing import median_seconds, seconds, sync_device
 from megatron_ring.transport import groups
 from megatron_ring.wire.codecs import KVSpec
 from megatron_ring.transport.ring import Ring
-from megatron_ring.core.engine import RingPlan, _memory_order
+from megatron_ring.core.plan import RingPlan
+from megatron_ring.core.views import memory_order
 from megatron_ring.core.rotation import divisor_at_most
 from megatron_ring.schedules.layouts import LAYOUTS
 from megatron_ring.planning.cost_model import PREFERENCE, TIE, Machine, Problem, predict_all
@@ -196,7 +197,7 @@ def measure(candidates: list[str], qh: torch.Tensor, kh: torch.Tensor, vh: torch
     dev = qh.device
     q, k, v = (torch.randn_like(t).requires_grad_() for t in (qh, kh, vh))  # the call's strides too
     # the output gradient arrives with the output's strides, which follow q's (bshd callers: a transposed view)
-    order = _memory_order(qh)
+    order = memory_order(qh)
     shape = (*qh.shape[:3], vh.shape[-1])
     dout = torch.randn([shape[i] for i in order], dtype=qh.dtype, device=dev).permute(
         *[order.index(i) for i in range(qh.dim())])

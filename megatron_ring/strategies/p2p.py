@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ring.core.engine import RingAttentionFunction, RingPlan
+from megatron_ring.core.autograd import RingAttentionFunction
+from megatron_ring.core.plan import RingPlan
 
 __all__ = ["run"]
 

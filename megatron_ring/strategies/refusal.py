@@ -35,7 +35,8 @@ import torch
 
 from megatron_ring.wire.codecs import KVCodec
 from megatron_ring.errors import WireFiniteError
-from megatron_ring.core.engine import RingAttentionFunction, RingPlan
+from megatron_ring.core.autograd import RingAttentionFunction
+from megatron_ring.core.plan import RingPlan
 from megatron_ring.device import ops_for
 from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, raise_for
 from megatron_ring.errors import RingInputError

@@ -34,7 +34,7 @@ import torch
 
 from tests.helpers.fake_device import FakeCuda, StreamChecker
 from megatron_ring import device, ring_attention
-from megatron_ring.core.engine import RingAttentionFunction
+from megatron_ring.core.autograd import RingAttentionFunction
 from megatron_ring.kernels import block as K
 from megatron_ring.kernels import varlen as V
 from megatron_ring.transport.ring import LoopbackRing

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_ring import device, ring_attention
-from megatron_ring.core import engine
+from megatron_ring.core import plan as plan_module
 from megatron_ring.kernels import varlen_plan
 from megatron_ring.schedules import masks
 from megatron_ring.transport.ring import LoopbackRing
@@ -75,7 +75,7 @@ def _positions_every_call(schedule, seq_len, world, rank, device):
 @pytest.mark.parametrize("case, patch", [
     (Case(P=4, fmt="thd"), (varlen_plan.SegmentPlan, "cum", _cum_every_call)),
     (Case(kernel="auto", P=4, fmt="thd", dtype=torch.float32), (masks.BlockMask, "vectors", _copy_every_call)),
-    (Case(kernel="auto", P=4, dropout=0.1), (engine, "positions_on", _positions_every_call)),
+    (Case(kernel="auto", P=4, dropout=0.1), (plan_module, "positions_on", _positions_every_call)),
 ], ids=["thd-segments-copied-per-call", "thd-fp32-mask-copied-per-call", "dropout-positions-copied-per-call"])
 def test_the_counter_sees_the_copies_the_gpu_run_found(monkeypatch, case, patch):
     """Not vacuous: with the index tensors copied to the device at every call (as before), every call

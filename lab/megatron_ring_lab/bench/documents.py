@@ -162,7 +162,7 @@ def run_window_compute(world: int, seq: int, cfg: dict[str, Any], reps: int = 5)
     import torch
 
     from megatron_ring.schedules import masks
-    from megatron_ring.core.engine import RingPlan
+    from megatron_ring.core.plan import RingPlan
     from megatron_ring.kernels.block import FlashCPUKernel
     from megatron_ring.schedules.layouts import get_layout
     from megatron_ring.timing import seconds

@@ -38,10 +38,8 @@ import argparse
 import itertools
 import json
 import os
-import resource
 import statistics
 import sys
-import time
 from typing import Any
 
 from megatron_ring.strategies import COMM_TYPES

@@ -68,7 +68,7 @@ def _timing_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     res: dict[str, Any] = {"times": times}
     from megatron_ring.api import _ring_for
     from megatron_ring.wire.codecs import make_codec
-    from megatron_ring.core.engine import RingPlan
+    from megatron_ring.core.plan import RingPlan
     from megatron_ring.kernels.block import select_kernel
     from megatron_ring.schedules.layouts import get_layout
 

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + report.text(c, found), flush=True)
         any_differs |= c.training_differs or c.reporting_differs
         results.append(report.as_json(c, found, {1: seconds[1], cp: seconds[cp]}))
-    print(f"\nrun times (s): " + ", ".join(f"CP={cp} {s:.0f}" + (" (reused)" if runs[cp].cached else "")
+    print("\nrun times (s): " + ", ".join(f"CP={cp} {s:.0f}" + (" (reused)" if runs[cp].cached else "")
                                          for cp, s in seconds.items()))
     _write_json(opts.json, {"toy_model": notes, "arguments": args, "static": [f.__dict__ for f in findings],
                             **info, "results": results, "invariant": not any_differs})

@@ -15,7 +15,7 @@ Megatron does), with Megatron's own ``apply_rotary_pos_emb``.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
