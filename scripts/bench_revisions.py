@@ -35,7 +35,8 @@ GQA 32:8, head dim 128, causal; ``--gpu-sizes P:tokens_per_rank ...``, ``--gpu-d
 size ``--iters`` calls, default 7) in one worker process per revision, sizes and revisions interleaved, the order
 alternating between rounds after a dropped warm-up round; printed per size: each revision's median host ms per
 call and efficiency, launches per call, and the median over rounds of the slowest rank's time B/A with its
-spread. ``--trees A B``: two prepared trees (``rev_a``, ``rev_b`` then only name them), for a machine without
+spread; then, where a revision's rows carry it, the slowest rank's kernel GPU time by kind (attention, merge,
+list op, copies, other) beside the one-GPU reference's attention kernels. ``--trees A B``: two prepared trees (``rev_a``, ``rev_b`` then only name them), for a machine without
 this repository's git history (a lent GPU gets the working tree only).
 
     .venv/bin/python scripts/bench_revisions.py aa3e893 HEAD --outputs
@@ -263,16 +264,22 @@ def _layer_host_time_rows(trees: list[str], a) -> list[dict]:
     return [row]
 
 
+#: kinds of the GPU row's kernel breakdown (``megatron_ring_lab.bench.gpu.KERNEL_KINDS``; a revision before it
+#: reports none)
+KINDS = ("attention", "merge", "lists", "copies", "other")
+
 GPU_WORKER = r"""
 import json, sys, torch
+KINDS = %r
 from megatron_ring_lab.bench.gpu import gpu_row
 cfg = json.loads(sys.argv[1])
 for line in sys.stdin:
     p, t = json.loads(line)
     r = gpu_row(p, p * t, 32, 8, 128, torch.bfloat16 if cfg["device"] == "cuda" else torch.float32,
                 iters=cfg["iters"], docs=cfg["docs"], device=cfg["device"])
-    print("ROW " + json.dumps({k: r.get(k) for k in ("efficiency", "host_ms", "ring_slowest_rank_ms", "one_device_ms",
-                                                     "launches")}), flush=True)
+    keys = ("efficiency", "host_ms", "ring_slowest_rank_ms", "one_device_ms", "launches",
+            "reference_kernel_ms_attention") + tuple(f"kernel_ms_{k}" for k in KINDS)
+    print("ROW " + json.dumps({k: r.get(k) for k in keys}), flush=True)
 """
 
 
@@ -284,7 +291,7 @@ def _gpu_rows(trees: list[str], a) -> list[dict]:
     for tree in trees:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "lab"),
                                                            os.environ.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, "-c", GPU_WORKER, cfg], stdin=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, "-c", GPU_WORKER % (KINDS,), cfg], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir()))
     got: dict[tuple, list[dict]] = {(i, s): [] for i in (0, 1) for s in sizes}
     try:
@@ -317,7 +324,26 @@ def _gpu_rows(trees: list[str], a) -> list[dict]:
         print(f"| {s[0]} | {s[1]} | {med(ra, 'host_ms'):.2f} / {med(rb, 'host_ms'):.2f} | {med(ra, 'efficiency'):.3f} "
               f"/ {med(rb, 'efficiency'):.3f} | {ra[0]['launches']} / {rb[0]['launches']} | {row['ratio']:.3f} "
               f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) |", flush=True)
+    _print_kernel_kinds(sizes, got, a)
     return rows
+
+
+def _print_kernel_kinds(sizes: list[tuple], got: dict, a) -> None:
+    """Where a revision's rows carry the kernel breakdown (CUDA): the slowest rank's kernel GPU ms by kind, medians
+    over rounds, each revision, and the one-GPU reference's attention kernels ("-": the revision reports none)."""
+    if not any(r.get("kernel_ms_attention") is not None for rows in got.values() for r in rows):
+        return
+    def kinds(rows_: list[dict]) -> str:
+        vals = [[r.get(f"kernel_ms_{k}") for r in rows_] for k in KINDS]
+        return " / ".join("-" if None in v else f"{statistics.median(v):.2f}" for v in vals)
+    print(f"\nkernel GPU ms of the slowest rank's call by kind ({' / '.join(KINDS)}):\n"
+          f"| P | tokens per rank | {a.rev_a} | {a.rev_b} | reference attention |\n|---|---|---|---|---|", flush=True)
+    for s in sizes:
+        ra, rb = got[(0, s)], got[(1, s)]
+        ref = [r.get("reference_kernel_ms_attention") for r in ra + rb if r.get("reference_kernel_ms_attention") is not None]
+        print(f"| {s[0]} | {s[1]} | {kinds(ra)} | {kinds(rb)} | "
+              f"{statistics.median(ref):.2f} |" if ref else f"| {s[0]} | {s[1]} | {kinds(ra)} | {kinds(rb)} | - |",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

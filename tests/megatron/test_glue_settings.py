@@ -116,3 +116,21 @@ def test_deterministic_mode_is_passed_per_call_and_sets_no_process_state(one_ran
     assert K.deterministic() == before
     m(*_qkv(), None)
     assert asked == [True if mode else None] and K.deterministic() == before
+
+
+def test_heads_not_divisible_by_tp_are_refused_naming_the_flag(one_rank_group):  # noqa: F811
+    """The layer splits heads over TP as Megatron's core attention does; a count TP does not divide is a named
+    error (Megatron's ``divide`` raised a bare AssertionError). Control: TP = 1 and TP = 2 build with 4 heads and 2
+    query groups."""
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            use_cpu_initialization=True, context_parallel_size=1, transformer_impl="local",
+                            attention_dropout=0.0)
+
+    def build(tp):
+        return RingDotProductAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(
+            cp=dist.group.WORLD, tp=SimpleNamespace(size=lambda: tp)))
+
+    assert build(1).num_attention_heads_per_partition == 4
+    assert build(2).num_query_groups_per_partition == 1
+    with pytest.raises(ContextParallelConfigError, match="--tensor-model-parallel-size.*num_query_groups = 2"):
+        build(4)
