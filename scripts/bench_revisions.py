@@ -264,13 +264,8 @@ def _layer_host_time_rows(trees: list[str], a) -> list[dict]:
     return [row]
 
 
-#: kinds of the GPU row's kernel breakdown (``megatron_ring_lab.bench.gpu.KERNEL_KINDS``; a revision before it
-#: reports none)
-KINDS = ("attention", "merge", "lists", "copies", "other")
-
 GPU_WORKER = r"""
 import json, sys, torch
-KINDS = %r
 from megatron_ring_lab.bench.gpu import gpu_row
 cfg = json.loads(sys.argv[1])
 for line in sys.stdin:
@@ -278,8 +273,8 @@ for line in sys.stdin:
     r = gpu_row(p, p * t, 32, 8, 128, torch.bfloat16 if cfg["device"] == "cuda" else torch.float32,
                 iters=cfg["iters"], docs=cfg["docs"], device=cfg["device"])
     keys = ("efficiency", "host_ms", "ring_slowest_rank_ms", "one_device_ms", "launches",
-            "reference_kernel_ms_attention") + tuple(f"kernel_ms_{k}" for k in KINDS)
-    print("ROW " + json.dumps({k: r.get(k) for k in keys}), flush=True)
+            "reference_kernel_ms_attention")
+    print("ROW " + json.dumps({k: v for k, v in r.items() if k in keys or k.startswith("kernel_ms_")}), flush=True)
 """
 
 
@@ -291,7 +286,7 @@ def _gpu_rows(trees: list[str], a) -> list[dict]:
     for tree in trees:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "lab"),
                                                            os.environ.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, "-c", GPU_WORKER % (KINDS,), cfg], stdin=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, "-c", GPU_WORKER, cfg], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir()))
     got: dict[tuple, list[dict]] = {(i, s): [] for i in (0, 1) for s in sizes}
     try:
@@ -329,20 +324,24 @@ def _gpu_rows(trees: list[str], a) -> list[dict]:
 
 
 def _print_kernel_kinds(sizes: list[tuple], got: dict, a) -> None:
-    """Where a revision's rows carry the kernel breakdown (CUDA): the slowest rank's kernel GPU ms by kind, medians
-    over rounds, each revision, and the one-GPU reference's attention kernels ("-": the revision reports none)."""
-    if not any(r.get("kernel_ms_attention") is not None for rows in got.values() for r in rows):
+    """Where a revision's rows carry the kernel breakdown (CUDA; the row's ``kernel_ms_<kind>`` fields): the slowest
+    rank's kernel GPU ms by kind, medians over rounds, each revision, and the one-GPU reference's attention kernels
+    ("-": the revision reports none)."""
+    kinds = [k.removeprefix("kernel_ms_") for k in next(
+        (r for rows in got.values() for r in rows if r.get("kernel_ms_attention") is not None), {})
+        if k.startswith("kernel_ms_")]
+    if not kinds:
         return
-    def kinds(rows_: list[dict]) -> str:
-        vals = [[r.get(f"kernel_ms_{k}") for r in rows_] for k in KINDS]
+
+    def by_kind(rows_: list[dict]) -> str:
+        vals = [[r.get(f"kernel_ms_{k}") for r in rows_] for k in kinds]
         return " / ".join("-" if None in v else f"{statistics.median(v):.2f}" for v in vals)
-    print(f"\nkernel GPU ms of the slowest rank's call by kind ({' / '.join(KINDS)}):\n"
+    print(f"\nkernel GPU ms of the slowest rank's call by kind ({' / '.join(kinds)}):\n"
           f"| P | tokens per rank | {a.rev_a} | {a.rev_b} | reference attention |\n|---|---|---|---|---|", flush=True)
     for s in sizes:
         ra, rb = got[(0, s)], got[(1, s)]
-        ref = [r.get("reference_kernel_ms_attention") for r in ra + rb if r.get("reference_kernel_ms_attention") is not None]
-        print(f"| {s[0]} | {s[1]} | {kinds(ra)} | {kinds(rb)} | "
-              f"{statistics.median(ref):.2f} |" if ref else f"| {s[0]} | {s[1]} | {kinds(ra)} | {kinds(rb)} | - |",
+        ref = [r["reference_kernel_ms_attention"] for r in ra + rb if r.get("reference_kernel_ms_attention") is not None]
+        print(f"| {s[0]} | {s[1]} | {by_kind(ra)} | {by_kind(rb)} | {f'{statistics.median(ref):.2f}' if ref else '-'} |",
               flush=True)
 
 

@@ -12,7 +12,7 @@ from megatron_ring.core.plan import RingPlan
 from megatron_ring.core.views import strides_like
 from megatron_ring.kernels.sinks import fold_sink, sink_grad
 
-__all__ = ["RingAttentionFunction", "forward_by_heads", "as_result"]
+__all__ = ["RingAttentionFunction", "forward_by_heads"]
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -57,7 +57,7 @@ class RingAttentionFunction(torch.autograd.Function):
         if sink is not None and ctx.needs_input_grad[4]:
             extra[1] = sink_grad(dout, out, lse, sink).to(sink.dtype)
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
-        return (*as_results((dq, q, False), (dk, k, True), (dv, v, True)), *extra)
+        return (*_as_results((dq, q, False), (dk, k, True), (dv, v, True)), *extra)
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
@@ -87,7 +87,7 @@ def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],
         acc, lse = run(hs, slice(0, q.shape[1]))
         if sink is not None:
             fold_sink(acc, lse, sink)
-        return as_result(acc, q), lse
+        return _as_result(acc, q), lse
     shape = (*q.shape[:3], v.shape[-1])  # in q's memory order, as one group's result and torch's kernels have it
     out = torch.empty_strided(shape, strides_like(shape, q), dtype=q.dtype, device=q.device)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -101,16 +101,16 @@ def forward_by_heads(q: torch.Tensor, v: torch.Tensor, heads: list[slice],
     return out, lse
 
 
-def as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False) -> torch.Tensor:
+def _as_result(acc: torch.Tensor, like: torch.Tensor, any_strides: bool = False) -> torch.Tensor:
     """``acc`` itself when it already has ``like``'s dtype (and strides), else a copy shaped like ``like``.
 
     Avoids one full-size copy per tensor for fp32 inputs (the accumulators are fp32).
     """
-    return as_results((acc, like, any_strides))[0]
+    return _as_results((acc, like, any_strides))[0]
 
 
-def as_results(*items: tuple[torch.Tensor, torch.Tensor, bool]) -> list[torch.Tensor]:
-    """:func:`as_result` of each ``(acc, like, any_strides)``; the copies made in ONE :func:`foreach_into`
+def _as_results(*items: tuple[torch.Tensor, torch.Tensor, bool]) -> list[torch.Tensor]:
+    """:func:`_as_result` of each ``(acc, like, any_strides)``; the copies made in ONE :func:`foreach_into`
     (one launch on CUDA for up to 4)."""
     got, dsts, srcs = [], [], []
     for acc, like, any_strides in items:

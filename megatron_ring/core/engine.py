@@ -39,10 +39,10 @@ from megatron_ring.core.plan import RingPlan, for_heads
 from megatron_ring.core.rotation import divisor_at_most
 from megatron_ring.core.views import block_cols, covers, strides_like
 
-__all__ = ["ring_forward", "ring_backward", "refuse_on_ring", "query_heads", "pieces_of"]
+__all__ = ["ring_forward", "ring_backward", "refuse_on_ring", "query_heads"]
 
 
-def pieces_of(plan: RingPlan, k: torch.Tensor) -> int:
+def _pieces(plan: RingPlan, k: torch.Tensor) -> int:
     """Pieces per K/V block on this ring: the largest divisor of the K/V heads within ``plan.pieces``."""
     return 1 if plan.ring.world == 1 else divisor_at_most(k.shape[1], plan.pieces)
 
@@ -68,7 +68,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     b, h, s, _ = q.shape
     steps = plan.steps(s)
     with breakdown.section(0, "copies"):
-        kv = KVStream(plan, k, v, "fwd_kv", pieces_of(plan, k), steps, refusal)
+        kv = KVStream(plan, k, v, "fwd_kv", _pieces(plan, k), steps, refusal)
     out = torch.empty_strided((b, h, s, v.shape[-1]), strides_like((b, h, s, v.shape[-1]), q),
                               dtype=torch.float32, device=q.device)
     lse = q.new_empty((b, h, s), dtype=torch.float32)
@@ -140,7 +140,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     s = q.shape[2]
     world = plan.ring.world
     breakdown.set_phase("bwd")
-    n = pieces_of(plan, k)
+    n = _pieces(plan, k)
     steps = plan.steps(s)
     whole = plan.runs_whole_blocks(q)
     # a variable-length kernel takes the lse with +inf where a row sees no key; a row sees none only where there

@@ -19,6 +19,7 @@ import torch
 
 from megatron_ring.core.foreach_triton import ADD, COPY, FLIP, ZERO, foreach_triton  # Triton at its first launch only
 from megatron_ring.core.launch import DIRECT, REFERENCE, has_triton, route
+from megatron_ring.kernels.varlen import no_key_as
 
 __all__ = ["foreach_into", "foreach_reference"]
 
@@ -33,7 +34,7 @@ def foreach_reference(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None],
         elif mode == COPY:
             dst.copy_(src)
         elif mode == FLIP:
-            dst.copy_(src.masked_fill(src == float("-inf"), float("inf")))
+            dst.copy_(no_key_as(src, float("inf")))  # a variable-length kernel's lse convention
         else:
             dst.zero_()
 

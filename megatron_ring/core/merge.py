@@ -19,6 +19,7 @@ import torch
 
 from megatron_ring.core.launch import DIRECT, OP, has_triton, route
 from megatron_ring.core.merge_triton import merge_triton  # imports Triton at its first launch only
+from megatron_ring.kernels.varlen import no_key_as
 
 __all__ = ["merge_into", "merge_reference"]
 
@@ -27,7 +28,7 @@ def merge_reference(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch
                     blk_lse: torch.Tensor, fresh: bool = False, posinf_empty: bool = False) -> None:
     """The merge as a torch expression (the CPU path and the fused kernel's reference); see :func:`merge_into`."""
     if posinf_empty:  # the kernel's +inf for a row that sees no key: ours is -inf
-        blk_lse = blk_lse.masked_fill(blk_lse == float("inf"), float("-inf"))
+        blk_lse = no_key_as(blk_lse, float("-inf"))
     if fresh:
         acc_out.copy_(blk_out)
         acc_lse.copy_(blk_lse)

@@ -81,7 +81,7 @@ class RingPlan:
             return self.kernel, task.causal, {}
         if kind is TaskKind.REVERSED:  # key >= query: top-left causal on reversed rows, unmasked
             return ReversedKernel(self.kernel), True, {}
-        kernel = mask_kernel(self.kernel)
+        kernel = masked_kernel(self.kernel)
         kw = {"mask": task.explicit_mask()}
         if getattr(kernel, "takes_kernel_lse", False):  # its lse in its own convention (kernels/varlen.py)
             kw["kernel_lse"] = True
@@ -110,12 +110,6 @@ class RingPlan:
         ``s * world`` tokens of the stream."""
         m = self.mask
         return m is not None and m.cu_seqlens is not None and m.cu_seqlens[-1] < s * self.ring.world
-
-
-def mask_kernel(kernel: BlockKernel) -> BlockKernel:
-    """The kernel for tasks with an explicit mask (kernels/varlen.py): the variable-length flash kernel for a
-    fused CUDA kernel, ``kernel`` if it takes masks, else the math kernel."""
-    return masked_kernel(kernel)
 
 
 def for_heads(plan: RingPlan, qs: slice) -> RingPlan:

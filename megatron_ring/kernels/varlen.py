@@ -38,7 +38,7 @@ from megatron_ring.kernels.head_dim import HeadDimPadKernel
 from megatron_ring.kernels.varlen_plan import SegmentPlan, VarlenCall, plan_for, visible_in_segment
 
 __all__ = ["VarlenFlashCudaKernel", "VarlenCPUKernel", "masked_kernel", "whole_blocks", "cpu_stand_in", "COUNTS",
-           "FUSED_CUDA"]
+           "FUSED_CUDA", "no_key_as"]
 
 #: masked tasks run, by kernel: "varlen_cuda", "varlen_cpu", "math" (a fallback: the case or the mask does not fit)
 COUNTS: Counter = Counter()
@@ -72,7 +72,7 @@ def _bhsd(x: torch.Tensor, b: int) -> torch.Tensor:
     return x.view(b, n // b, h, d).transpose(1, 2)
 
 
-def _no_key_as(lse: torch.Tensor, value: float) -> torch.Tensor:
+def no_key_as(lse: torch.Tensor, value: float) -> torch.Tensor:
     """``lse`` with its infinite entries (rows that see no key: +inf in the kernel's convention, -inf in the
     engine's) set to ``value``, in one element-wise kernel (NaN stays NaN); finite entries unchanged."""
     return lse.nan_to_num(nan=float("nan"), posinf=value, neginf=value)
@@ -128,18 +128,18 @@ class _VarlenKernel(BlockKernel):
             for call, o, l_ in results:
                 out[:, :, call.q] = o
                 lse[:, :, call.q] = l_
-        return out, lse if kernel_lse else _no_key_as(lse, float("-inf"))  # rows that see no key: our -inf
+        return out, lse if kernel_lse else no_key_as(lse, float("-inf"))  # rows that see no key: our -inf
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, kernel_lse=False):
         """``kernel_lse``: ``lse`` is already +inf (not -inf) where a row sees no key."""
         plan = self._plan(q, v, mask)
         if plan is None:
             if kernel_lse:
-                lse = _no_key_as(lse, float("-inf"))
+                lse = no_key_as(lse, float("-inf"))
             return _MATH.backward(dout, q, k, v, out, lse, causal, scale, mask=mask)
         b, h = q.shape[:2]
         # the kernel's lse layout [heads, rows] with +inf where a row sees no key (the forward's values)
-        lse_k = (lse if kernel_lse else _no_key_as(lse, float("inf"))).transpose(0, 1)
+        lse_k = (lse if kernel_lse else no_key_as(lse, float("inf"))).transpose(0, 1)
         grads = []
         for call, (cq, ck) in zip(plan.calls, plan.cum(q.device, b)):
             dq, dk, dv = self._bwd(_thd(dout[:, :, call.q]), _thd(q[:, :, call.q]), _thd(k[:, :, call.kv]),

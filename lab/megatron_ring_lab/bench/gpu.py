@@ -94,7 +94,7 @@ def kernel_kind(name: str) -> str:
         return "lists"
     if any(w in low for w in ("flash", "fmha", "cudnn", "attention", "sdpa", "cutlass_sm")):
         return "attention"
-    if any(w in low for w in ("memcpy", "memset", "copy", "fill", "direct_copy")):
+    if any(w in low for w in ("memcpy", "memset", "copy", "fill")):
         return "copies"
     return "other"
 
