@@ -3,8 +3,8 @@ case (the FP8 and fp16 wires included: their value checks stay on the device, co
 
 The calls run on CPU tensors over the loopback transport, with the device seam's fake CUDA device
 (:class:`fake_device.FakeCuda`) installed for ``cpu``: the engine then takes the CUDA code path (its status
-codes copied to the host without blocking at the end of the forward ring and read at the start of the
-backward ring, not read in the forward as on a real CPU) while the ops still compute.
+codes copied to the host without blocking at the end of the forward ring and read in the backward ring,
+before its first exchange, not read in the forward as on a real CPU) while the ops still compute.
 :class:`fake_device.HostReadCounter` counts every host read of a value derived from q, k, v (taint tracked
 through every op: ``item``/``bool``/``int`` (``_local_scalar_dense``), ``nonzero``, ``equal``, ``tolist``,
 ``numpy``, ...) and the fake device's host waits. Host-side plan tensors (positions, masks) are not
@@ -13,7 +13,8 @@ derived from the inputs and do not count.
 Host-to-device copies (the other direction) are counted on the fake CUDA tier, where host and device
 tensors differ: ``tests/fake_cuda/test_host_transfers.py`` (:class:`fake_device.HostTransferCounter`).
 
-The one read the refusal protocol keeps: the status codes' host copy at the start of the backward ring; it
+The one read the refusal protocol keeps: the status codes' host copy, read by the backward ring after its set-up
+and before its first exchange; it
 waits only if the device has not reached the end of that call's forward ring (counted below as a host wait
 when the fake device says the copy is not complete yet).
 """
@@ -140,6 +141,68 @@ def test_a_host_that_runs_ahead_waits_once_per_ring_at_the_status_read():
     K/V pieces share the ring's status)."""
     per_call = count_syncs(SyncCase(P=2, heads=(4, 4), kv_pieces=2), dev=FakeCuda(events_done=False))
     assert per_call[-1] == {"host wait (event)": 1}, per_call
+
+
+def _order_of_the_status_read(monkeypatch, kv_pieces: int = 1) -> list[str]:
+    """What happens around the backward's status read on the CUDA path, in order: the backward's K/V written into
+    its wire slots (``bwd kv write``), the host wait for the forward's end (``wait``; the fake device says the
+    copy is not complete: a host that runs ahead), the exchanges by channel."""
+    from megatron_ring.core import kv_stream
+    from megatron_ring.transport import ring as ring_mod
+
+    log: list[str] = []
+    dev = FakeCuda(events_done=False)
+    waits = dev.wait_event_host
+    monkeypatch.setattr(dev, "wait_event_host", lambda event: (log.append("wait"), waits(event))[1])
+    writes = kv_stream.foreach_into
+
+    def write(dsts, srcs, **kw):
+        log.append("kv write")
+        return writes(dsts, srcs, **kw)
+
+    monkeypatch.setattr(kv_stream, "foreach_into", write)
+    exchange = ring_mod.LoopbackRing.exchange
+    monkeypatch.setattr(ring_mod.LoopbackRing, "exchange",
+                        lambda self, send, recv, channel, step: (log.append(channel), exchange(self, send, recv,
+                                                                                              channel, step))[1])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 4, 16, generator=g).requires_grad_() for _ in range(3))
+    with device.use("cpu", dev):
+        ring_attention(q, k, v, causal=True, ring=LoopbackRing(2, 1, q.device), kv_pieces=kv_pieces).sum().backward()
+    return log
+
+
+def _read_after_set_up(log: list[str]) -> bool:
+    """The wait comes after the backward's K/V write and before any backward exchange."""
+    at = log.index("wait")
+    backward = [i for i, x in enumerate(log) if x.startswith("bwd_")]
+    writes = [i for i, x in enumerate(log) if x == "kv write"]
+    return log.count("wait") == 1 and writes[-1] < at < backward[0]
+
+
+@pytest.mark.parametrize("kv_pieces", [1, 2])
+def test_the_status_read_waits_after_the_backward_set_up_before_its_first_exchange(monkeypatch, kv_pieces):
+    """Where the host must wait for the forward's end (a backward that follows its forward at once: activation
+    recomputation, a benchmark of one call), the backward's set-up is already launched by then (its buffers,
+    its K/V written into the wire), and no backward exchange is: a rank that refused is not on this ring."""
+    log = _order_of_the_status_read(monkeypatch, kv_pieces)
+    assert _read_after_set_up(log), log
+
+
+def test_the_status_read_order_check_fails_on_a_read_before_the_set_up(monkeypatch):
+    """Negative control: the read at the very start of the backward ring (before its K/V write), as it was."""
+    from megatron_ring.core import engine
+
+    made = engine.KVStream
+
+    def read_first(plan, *args, **kw):
+        if args[2] == "bwd_kv":
+            plan.checks.check()
+        return made(plan, *args, **kw)
+
+    monkeypatch.setattr(engine, "KVStream", read_first)
+    log = _order_of_the_status_read(monkeypatch)
+    assert not _read_after_set_up(log), log
 
 
 def test_a_device_side_refusal_still_raises_on_every_rank():

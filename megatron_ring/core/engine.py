@@ -136,7 +136,6 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
     ``out`` and ``lse`` are the forward's final (global) output and log-sum-exp for the local queries.
     """
-    plan.checks.check()  # raises if the forward ring carried a failing rank's code (CUDA)
     s = q.shape[2]
     world = plan.ring.world
     breakdown.set_phase("bwd")
@@ -169,6 +168,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                                                      for qs, _ in pieces)]
     owns = [None if lse_own is None else _heads(qs, q.shape[1], lse_own)[0].contiguous() for qs, _ in pieces]
     lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
+    _check_forward(plan, kv)
     for step in range(steps):
         tasks = first if step == 0 else plan.tasks(step, s, whole)
         for j, (_, piece_plan) in enumerate(pieces):
@@ -187,6 +187,19 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         dkv.advance()
     kv.release(world)
     return (dq, *dkv.result(world))
+
+
+def _check_forward(plan: RingPlan, kv: KVStream) -> None:
+    """Raise if the forward ring carried a failing rank's code (CUDA: :class:`~.status.PendingChecks`), before the
+    backward's first exchange: a rank that refused is not on this ring. Read after the backward's set-up (its
+    buffers, the K/V written into the wire), so where the backward follows its forward at once (a benchmark,
+    activation recomputation) and the host waits for the forward's end, that work is already launched. On a
+    refusal the wire slots go back to the pool (nothing is in flight yet)."""
+    try:
+        plan.checks.check()
+    except BaseException:
+        kv.release(0)
+        raise
 
 
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,

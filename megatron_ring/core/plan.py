@@ -33,7 +33,7 @@ class RingPlan:
     mask: AttentionMask | None = None  # documents / window (None: the layout's causal or full structure)
     dropout: DropoutSpec | None = None  # attention dropout by global positions (see kernels/dropout.py)
     pieces: int = 1  # K/V heads pieces a ring step streams a block in, at most (see rotation.py)
-    #: status codes the forward ring left to check at the start of the backward ring (CUDA; core/status.py);
+    #: status codes the forward ring left to check before the backward ring's first exchange (CUDA; core/status.py);
     #: shared by the plans derived from this one (dataclasses.replace keeps the object)
     checks: PendingChecks = field(default_factory=PendingChecks, compare=False, repr=False)
     #: in a collective strategy's call: where a refusal is recorded (strategies/refusal.py), else None

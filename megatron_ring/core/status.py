@@ -20,9 +20,12 @@ is refused before its K/V could be encoded runs the same K/V stream with zeros a
 * a device whose host reads are free (CPU, gloo): at the end of the forward ring (every wait there is a
   host wait anyway);
 * a device with streams (CUDA): the codes are copied to host memory (pinned, ``non_blocking``) at the end
-  of the forward ring, and read at the start of the backward ring (the first place a missing rank would
-  make the others wait). The read first asks whether the copy's event is complete
-  (:meth:`~megatron_ring.device.DeviceOps.event_done`, never blocks); only if the device has not reached
+  of the forward ring, and read by the backward ring before its first exchange (the first place a missing
+  rank would make the others wait), after the backward's set-up (its buffers, the K/V written into the wire)
+  is launched: where a backward follows its forward at once (activation recomputation, a benchmark of one
+  call) and the host must wait for the forward's end, that work is launched before the wait. The read first
+  asks whether the copy's event is complete (:meth:`~megatron_ring.device.DeviceOps.event_done`, never
+  blocks); only if the device has not reached
   the end of this call's forward ring yet does the host wait for it (one device-to-host synchronisation,
   on a copy of P codes). In training the backward of a layer starts after the forward of every
   later layer and the loss, so the copy is long complete: steady state makes no host sync;
@@ -84,7 +87,7 @@ class StatusRecorder(Protocol):
 
 
 class PendingChecks:
-    """Status codes a forward ring left to check at the start of the backward ring (devices with streams,
+    """Status codes a forward ring left to check in the backward ring, before its first exchange (devices with streams,
     see the module doc): host copies with the event that completes each. One per plan, an explicit field
     of :class:`~megatron_ring.core.plan.RingPlan`.
 
