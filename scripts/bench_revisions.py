@@ -36,7 +36,8 @@ size ``--iters`` calls, default 7) in one worker process per revision, sizes and
 alternating between rounds after a dropped warm-up round; printed per size: each revision's median host ms per
 call and efficiency, launches per call, and the median over rounds of the slowest rank's time B/A with its
 spread; then, where a revision's rows carry it, the slowest rank's kernel GPU time by kind (attention, merge,
-list op, copies, other) beside the one-GPU reference's attention kernels. ``--trees A B``: two prepared trees (``rev_a``, ``rev_b`` then only name them), for a machine without
+list op, copies, other) beside the one-GPU reference's attention kernels, and the host time by part (forward,
+backward, and under cProfile the attention ops, other ops, Triton, this library's Python, the rest). ``--trees A B``: two prepared trees (``rev_a``, ``rev_b`` then only name them), for a machine without
 this repository's git history (a lent GPU gets the working tree only).
 
     .venv/bin/python scripts/bench_revisions.py aa3e893 HEAD --outputs
@@ -274,7 +275,8 @@ for line in sys.stdin:
                 iters=cfg["iters"], docs=cfg["docs"], device=cfg["device"])
     keys = ("efficiency", "host_ms", "ring_slowest_rank_ms", "one_device_ms", "launches",
             "reference_kernel_ms_attention")
-    print("ROW " + json.dumps({k: v for k, v in r.items() if k in keys or k.startswith("kernel_ms_")}), flush=True)
+    print("ROW " + json.dumps({k: v for k, v in r.items() if k in keys or k.startswith(("kernel_ms_", "host_ms_"))}),
+          flush=True)
 """
 
 
@@ -319,30 +321,34 @@ def _gpu_rows(trees: list[str], a) -> list[dict]:
         print(f"| {s[0]} | {s[1]} | {med(ra, 'host_ms'):.2f} / {med(rb, 'host_ms'):.2f} | {med(ra, 'efficiency'):.3f} "
               f"/ {med(rb, 'efficiency'):.3f} | {ra[0]['launches']} / {rb[0]['launches']} | {row['ratio']:.3f} "
               f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) |", flush=True)
-    _print_kernel_kinds(sizes, got, a)
+    _print_kinds(sizes, got, a, "kernel_ms_", "kernel GPU ms", "reference_kernel_ms_attention")
+    _print_kinds(sizes, got, a, "host_ms_", "host ms")
     return rows
 
 
-def _print_kernel_kinds(sizes: list[tuple], got: dict, a) -> None:
-    """Where a revision's rows carry the kernel breakdown (CUDA; the row's ``kernel_ms_<kind>`` fields): the slowest
-    rank's kernel GPU ms by kind, medians over rounds, each revision, and the one-GPU reference's attention kernels
-    ("-": the revision reports none)."""
-    kinds = [k.removeprefix("kernel_ms_") for k in next(
-        (r for rows in got.values() for r in rows if r.get("kernel_ms_attention") is not None), {})
-        if k.startswith("kernel_ms_")]
+def _print_kinds(sizes: list[tuple], got: dict, a, prefix: str, what: str, reference: str | None = None) -> None:
+    """Where a revision's rows carry a breakdown (the row's ``<prefix><kind>`` fields: the kernel GPU time by kind on
+    CUDA, the host time by part): the slowest rank's call by kind, medians over rounds, each revision ("-": the
+    revision reports none), and the ``reference`` field beside them (the one-GPU reference's attention kernels)."""
+    kinds = [k.removeprefix(prefix) for k in next(
+        (r for rows in got.values() for r in rows if any(k.startswith(prefix) and v is not None for k, v in r.items())),
+        {}) if k.startswith(prefix)]
     if not kinds:
         return
 
     def by_kind(rows_: list[dict]) -> str:
-        vals = [[r.get(f"kernel_ms_{k}") for r in rows_] for k in kinds]
+        vals = [[r.get(prefix + k) for r in rows_] for k in kinds]
         return " / ".join("-" if None in v else f"{statistics.median(v):.2f}" for v in vals)
-    print(f"\nkernel GPU ms of the slowest rank's call by kind ({' / '.join(kinds)}):\n"
-          f"| P | tokens per rank | {a.rev_a} | {a.rev_b} | reference attention |\n|---|---|---|---|---|", flush=True)
+    print(f"\n{what} of the slowest rank's call by kind ({' / '.join(kinds)}):\n"
+          f"| P | tokens per rank | {a.rev_a} | {a.rev_b} |" + (" reference attention |" if reference else "")
+          + "\n|---|---|---|---|" + ("---|" if reference else ""), flush=True)
     for s in sizes:
         ra, rb = got[(0, s)], got[(1, s)]
-        ref = [r["reference_kernel_ms_attention"] for r in ra + rb if r.get("reference_kernel_ms_attention") is not None]
-        print(f"| {s[0]} | {s[1]} | {by_kind(ra)} | {by_kind(rb)} | {f'{statistics.median(ref):.2f}' if ref else '-'} |",
-              flush=True)
+        line = f"| {s[0]} | {s[1]} | {by_kind(ra)} | {by_kind(rb)} |"
+        if reference:
+            ref = [r[reference] for r in ra + rb if r.get(reference) is not None]
+            line += f" {f'{statistics.median(ref):.2f}' if ref else '-'} |"
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -109,6 +109,28 @@ def test_gpu_row_runs_on_cpu_dense_and_packed():
         assert row["layout"] == ("striped" if docs else "zigzag") and (row["docs"] > 1) == docs
         assert row["reference"] == ("per-document sdpa" if docs else "sdpa")
         assert row["launches"] is None and row["peak_gib"] is None  # CUDA only
+        # the host split: the forward and the backward apart, the attention ops' host time apart from the others'
+        assert row["host_ms_forward"] > 0 and row["host_ms_backward"] > 0
+        assert row["host_ms_attention_ops"] > 0 and row["host_ms_other_ops"] > 0 and row["host_ms_ours"] > 0
+        assert row["host_ms_triton"] == 0 and row["host_ops"] > 10  # no Triton on CPU
+
+
+def test_gpu_row_host_kinds():
+    """The host split's kinds, on the entries cProfile gives: an attention op apart from other torch ops, Triton's
+    Python and its launcher (a built-in only Triton calls), this library's Python apart from the lab's and the
+    rest; a built-in that is no torch op (``isinstance``) is Python."""
+    from megatron_ring_lab.bench.gpu import host_kind
+
+    torch_op = "<built-in method torch._ops.aten._scaled_dot_product_cudnn_attention>"
+    assert host_kind("~", torch_op) == "attention_ops"
+    assert host_kind("~", "<method 'copy_' of 'torch._C.TensorBase' objects>") == "other_ops"
+    assert host_kind("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>") == "other_ops"
+    assert host_kind("/x/site-packages/triton/runtime/jit.py", "run") == "triton"
+    assert host_kind("~", "<built-in method launch>", ["/x/triton/backends/nvidia/driver.py"]) == "triton"
+    assert host_kind("~", "<built-in method builtins.isinstance>", ["/w/megatron_ring/core/engine.py"]) == "python"
+    assert host_kind("/w/megatron_ring/core/engine.py", "ring_forward") == "ours"
+    assert host_kind("/w/lab/megatron_ring_lab/bench/gpu.py", "step") == "python"
+    assert host_kind("/x/site-packages/torch/autograd/function.py", "apply") == "python"
 
 
 def test_gpu_row_kernel_kinds():

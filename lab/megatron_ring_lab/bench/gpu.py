@@ -14,6 +14,11 @@ A row (:func:`gpu_row`) reports, besides the efficiency:
   ``merge``, ``lists`` (the list op), ``copies``, ``other``; same profiler pass), and
   ``reference_kernel_ms_attention``, the one-GPU reference's attention kernels: where the ring's attention
   kernels x P exceed the reference's, the gap is in the kernels on shorter blocks, else in the rest;
+* where the slowest rank's host time goes: ``host_ms_forward``, ``host_ms_backward`` (no profiler; each part
+  launched and not waited for, medians), and under ``cProfile`` (:func:`host_split`) ``host_ms_attention_ops``
+  (their host work, cuDNN's included), ``host_ms_other_ops`` (every other torch op, autograd's engine),
+  ``host_ms_triton`` (Triton's launches), ``host_ms_ours`` (this library's Python), ``host_ms_python`` (the rest)
+  and ``host_ops`` (torch ops called from Python per call);
 * ``peak_gib``: peak GPU memory of one call above what the inputs hold;
 * ``graphed_*`` (``graphed=True``): the same call captured once into a CUDA graph and replayed (forward and
   backward, ``torch.autograd.grad``), its time and efficiency; a capture that fails is reported, not raised;
@@ -24,7 +29,8 @@ A row (:func:`gpu_row`) reports, besides the efficiency:
   missing, named in ``reference``).
 
 ``device="cpu"`` runs the same row on CPU (host clock; no launches, memory or graphs): how the lab's tests
-check it without a GPU. Every field ran on an H200 on 2026-11-27 (docs/performance.md has the table).
+check it without a GPU. Every field ran on an H200 on 2026-11-27 (docs/performance.md has the table), except the
+kernel breakdown by kind and the host split, added after that run.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ from megatron_ring.api import ring_attention
 from megatron_ring.schedules.layouts import get_layout
 from megatron_ring.transport.ring import LoopbackRing
 
-__all__ = ["gpu_row", "packed_lengths", "kernel_kind", "KERNEL_KINDS"]
+__all__ = ["gpu_row", "packed_lengths", "kernel_kind", "KERNEL_KINDS", "host_split", "host_kind", "HOST_KINDS"]
 
 
 def packed_lengths(seq: int, seed: int = 0) -> list[int]:
@@ -111,6 +117,75 @@ def _profile(fn) -> tuple[int, dict[str, float]]:
     for e in kernels:
         ms[kernel_kind(e.name)] += e.time_range.elapsed_us() / 1e3
     return len(kernels), ms
+
+
+def _host_parts(call: Callable[[], torch.Tensor], dev: torch.device, iters: int) -> tuple[float, float]:
+    """Median host ms of ``call()`` (the forward) and of its ``.sum().backward()``, each launched and not waited
+    for (the device drained before each part: what the host spends, not what it waits for in a full queue)."""
+    fwd, bwd = [], []
+    for _ in range(iters):
+        _drain(dev)
+        t0 = time.perf_counter()
+        out = call()
+        fwd.append((time.perf_counter() - t0) * 1e3)
+        loss = out.sum()
+        _drain(dev)
+        t0 = time.perf_counter()
+        loss.backward()
+        bwd.append((time.perf_counter() - t0) * 1e3)
+    _drain(dev)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _drain(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+#: where a call's host time goes, in :func:`host_split` (``host_ms_<kind>``)
+HOST_KINDS = ("attention_ops", "other_ops", "triton", "ours", "python")
+
+
+def host_split(fn: Callable[[], Any], dev: torch.device, calls: int = 3) -> dict[str, float | int]:
+    """Host ms per call of ``fn`` by where it goes, under ``cProfile`` with autograd's backward on the calling thread
+    (``torch.autograd.set_multithreading_enabled(False)``: on CUDA it runs on a device thread cProfile does not
+    see), each function's own time summed by :func:`host_kind`: the attention ops (their host work: argument
+    checks, cuDNN's graph look-up, the launch), every other torch op called from Python (and autograd's C++ engine
+    with the ops it runs itself), Triton's launches (its Python and its launcher), this library's Python, and the
+    rest of the Python; ``host_ops``: torch ops called from Python per call. cProfile adds a cost to every Python
+    call, so the Python parts read high: compare calls measured the same way."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    with torch.autograd.set_multithreading_enabled(False):
+        fn()  # warm (a first call under the setting)
+        _drain(dev)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        _drain(dev)
+    split = dict.fromkeys(HOST_KINDS, 0.0)
+    ops = 0
+    for (file, _, name), (_, ncalls, own, _, callers) in pstats.Stats(prof).stats.items():
+        kind = host_kind(file, name, [c[0] for c in callers])
+        split[kind] += own * 1e3 / calls
+        ops += ncalls if kind in ("attention_ops", "other_ops") else 0
+    return {**{f"host_ms_{k}": v for k, v in split.items()}, "host_ops": round(ops / calls)}
+
+
+def host_kind(file: str, name: str, caller_files: list[str] = ()) -> str:
+    """The kind of a ``cProfile`` entry (:data:`HOST_KINDS`): a function of Triton's, or a built-in Triton's code
+    calls (its launcher); an attention op; another torch op or method (``torch._ops``, a tensor method, a torch
+    built-in, autograd's engine); this library's Python; anything else."""
+    if "triton" in file or (file == "~" and caller_files and all("triton" in c for c in caller_files)):
+        return "triton"
+    if file == "~":
+        if "torch" in name or "Tensor" in name or "_EngineBase" in name:
+            return "attention_ops" if "attention" in name else "other_ops"
+        return "python"
+    return "ours" if "megatron_ring" in file and "megatron_ring_lab" not in file else "python"
 
 
 def _peak_gib(fn, dev: torch.device) -> float:
@@ -207,11 +282,14 @@ def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
            "docs": len(cu) - 1 if cu else 0, "reference": ref_name,
            "ring_slowest_rank_ms": work, "ring_total_ms": work * world, "one_device_ms": one,
            "efficiency": one / (work * world), "host_ms": host, "launches": None, "peak_gib": None}
-    if dev.type != "cuda":
-        return row
 
     def step():
         call().sum().backward()
+
+    row["host_ms_forward"], row["host_ms_backward"] = _host_parts(call, dev, iters)
+    row.update(host_split(step, dev))
+    if dev.type != "cuda":
+        return row
 
     row["launches"], kinds = _profile(step)
     row.update({f"kernel_ms_{k}": v for k, v in kinds.items()})
