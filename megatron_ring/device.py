@@ -156,6 +156,8 @@ class CudaOps(DeviceOps):
         return host, self.record_event()
 
     def give_host(self, host):
+        if host.is_inference():  # made under torch.inference_mode(): nothing may write it outside that mode
+            return
         free = self._pinned.setdefault((tuple(host.shape), host.dtype), [])
         if len(free) < self.PINNED_PER_SHAPE:
             free.append(host)

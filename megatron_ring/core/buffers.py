@@ -7,7 +7,10 @@ gives them back when a ring is over. On CUDA torch's caching allocator already r
 about streams, so the pool stays out of the way there (``take`` allocates, ``give`` drops).
 
 A buffer is given back only after every exchange that touches it has been waited for, and never while
-a caller can still see it (the dK/dV buffer that becomes the returned gradient is not given back).
+a caller can still see it (the dK/dV buffer that becomes the returned gradient is not given back). A buffer
+made under ``torch.inference_mode()`` is an inference tensor, which torch lets nothing write outside that
+mode: the pool does not keep one (a later call in training would fail writing its K/V into it); a buffer
+made outside, taken and written in inference mode, is kept as any other.
 
 A ring's K/V slots are taken and given back as ONE :class:`SlotSet` (keyed by the ring's wire signature),
 which keeps what the engine derives from its buffers (the decoded K/V views of each slot), so a later ring
@@ -51,9 +54,10 @@ class BufferPool:
         return torch.empty(int(numel), dtype=dtype, device=device)
 
     def give(self, *tensors: torch.Tensor) -> None:
-        """Return buffers obtained from :meth:`take` (no one may use them afterwards)."""
+        """Return buffers obtained from :meth:`take` (no one may use them afterwards); kept on CPU only, and not
+        an inference tensor (see the module doc)."""
         for t in tensors:
-            if t.device.type != "cpu":
+            if t.device.type != "cpu" or t.is_inference():
                 continue
             self._keep((t.numel(), t.dtype, t.device), t)
 
@@ -71,8 +75,8 @@ class BufferPool:
 
     def give_set(self, slots: SlotSet) -> None:
         """Return a set obtained from :meth:`take_set` (no one may use its buffers or views afterwards);
-        kept on CPU only, as :meth:`give`."""
-        if slots.buffers and slots.buffers[0].device.type != "cpu":
+        kept on CPU only and not if made in inference mode, as :meth:`give`."""
+        if slots.buffers and (slots.buffers[0].device.type != "cpu" or slots.buffers[0].is_inference()):
             return
         self._keep(slots.key, slots, max(1, self.per_key // len(slots.buffers)))  # per_key buffers at most
 
