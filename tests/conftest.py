@@ -22,6 +22,11 @@ _LAB = str(pathlib.Path(__file__).resolve().parents[1] / "lab")
 if _LAB not in sys.path:
     sys.path.insert(1, _LAB)
 
+# The benchmarks launch their workers as fresh spawned processes so that glibc reads their MALLOC_* settings at start
+# (their memory columns); the tests check the benchmarks' plumbing, not those figures, so their workers come from
+# the fork server too (a spawned worker imports torch again: ~8 s per launch on a 2-core machine).
+os.environ.setdefault("MEGATRON_RING_START_METHOD", "forkserver")
+
 if not torch.cuda.is_available():
     os.environ.setdefault("MEGATRON_RING_PRELOAD", "megatron.core.models.gpt,"
                                                    "megatron.core.models.gpt.gpt_layer_specs,megatron_ring.megatron")
