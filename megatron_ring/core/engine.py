@@ -33,6 +33,7 @@ from megatron_ring import breakdown
 from megatron_ring.core.accumulators import Accumulators, add_all
 from megatron_ring.core.foreach import foreach_into
 from megatron_ring.core.kv_stream import KVStream
+from megatron_ring.core.launch import gathers_adds
 from megatron_ring.core.max_logit import fold_task_max
 from megatron_ring.core.merge import merge_into
 from megatron_ring.core.plan import RingPlan, for_heads
@@ -216,7 +217,7 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     On CUDA every add of the step (dQ, dK, dV of each task) is ONE :func:`foreach_into` after the wait
     (one launch for up to 4 adds, where torch's ``_foreach_add_`` would loop: fp32 accumulators, bf16 blocks);
     on CPU each dQ is added as soon as its task is done (its block freed at once)."""
-    fused = dq.device.type == "cuda"
+    fused = gathers_adds(dq)
     partial: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
     adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]] = []  # CUDA: (accumulator, its rows, view, block)
     s, sk = q.shape[2], kt.shape[2]

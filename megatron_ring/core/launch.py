@@ -17,7 +17,7 @@ import importlib.util
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["REFERENCE", "DIRECT", "OP", "route", "has_triton", "direct_launch_ok"]
+__all__ = ["REFERENCE", "DIRECT", "OP", "route", "has_triton", "direct_launch_ok", "gathers_adds"]
 
 REFERENCE, DIRECT, OP = "reference", "direct", "op"
 
@@ -39,3 +39,9 @@ def route(first: torch.Tensor, *tensors: torch.Tensor) -> str:
     if first.device.type != "cuda" or not has_triton():
         return REFERENCE
     return DIRECT if direct_launch_ok(first, *tensors) else OP
+
+
+def gathers_adds(t: torch.Tensor) -> bool:
+    """Whether the backward gathers a step's gradient adds into list ops (core/accumulators.py ``add_all``) for
+    tensors like ``t``: on CUDA, where each op is a launch; on CPU each dQ is added as soon as its task is done."""
+    return t.device.type == "cuda"

@@ -1,0 +1,129 @@
+"""The whole engine on its CUDA code path with its two Triton kernels run in Triton's interpreter, on CPU tensors,
+against the float64 reference: outputs and gradients of every rank.
+
+The kernels' own tests (test_triton_kernels.py) check each kernel against its torch reference on chosen tensors;
+here they run as the engine calls them, on the tensors it hands them: row-slice views of the accumulators, the
+visiting block's status rider, fresh merges, K/V written into the wire slots with their status zeroed, every
+gradient add of a backward step gathered into list ops, the results converted to the caller's dtype. How: the
+fake CUDA device (tests/helpers/fake_device.py) gives the engine its CUDA flow (status read in the backward), the
+backward gathers its adds as on CUDA (``launch.gathers_adds``), and the merge and the list op take their direct
+Triton route (``launch.route``), interpreted (``TRITON_INTERPRET=1``). Each rank is a thread of one ThreadRing;
+the interpreter patches ``triton.language`` while a kernel runs, so launches are serialised by a lock.
+
+Negative controls: a list op whose adds copy instead, and a merge that takes every block as the first one, each
+fail the comparison (the kernels are on the path, and the check can fail)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+# the merge computes 1 / total and log(total) for every row and keeps 0 and -inf where a row sees no key (a padding
+# token): numpy, which runs the interpreted kernel, warns about the division and the log of 0 it was told to do
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+
+from megatron_ring import device, ring_attention  # noqa: E402
+from megatron_ring.core import engine, foreach, foreach_triton, launch, merge, merge_triton  # noqa: E402
+from megatron_ring.schedules.layouts import get_layout  # noqa: E402
+from tests.helpers.fake_device import FakeCuda  # noqa: E402
+from tests.helpers.numerics import max_err, score_bound, tol  # noqa: E402
+from tests.helpers.reference import feature_reference, outputs_and_grads  # noqa: E402
+from tests.helpers.ring_fakes import run_threads  # noqa: E402
+
+# (P, layout, causal, heads (h, h_kv), head dims (qk, v), dtype, format, extra ring_attention arguments)
+CASES = {
+    "causal-gqa-pieces": (2, "zigzag", True, (4, 2), (16, 16), torch.float32, "bshd", dict(kv_pieces=2)),
+    "full-bf16-wire": (3, "striped", False, (2, 2), (16, 16), torch.bfloat16, "sbhd", dict(comm_dtype="bf16")),
+    "documents-padding": (2, "zigzag", True, (2, 1), (16, 16), torch.float32, "thd",
+                          dict(cu_seqlens=[0, 5, 9, 20, 22])),
+    "mla-window": (3, "contiguous", True, (2, 2), (16, 8), torch.float32, "bshd", dict(window=(5, 0))),
+}
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The CUDA path's fused ops on CPU tensors, their Triton kernels interpreted, one launch at a time."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    merge_triton._kernel.cache_clear()
+    foreach_triton._kernel.cache_clear()
+    lock = threading.Lock()
+
+    def locked(fn):
+        def run(*args, **kw):
+            with lock:
+                return fn(*args, **kw)
+        return run
+
+    monkeypatch.setattr(merge, "merge_triton", locked(merge.merge_triton))
+    monkeypatch.setattr(foreach, "foreach_triton", locked(foreach.foreach_triton))
+    monkeypatch.setattr(merge, "route", lambda *t: launch.DIRECT)
+    monkeypatch.setattr(foreach, "route", lambda *t: launch.DIRECT)
+    monkeypatch.setattr(engine, "gathers_adds", lambda t: True)
+    with device.use("cpu", FakeCuda()):
+        yield
+    merge_triton._kernel.cache_clear()
+    foreach_triton._kernel.cache_clear()
+
+
+def _errors(name: str) -> list[tuple[str, float, float]]:
+    """Per rank and tensor: (what, max error vs the float64 reference, the derived bound)."""
+    P, layout, causal, (h, h_kv), (dqk, dv), dtype, fmt, extra = CASES[name]
+    S = 12 * P
+    g = torch.Generator().manual_seed(P)
+    q = torch.randn(1, S, h, dqk, generator=g).to(dtype)
+    k = torch.randn(1, S, h_kv, dqk, generator=g).to(dtype)
+    v = torch.randn(1, S, h_kv, dv, generator=g).to(dtype)
+    dout = torch.randn(1, S, h, dv, generator=g).to(dtype)
+    cu = extra.get("cu_seqlens")
+    kw = dict(extra, cu_seqlens=torch.tensor(cu, dtype=torch.int32)) if cu else dict(extra)
+    ref = outputs_and_grads(lambda *t: feature_reference(*t, causal=causal, cu=cu, window=extra.get("window")),
+                            q.double(), k.double(), v.double(), dout.double())
+    pos = [get_layout(layout).positions(S, P, r) for r in range(P)]
+    fmt_in = {"bshd": lambda t: t, "sbhd": lambda t: t.transpose(0, 1).contiguous(), "thd": lambda t: t[0]}[fmt]
+    fmt_out = {"bshd": lambda t: t, "sbhd": lambda t: t.transpose(0, 1), "thd": lambda t: t.unsqueeze(0)}[fmt]
+
+    def rank(r, ring):
+        leaves = [fmt_in(t[:, pos[r]]).clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*leaves, causal=causal, layout=layout, qkv_format=fmt, ring=ring, **kw)
+        out.backward(fmt_in(dout[:, pos[r]]))
+        return [fmt_out(t) for t in (out.detach(), *(x.grad for x in leaves))]
+
+    results = run_threads(rank, P)
+    sigma = score_bound(q, k)
+    errors = []
+    for r, got in enumerate(results):
+        if isinstance(got, BaseException):
+            raise got
+        for what, a, want in zip(("out", "dq", "dk", "dv"), got, ref):
+            errors.append((f"rank {r} {what}", max_err(a, want[:, pos[r]]),
+                           tol(want.abs().max().item(), dtype=dtype, n=max(S, dqk), sigma=sigma, blocks=2 * P,
+                               wire=extra.get("comm_dtype"))))
+    return errors
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_engine_with_its_kernels_interpreted_matches_float64(interpreted, name):
+    bad = [e for e in _errors(name) if not e[1] <= e[2]]
+    assert not bad, bad
+
+
+def test_a_list_op_that_copies_instead_of_adding_fails(interpreted, monkeypatch):
+    launch_ = foreach.foreach_triton
+
+    def copies(dsts, srcs, modes):
+        return launch_(dsts, srcs, [foreach_triton.COPY if m == foreach_triton.ADD else m for m in modes])
+
+    monkeypatch.setattr(foreach, "foreach_triton", copies)
+    bad = [e for e in _errors("causal-gqa-pieces") if not e[1] <= e[2]]
+    assert bad and all(what.split()[-1] != "out" for what, _, _ in bad), bad  # gradients wrong, outputs not
+
+
+def test_a_merge_that_takes_every_block_as_the_first_fails(interpreted, monkeypatch):
+    launch_ = merge.merge_triton
+    monkeypatch.setattr(merge, "merge_triton", lambda acc, lse, o, l, fresh, *a, **kw: launch_(acc, lse, o, l, True,
+                                                                                              *a, **kw))
+    bad = [e for e in _errors("causal-gqa-pieces") if not e[1] <= e[2]]
+    assert any(what.endswith("out") for what, _, _ in bad), bad
