@@ -114,3 +114,16 @@ def test_gloo_keeps_the_timeout_on_its_blocking_wait(one_rank_group, monkeypatch
 def test_backend_timeout_texts_are_recognised(text):
     assert looks_like_timeout(text)
     assert not looks_like_timeout("Connection closed by peer [127.0.0.1]:29500")
+
+
+def test_a_failure_without_text_is_named_by_its_type(one_rank_group, monkeypatch):
+    """An exchange that fails with an exception carrying no text (a peer's thread or process that stopped) names
+    the exception's type, not an empty reason (": ."); a failure with text keeps its text."""
+    for exc, shown in ((RuntimeError(), ": RuntimeError."), (ConnectionResetError("reset by peer"), ": reset by peer.")):
+        def launch(ops, exc=exc):
+            raise exc
+
+        monkeypatch.setattr(dist, "batch_isend_irecv", launch)
+        with pytest.raises(RingPeerError) as info:
+            ring_as(2, 4, coalesced=False).exchange(torch.zeros(4), torch.empty(4), "fwd_kv", 1)
+        assert f"failed to start at fwd_kv step 1 (this is global rank 2){shown}" in str(info.value), str(info.value)

@@ -169,7 +169,8 @@ class Transport(abc.ABC):
             who = "exchanging with " + " and ".join(f"ring peer global rank {p} ({r})" for r, p in roles)
         what = (f"timed out after {self.timeout}" if timed_out and exc is None
                 else "failed to start" if at_launch else "failed")
-        detail = f": {exc}" if exc is not None else f": {detail}" if detail else ""
+        # an exception without text (a peer's thread or process that stopped) is named by its type
+        detail = f": {str(exc) or type(exc).__name__}" if exc is not None else f": {detail}" if detail else ""
         return RingPeerError(
             f"ring attention: {who} {what} at {channel} step {step} (this is global rank {self.my_global})"
             f"{detail}. The peer process or its node has probably died or stalled; check its log."
