@@ -287,7 +287,10 @@ def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
         call().sum().backward()
 
     row["host_ms_forward"], row["host_ms_backward"] = _host_parts(call, dev, iters)
-    row.update(host_split(step, dev))
+    try:
+        row.update(host_split(step, dev))
+    except Exception as exc:  # noqa: BLE001 - a diagnostic that fails is reported, the row's figures kept
+        row["host_split_error"] = f"{type(exc).__name__}: {exc}"[:300]
     if dev.type != "cuda":
         return row
 
