@@ -7,7 +7,7 @@ launcher) is a distribution of its own, ``megatron_ring_lab`` (``lab/`` in a che
 """
 from megatron_ring import settings
 from megatron_ring.api import ring_attention
-from megatron_ring.errors import HeadSplitError, RingInputError, RingPeerError, WireFiniteError
+from megatron_ring.errors import HeadSplitError, RingInputError, RingOutOfStepError, RingPeerError, WireFiniteError
 from megatron_ring.kernels.block import set_deterministic
 from megatron_ring.schedules.layouts import LAYOUTS, get_layout
 from megatron_ring.schedules.masks import DocumentZigzag
@@ -21,7 +21,7 @@ from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 __version__ = "0.1.0"
 __all__ = ["ring_attention", "settings", "shard_sequence", "gather_sequence", "get_layout", "LAYOUTS", "DocumentZigzag",
            "set_deterministic",
-           "COMM_TYPES", "COMM_DTYPE_ALIASES", "RingPeerError", "RingInputError", "WireFiniteError", "HeadSplitError",
+           "COMM_TYPES", "COMM_DTYPE_ALIASES", "RingPeerError", "RingOutOfStepError", "RingInputError", "WireFiniteError", "HeadSplitError",
            "schedule_dynamic_cp", "schedule_megatron_balanced", "SubSample", "Machine", "Problem"]
 
 

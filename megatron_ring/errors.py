@@ -3,12 +3,14 @@
 Bad input (fix the call): :class:`ValueError` subclasses -- :class:`RingInputError` (another rank's input
 was refused; that rank raised the detailed error), :class:`WireFiniteError` (K/V with inf/NaN for a
 checking wire codec), :class:`HeadSplitError` (the all-to-all comm types cannot split the query heads
-over their group: fewer heads than ranks). A failed or silent peer (fix the job): :class:`RingPeerError`, a :class:`RuntimeError`.
+over their group: fewer heads than ranks). A failed or silent peer (fix the job): :class:`RingPeerError`, a :class:`RuntimeError`;
+:class:`RingOutOfStepError`, one of them, where this rank left a ring in its middle (an error raised between its
+exchanges) and the ring's messages can no longer be matched to the calls that sent them.
 Plain ``ValueError`` / ``TypeError`` name the argument to change for local checks.
 """
 from __future__ import annotations
 
-__all__ = ["RingInputError", "WireFiniteError", "RingPeerError", "HeadSplitError"]
+__all__ = ["RingInputError", "WireFiniteError", "RingPeerError", "RingOutOfStepError", "HeadSplitError"]
 
 
 class RingInputError(ValueError):
@@ -26,3 +28,10 @@ class HeadSplitError(ValueError):
 
 class RingPeerError(RuntimeError):
     """A ring neighbour failed, vanished or did not answer in time."""
+
+
+class RingOutOfStepError(RingPeerError):
+    """An earlier call on this ring raised in the middle of a ring (after its first exchange, before its last
+    one completed): its neighbours may hold messages it never received, or wait for ones it never sent, which a
+    later call would take as its own K/V. Every later call on the ring raises this instead; recreate the
+    context-parallel process group (or restart the job)."""

@@ -230,9 +230,12 @@ def test_a_device_side_refusal_still_raises_on_every_rank():
             assert "global rank(s) 1" in str(res)
 
 
-def test_a_call_without_backward_reads_once_at_the_forward_end():
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_call_without_backward_reads_once_at_the_forward_end(requires_grad):
     """torch.no_grad with a value-checking wire: nothing would read the codes later, so the forward's end
-    does (one read per forward ring); every rank raises there. Without a checking wire: no read."""
+    does (one read per forward ring); every rank raises there. Without a checking wire: no read. The same where
+    the inputs require grad (parameters' projections in an evaluation under no_grad): no backward follows a call
+    made with grad mode off, whatever its inputs require."""
     from tests.helpers.ring_fakes import run_threads
     from megatron_ring.errors import WireFiniteError
 
@@ -240,6 +243,7 @@ def test_a_call_without_backward_reads_once_at_the_forward_end():
         k = torch.randn(1, 8, 2, 8)
         if bad and rank == 2:
             k[0, 1, 0, 0] = float("nan")
+        k.requires_grad_(requires_grad)
         counter = HostReadCounter()
         counter.taint(k)
         with counter, torch.no_grad():

@@ -12,11 +12,44 @@ from megatron_ring.core.plan import RingPlan
 from megatron_ring.core.views import strides_like
 from megatron_ring.kernels.sinks import fold_sink, sink_grad
 
-__all__ = ["RingAttentionFunction", "forward_by_heads"]
+__all__ = ["RingAttentionFunction", "forward_by_heads", "refuse_double_backward", "saved_tensors"]
+
+
+def saved_tensors(ctx) -> tuple:
+    """``ctx.saved_tensors``, or where an input was changed in place between the call and its backward, an error
+    that says so (torch's own names the views the forward made, in no-grad mode, of the caller's tensors)."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as exc:
+        if "inplace" not in str(exc) and "in-place" not in str(exc):
+            raise
+        raise RuntimeError(
+            "ring_attention: q, k or v was modified in place after the call and before its backward, which needs "
+            "them as they were: clone the tensor before changing it (or change it out of place).") from exc
+
+
+def refuse_double_backward() -> None:
+    """Raise where a ring call's backward is asked to be differentiable itself (``create_graph=True``: the backward
+    then runs with grad mode on), before any exchange of that backward: its in-place accumulation and its
+    exchanges record no graph. Every rank asks the same of the same call, so every rank raises here."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "ring_attention: double backward is not supported (a backward with create_graph=True, e.g. "
+            "torch.autograd.grad(..., create_graph=True) for a gradient penalty or higher-order derivatives): the "
+            "ring's backward is not itself differentiable. Take the gradient without create_graph, or compute "
+            "this layer's attention without context parallelism.")
 
 
 class RingAttentionFunction(torch.autograd.Function):
     """Autograd wrapper. Inputs/outputs are BHSD views; results keep the strides of the inputs."""
+
+    @classmethod
+    def apply(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, *args):
+        """Whether a backward can follow is known here, outside :meth:`forward` (which runs with grad mode off,
+        and whose ``ctx.needs_input_grad`` says what the inputs require, also under ``torch.no_grad()``): it
+        decides where the forward ring's status is read (core/status.py)."""
+        plan.checks.backward_follows = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return super().apply(q, k, v, plan, *args)
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
@@ -26,7 +59,6 @@ class RingAttentionFunction(torch.autograd.Function):
         ``perm``: q, k, v come in the caller's layout, ``t.permute(perm)`` is BHSD; the output (and the
         gradients) are returned in the caller's layout. The views are made here, so autograd records no
         view nodes around the call (less host time per call)."""
-        plan.checks.backward_follows = any(ctx.needs_input_grad[:3])  # where the status is read (core/status.py)
         ctx.perm = perm
         if perm is not None:
             q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
@@ -40,7 +72,8 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse, sink = ctx.saved_tensors
+        refuse_double_backward()
+        q, k, v, out, lse, sink = saved_tensors(ctx)
         perm = ctx.perm
         if perm is None:
             return RingAttentionFunction._backward(ctx, dout, q, k, v, out, lse, sink)

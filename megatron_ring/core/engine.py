@@ -24,8 +24,9 @@ the other ranks see the status and raise instead of waiting (:mod:`.status`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 import torch
 
@@ -40,7 +41,7 @@ from megatron_ring.core.plan import RingPlan, for_heads
 from megatron_ring.core.rotation import divisor_at_most
 from megatron_ring.core.views import block_cols, covers, strides_like
 
-__all__ = ["ring_forward", "ring_backward", "refuse_on_ring", "query_heads"]
+__all__ = ["ring_forward", "ring_backward", "refuse_on_ring", "query_heads", "one_ring"]
 
 
 def _pieces(plan: RingPlan, k: torch.Tensor) -> int:
@@ -68,28 +69,30 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     breakdown.set_phase("fwd")
     b, h, s, _ = q.shape
     steps = plan.steps(s)
-    with breakdown.section(0, "copies"):
-        kv = KVStream(plan, k, v, "fwd_kv", _pieces(plan, k), steps, refusal)
-    out = torch.empty_strided((b, h, s, v.shape[-1]), strides_like((b, h, s, v.shape[-1]), q),
-                              dtype=torch.float32, device=q.device)
-    lse = q.new_empty((b, h, s), dtype=torch.float32)
-    pieces = _piece_plans(plan, kv.heads, h // k.shape[1])
-    views = [_heads(qs, h, q, out, lse) for qs, _ in pieces]  # made once, not per step
-    fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
-    whole = plan.runs_whole_blocks(q)
-    for step in range(steps):
-        tasks = plan.tasks(step, s, whole) if refusal is None else ()  # refused: the stream only, no compute
-        for j, (_, piece_plan) in enumerate(pieces):
-            q_j, out_j, lse_j = views[j]
-            kt, vt = kv.block(step, j)
-            fresh[j], receipt = _forward_step(q_j, kt, vt, piece_plan, step, tasks, out_j, lse_j, fresh[j],
-                                              kv.take_receipt(j))
-            if receipt is not None:  # no merge this step (nothing computed): recorded by a copy of its own
-                receipt[0].copy_(receipt[1])
-        kv.advance()
-    kv.release(steps)
+    with one_ring(plan.ring, "forward"):
+        with breakdown.section(0, "copies"):
+            kv = KVStream(plan, k, v, "fwd_kv", _pieces(plan, k), steps, refusal)
+        out = torch.empty_strided((b, h, s, v.shape[-1]), strides_like((b, h, s, v.shape[-1]), q),
+                                  dtype=torch.float32, device=q.device)
+        lse = q.new_empty((b, h, s), dtype=torch.float32)
+        pieces = _piece_plans(plan, kv.heads, h // k.shape[1])
+        views = [_heads(qs, h, q, out, lse) for qs, _ in pieces]  # made once, not per step
+        fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
+        whole = plan.runs_whole_blocks(q)
+        for step in range(steps):
+            tasks = plan.tasks(step, s, whole) if refusal is None else ()  # refused: the stream only, no compute
+            for j, (_, piece_plan) in enumerate(pieces):
+                q_j, out_j, lse_j = views[j]
+                kt, vt = kv.block(step, j)
+                fresh[j], receipt = _forward_step(q_j, kt, vt, piece_plan, step, tasks, out_j, lse_j, fresh[j],
+                                                  kv.take_receipt(j))
+                if receipt is not None:  # no merge this step (nothing computed): recorded by a copy of its own
+                    receipt[0].copy_(receipt[1])
+            kv.advance()
+        kv.release(steps)
+        if plan.ring.world > 1:
+            kv.status.spread(steps)  # a window-shortened ring: the codes travel the remaining hops
     if plan.ring.world > 1:
-        kv.status.spread(steps)  # a window-shortened ring: the codes travel the remaining hops
         kv.status.settle(plan.checks)  # every rank raises if any rank's K/V (or input) was refused
     for j, (qs, _) in enumerate(pieces):
         if fresh[j]:  # no local query sees any key (all padding, or masked away): out 0, lse -inf
@@ -147,47 +150,65 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     # is padding: then that lse is made once, by the launch that writes the K/V into the wire
     lse_own = torch.empty_like(lse, memory_format=torch.contiguous_format) \
         if whole and plan.rows_may_see_nothing(s) else None
-    with breakdown.section(0, "copies"):
-        kv = KVStream(plan, k, v, "bwd_kv", n, steps, status=False,
-                       flips=((lse_own, lse),) if lse_own is not None else ())
-        if lse_own is not None and not kv.flipped:
-            foreach_into([lse_own], [lse], flip=True)
-        dkv = Accumulators(plan.ring, k, v, n)
-        dq = torch.empty_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
-    # one task of step 0 (the local block) covering every row and column writes each accumulator whole: its
-    # results are copied in, nothing is zeroed; else the accumulators are zeroed in one launch on CUDA (fp32,
-    # dense: torch's fast route)
-    first = plan.tasks(0, s, whole) if steps else ()
-    fresh = len(first) == 1 and covers(first[0].q, s) and covers(first[0].kv, k.shape[2])
-    if not fresh:
-        torch._foreach_zero_([dq, *dkv.to_zero])
-    pieces = _piece_plans(plan, kv.heads, q.shape[1] // k.shape[1])
-    # per piece, made once: its query heads' views, lse contiguous (as the kernels take it), and as a
-    # variable-length kernel takes it (None: the same)
-    views = [(dout_j, q_j, out_j, lse_j.contiguous(), dq_j)
-             for dout_j, q_j, out_j, lse_j, dq_j in (_heads(qs, q.shape[1], dout, q, out, lse, dq)
-                                                     for qs, _ in pieces)]
-    owns = [None if lse_own is None else _heads(qs, q.shape[1], lse_own)[0].contiguous() for qs, _ in pieces]
-    lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
-    _check_forward(plan, kv)
-    for step in range(steps):
-        tasks = first if step == 0 else plan.tasks(step, s, whole)
-        for j, (_, piece_plan) in enumerate(pieces):
-            kt, vt = kv.block(step, j)
-            dout_j, q_j, out_j, lse_j, dq_j = views[j]
-            _backward_step(dout_j, q_j, kt, vt, out_j, lse_j, piece_plan, step, dq_j,
-                           lambda: dkv.arrived(j, step), *dkv.views(j), tasks, lse_rows[j],
-                           fresh and step == 0, owns[j])
-            dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
-        kv.advance()
-        dkv.advance()
-    for step in range(steps, world):  # a shortened ring: carry the accumulators home, nothing to add
-        for j in range(n):
-            dkv.arrived(j, step)
-            dkv.pass_on(j, step)
-        dkv.advance()
-    kv.release(world)
+    with one_ring(plan.ring, "backward"):
+        with breakdown.section(0, "copies"):
+            kv = KVStream(plan, k, v, "bwd_kv", n, steps, status=False,
+                           flips=((lse_own, lse),) if lse_own is not None else ())
+            if lse_own is not None and not kv.flipped:
+                foreach_into([lse_own], [lse], flip=True)
+            dkv = Accumulators(plan.ring, k, v, n)
+            dq = torch.empty_like(q, dtype=torch.float32)  # q's strides: returned as is for fp32 inputs
+        # one task of step 0 (the local block) covering every row and column writes each accumulator whole: its
+        # results are copied in, nothing is zeroed; else the accumulators are zeroed in one launch on CUDA (fp32,
+        # dense: torch's fast route)
+        first = plan.tasks(0, s, whole) if steps else ()
+        fresh = len(first) == 1 and covers(first[0].q, s) and covers(first[0].kv, k.shape[2])
+        if not fresh:
+            torch._foreach_zero_([dq, *dkv.to_zero])
+        pieces = _piece_plans(plan, kv.heads, q.shape[1] // k.shape[1])
+        # per piece, made once: its query heads' views, lse contiguous (as the kernels take it), and as a
+        # variable-length kernel takes it (None: the same)
+        views = [(dout_j, q_j, out_j, lse_j.contiguous(), dq_j)
+                 for dout_j, q_j, out_j, lse_j, dq_j in (_heads(qs, q.shape[1], dout, q, out, lse, dq)
+                                                         for qs, _ in pieces)]
+        owns = [None if lse_own is None else _heads(qs, q.shape[1], lse_own)[0].contiguous() for qs, _ in pieces]
+        lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
+        _check_forward(plan, kv)
+        for step in range(steps):
+            tasks = first if step == 0 else plan.tasks(step, s, whole)
+            for j, (_, piece_plan) in enumerate(pieces):
+                kt, vt = kv.block(step, j)
+                dout_j, q_j, out_j, lse_j, dq_j = views[j]
+                _backward_step(dout_j, q_j, kt, vt, out_j, lse_j, piece_plan, step, dq_j,
+                               lambda: dkv.arrived(j, step), *dkv.views(j), tasks, lse_rows[j],
+                               fresh and step == 0, owns[j])
+                dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
+            kv.advance()
+            dkv.advance()
+        for step in range(steps, world):  # a shortened ring: carry the accumulators home, nothing to add
+            for j in range(n):
+                dkv.arrived(j, step)
+                dkv.pass_on(j, step)
+            dkv.advance()
+        kv.release(world)
     return (dq, *dkv.result(world))
+
+
+@contextlib.contextmanager
+def one_ring(ring, which: str) -> Iterator[None]:
+    """One ring of this rank (``which``: ``forward`` or ``backward``) from its first exchange to its last: an
+    earlier call that left a ring of this transport in its middle raises here, before any exchange
+    (:class:`~megatron_ring.errors.RingOutOfStepError`), and an error raised inside after an exchange was launched
+    marks the transport so (:meth:`~megatron_ring.transport.ring.Transport.abandon`): its messages no longer
+    match the calls that sent them. An error raised before the first exchange leaves the ring as it was."""
+    ring.raise_if_failed()
+    sent = ring.sent_bytes()
+    try:
+        yield
+    except BaseException as exc:
+        if ring.sent_bytes() != sent:
+            ring.abandon(exc, which)
+        raise
 
 
 def _check_forward(plan: RingPlan, kv: KVStream) -> None:

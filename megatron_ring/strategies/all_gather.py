@@ -23,7 +23,7 @@ from megatron_ring.kernels.sinks import sink_grad
 from megatron_ring.wire.codecs import KVSpec
 from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.core.plan import RingPlan
-from megatron_ring.core.autograd import forward_by_heads
+from megatron_ring.core.autograd import forward_by_heads, refuse_double_backward, saved_tensors
 from megatron_ring.core.engine import query_heads, ring_backward, ring_forward
 from megatron_ring.core.heads import head_groups
 from megatron_ring.transport.deadline import timeout_seconds
@@ -104,7 +104,8 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sink = ctx.saved_tensors
+        refuse_double_backward()
+        q, k, v, out, lse, sink = saved_tensors(ctx)
         plan, groups = ctx.plan, ctx.groups
         world, g, s = plan.ring.world, q.shape[1] // k.shape[1], q.shape[2]
         if dout.stride() != out.stride():

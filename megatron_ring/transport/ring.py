@@ -34,7 +34,7 @@ from megatron_ring import breakdown
 from megatron_ring.transport.deadline import watchdog
 from megatron_ring.transport.failure_notes import who_is_lost
 from megatron_ring.transport.streams import SideStream, side_stream_for
-from megatron_ring.errors import RingPeerError
+from megatron_ring.errors import RingOutOfStepError, RingPeerError
 
 __all__ = ["Transport", "Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS", "looks_like_timeout"]
 
@@ -138,7 +138,25 @@ class Transport(abc.ABC):
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
-            raise RingPeerError(str(self.failure)) from self.failure
+            raise type(self.failure)(str(self.failure)) from self.failure
+
+    def sent_bytes(self) -> int:
+        """Bytes sent on this ring so far (every transport counts them per channel at each exchange's launch)."""
+        return sum(self.bytes_sent.values())
+
+    def abandon(self, exc: BaseException, ring: str) -> None:
+        """This rank leaves a ring in its middle: ``exc`` was raised after the ring's first exchange and before
+        its last one completed (the ``ring``: ``forward`` or ``backward``). Its neighbours may hold messages it
+        never received, or wait for ones it never sent, and a later exchange would be matched with them: every
+        later call on this transport raises :class:`~megatron_ring.errors.RingOutOfStepError` instead."""
+        if isinstance(self.failure, RingOutOfStepError):
+            return
+        self.failure = RingOutOfStepError(
+            f"ring attention: this ring is out of step: an earlier call on it raised in the middle of its {ring} "
+            f"ring (this is global rank {self.my_global}): {type(exc).__name__}: {exc}. Its neighbours may hold "
+            "messages this rank never received, or wait for ones it never sent, and a later call would take them "
+            "as its own K/V. Recreate the context-parallel process group (or restart the job) before the next "
+            "call.")
 
     def abort_communicators(self) -> None:
         """Abort the ring group's communicators (releases device streams stuck on a dead peer)."""
@@ -226,6 +244,9 @@ class LoopbackRing(Transport):
 
     def __init__(self, world: int, rank: int, device: torch.device) -> None:
         super().__init__(world, rank, range(world), stream=side_stream_for(torch.device(device)))
+
+    def abandon(self, exc: BaseException, ring: str) -> None:
+        """Nothing to do: a loopback's exchanges are local copies, complete when launched (no neighbour)."""
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, channel: str, step: int) -> Exchange:
         with self.stream.launch(send, recv):
