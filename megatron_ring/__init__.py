@@ -21,7 +21,8 @@ from megatron_ring.wire.codecs import COMM_DTYPE_ALIASES
 __version__ = "0.1.0"
 __all__ = ["ring_attention", "settings", "shard_sequence", "gather_sequence", "get_layout", "LAYOUTS", "DocumentZigzag",
            "set_deterministic",
-           "COMM_TYPES", "COMM_DTYPE_ALIASES", "RingPeerError", "RingOutOfStepError", "RingInputError", "WireFiniteError", "HeadSplitError",
+           "COMM_TYPES", "COMM_DTYPE_ALIASES", "RingPeerError", "RingOutOfStepError", "RingInputError", "WireFiniteError",
+           "HeadSplitError",
            "schedule_dynamic_cp", "schedule_megatron_balanced", "SubSample", "Machine", "Problem"]
 
 

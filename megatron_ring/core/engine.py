@@ -173,7 +173,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                                                          for qs, _ in pieces)]
         owns = [None if lse_own is None else _heads(qs, q.shape[1], lse_own)[0].contiguous() for qs, _ in pieces]
         lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
-        _check_forward(plan, kv)
+        # the forward ring's status codes (CUDA; raises if a rank refused: it is not on this ring), read before the
+        # first exchange and after the set-up above, so that a backward following its forward at once (activation
+        # recomputation, a one-call benchmark) has that work launched while the host waits for the forward's end
+        plan.checks.check()
         for step in range(steps):
             tasks = first if step == 0 else plan.tasks(step, s, whole)
             for j, (_, piece_plan) in enumerate(pieces):
@@ -208,19 +211,6 @@ def one_ring(ring, which: str) -> Iterator[None]:
     except BaseException as exc:
         if ring.sent_bytes() != sent:
             ring.abandon(exc, which)
-        raise
-
-
-def _check_forward(plan: RingPlan, kv: KVStream) -> None:
-    """Raise if the forward ring carried a failing rank's code (CUDA: :class:`~.status.PendingChecks`), before the
-    backward's first exchange: a rank that refused is not on this ring. Read after the backward's set-up (its
-    buffers, the K/V written into the wire), so where the backward follows its forward at once (a benchmark,
-    activation recomputation) and the host waits for the forward's end, that work is already launched. On a
-    refusal the wire slots go back to the pool (nothing is in flight yet)."""
-    try:
-        plan.checks.check()
-    except BaseException:
-        kv.release(0)
         raise
 
 

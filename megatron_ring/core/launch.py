@@ -8,6 +8,9 @@ rule for both.
   time per call on an H200, more than the kernel itself at 2K tokens per rank;
 * :data:`OP`: its registered ``torch.ops.megatron_ring`` op, wherever a mode, a fake tensor or a compiler would
   see it (it traces as one op).
+
+Beside it, :func:`gathers_adds`: whether the backward gathers a step's gradient adds into list ops (CUDA) or adds
+each dQ as soon as its task is done (CPU).
 """
 from __future__ import annotations
 

@@ -25,9 +25,8 @@ is refused before its K/V could be encoded runs the same K/V stream with zeros a
   is launched: where a backward follows its forward at once (activation recomputation, a benchmark of one
   call) and the host must wait for the forward's end, that work is launched before the wait. The read first
   asks whether the copy's event is complete (:meth:`~megatron_ring.device.DeviceOps.event_done`, never
-  blocks); only if the device has not reached
-  the end of this call's forward ring yet does the host wait for it (one device-to-host synchronisation,
-  on a copy of P codes). In training the backward of a layer starts after the forward of every
+  blocks); only if the device has not reached the end of this call's forward ring yet does the host wait for
+  it (one device-to-host synchronisation, on a copy of P codes). In training the backward of a layer starts after the forward of every
   later layer and the loss, so the copy is long complete: steady state makes no host sync;
 * a call with no backward (``torch.no_grad``, inference) and a value-checking wire (fp8 with
   ``check_finite``, fp16): at the end of the forward ring, one synchronisation per call (without a
@@ -87,8 +86,8 @@ class StatusRecorder(Protocol):
 
 
 class PendingChecks:
-    """Status codes a forward ring left to check in the backward ring, before its first exchange (devices with streams,
-    see the module doc): host copies with the event that completes each. One per plan, an explicit field
+    """Status codes a forward ring left to check in the backward ring, before its first exchange (devices with
+    streams, see the module doc): host copies with the event that completes each. One per plan, an explicit field
     of :class:`~megatron_ring.core.plan.RingPlan`.
 
     ``backward_follows``: whether the call that runs the forward rings will run a backward (set by the
