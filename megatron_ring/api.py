@@ -11,6 +11,7 @@ from megatron_ring import settings
 from megatron_ring.call import Call, agree, dropout_spec, offset_kind, sink_logits
 from megatron_ring.transport.groups import ring_over
 from megatron_ring.transport.ring import LoopbackRing, Transport
+from megatron_ring.core.autocast import autocast_inputs, autocast_off
 from megatron_ring.core.autograd import RingAttentionFunction
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.kernels.block import BlockKernel, select_kernel
@@ -128,7 +129,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
 
     Returns:
         The attention output with q's shape and dtype, contiguous in ``qkv_format``; with
-        ``return_max_logit``, the pair ``(output, max_logit)``.
+        ``return_max_logit``, the pair ``(output, max_logit)``. Under ``torch.autocast`` for q's device, as
+        torch's SDPA there: q, k, v are cast to the autocast dtype (floating, not float64), the output has it, and
+        the call runs with autocast off, forward and backward (core/autocast.py).
     """
     if torch.compiler.is_compiling():  # torch.compile: ONE graph break, the ring runs eagerly (docs/compile.md)
         return _eager_ring_attention(
@@ -139,31 +142,38 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             dropout_seed=dropout_seed, kv_pieces=kv_pieces, deterministic=deterministic,
             return_max_logit=return_max_logit)
     _check_tensors(q, k, v)
-    if head_chunks != 1:
-        warnings.warn("ring_attention(head_chunks=n) is deprecated: it runs as kv_pieces=n (K/V heads streamed in n "
-                      "pieces within each ring step; the same exact result) and is ignored when kv_pieces is given; "
-                      "pass kv_pieces=n", FutureWarning, stacklevel=2)
-    if not isinstance(return_max_logit, bool):
-        raise ValueError(f"return_max_logit must be a bool, got {return_max_logit!r}")
-    if ring is None:
-        ring = _ring_for(resolve_group(group), q.device, timeout_s if timeout_s is not None else settings.timeout_s())
-    if kv_pieces is None:
-        kv_pieces = _pieces_alias(head_chunks) or settings.kv_pieces()
-    call = agree(ring, q, k, v, causal=causal, layout=layout, qkv_format=qkv_format, cu_seqlens=cu_seqlens,
-                 window=window, comm_type=comm_type, head_chunks=head_chunks, hierarchical_groups=hierarchical_groups,
-                 comm_dtype=comm_dtype, softmax_scale=softmax_scale, check_consistency=check_consistency,
-                 kv_pieces=kv_pieces, max_logit=return_max_logit,
-                 extras=(dropout_p, dropout_seed is not None, offset_kind(softmax_offset), kv_pieces, return_max_logit),
-                 per_call=(dropout_seed,) if isinstance(dropout_seed, int) and dropout_p else ())
-    q, k, v = call.tensors
-    call.refusing(check_inputs, q, k, v, call.qkv_format)
-    scale = call.checked_scale(softmax_scale)
-    qh = call.bhsd(q)
-    # head dim: with MLA head dims the kernel's operands are padded to the larger one (kernels.head_dim)
-    block_kernel = call.refusing(select_kernel, qh, kernel, max(qh.shape[-1], v.shape[-1]), deterministic)
-    plan = call.plan(scale, block_kernel, qh, dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world))
-    out = call.repack(_dispatch(call, q, k, v, qh, plan, sink_logits(softmax_offset, qh)))
-    return (out, plan.row_max.amax(dim=1)) if return_max_logit else out
+    cast = autocast_inputs(q.device.type, q, k, v)
+    if cast is not None:  # as torch's SDPA under autocast: inputs in its dtype, the call without it (core/autocast.py)
+        q, k, v = cast
+    with autocast_off(q.device.type):
+        if head_chunks != 1:
+            warnings.warn("ring_attention(head_chunks=n) is deprecated: it runs as kv_pieces=n (K/V heads streamed "
+                          "in n pieces within each ring step; the same exact result) and is ignored when kv_pieces is "
+                          "given; pass kv_pieces=n", FutureWarning, stacklevel=2)
+        if not isinstance(return_max_logit, bool):
+            raise ValueError(f"return_max_logit must be a bool, got {return_max_logit!r}")
+        if ring is None:
+            timeout = timeout_s if timeout_s is not None else settings.timeout_s()
+            ring = _ring_for(resolve_group(group), q.device, timeout)
+        if kv_pieces is None:
+            kv_pieces = _pieces_alias(head_chunks) or settings.kv_pieces()
+        call = agree(ring, q, k, v, causal=causal, layout=layout, qkv_format=qkv_format, cu_seqlens=cu_seqlens,
+                     window=window, comm_type=comm_type, head_chunks=head_chunks,
+                     hierarchical_groups=hierarchical_groups, comm_dtype=comm_dtype, softmax_scale=softmax_scale,
+                     check_consistency=check_consistency, kv_pieces=kv_pieces, max_logit=return_max_logit,
+                     extras=(dropout_p, dropout_seed is not None, offset_kind(softmax_offset), kv_pieces,
+                             return_max_logit),
+                     per_call=(dropout_seed,) if isinstance(dropout_seed, int) and dropout_p else ())
+        q, k, v = call.tensors
+        call.refusing(check_inputs, q, k, v, call.qkv_format)
+        scale = call.checked_scale(softmax_scale)
+        qh = call.bhsd(q)
+        # head dim: with MLA head dims the kernel's operands are padded to the larger one (kernels.head_dim)
+        block_kernel = call.refusing(select_kernel, qh, kernel, max(qh.shape[-1], v.shape[-1]), deterministic)
+        dropout = dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world)
+        plan = call.plan(scale, block_kernel, qh, dropout)
+        out = call.repack(_dispatch(call, q, k, v, qh, plan, sink_logits(softmax_offset, qh)))
+        return (out, plan.row_max.amax(dim=1)) if return_max_logit else out
 
 
 #: ``ring_attention`` as torch.compile sees it: never traced (its exchanges wait on the host, its status is

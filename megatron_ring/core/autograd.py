@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from megatron_ring.core.autocast import autocast_off
 from megatron_ring.core.engine import query_heads, ring_backward, ring_forward
 from megatron_ring.core.foreach import foreach_into
 from megatron_ring.core.plan import RingPlan
@@ -75,10 +76,11 @@ class RingAttentionFunction(torch.autograd.Function):
         refuse_double_backward()
         q, k, v, out, lse, sink = saved_tensors(ctx)
         perm = ctx.perm
-        if perm is None:
-            return RingAttentionFunction._backward(ctx, dout, q, k, v, out, lse, sink)
-        inv = _inverse(perm)
-        dq, dk, dv, *extra = RingAttentionFunction._backward(ctx, dout.permute(perm), q, k, v, out, lse, sink)
+        with autocast_off(dout.device.type):  # as the forward ran (core/autocast.py)
+            if perm is None:
+                return RingAttentionFunction._backward(ctx, dout, q, k, v, out, lse, sink)
+            inv = _inverse(perm)
+            dq, dk, dv, *extra = RingAttentionFunction._backward(ctx, dout.permute(perm), q, k, v, out, lse, sink)
         return (dq.permute(inv), dk.permute(inv), dv.permute(inv), *extra)
 
     @staticmethod

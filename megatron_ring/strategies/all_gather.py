@@ -23,6 +23,7 @@ from megatron_ring.kernels.sinks import sink_grad
 from megatron_ring.wire.codecs import KVSpec
 from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.core.plan import RingPlan
+from megatron_ring.core.autocast import autocast_off
 from megatron_ring.core.autograd import forward_by_heads, refuse_double_backward, saved_tensors
 from megatron_ring.core.engine import query_heads, ring_backward, ring_forward
 from megatron_ring.core.heads import head_groups
@@ -105,7 +106,11 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         refuse_double_backward()
-        q, k, v, out, lse, sink = saved_tensors(ctx)
+        with autocast_off(dout.device.type):  # as the forward ran (core/autocast.py)
+            return AllGatherAttention._backward(ctx, dout, *saved_tensors(ctx))
+
+    @staticmethod
+    def _backward(ctx, dout, q, k, v, out, lse, sink):
         plan, groups = ctx.plan, ctx.groups
         world, g, s = plan.ring.world, q.shape[1] // k.shape[1], q.shape[2]
         if dout.stride() != out.stride():

@@ -348,3 +348,30 @@ def test_nothing_touches_cuda_at_import_or_construction():
     for name in K.KERNELS:
         K.KERNELS[name]()
     assert side._made is None and ring.stream._made is None and not torch.cuda.is_initialized()
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "negative-control-no-autocast"])
+def test_fp32_inputs_under_autocast_run_a_bf16_kernel(autocast, kernel_calls):
+    """Under ``torch.autocast("cuda", dtype=torch.bfloat16)`` fp32 q, k, v go to bf16 (as for torch's SDPA;
+    core/autocast.py): ``auto`` runs cuDNN on them, forward and backward (the backward walked with autocast still on,
+    as autograd's thread-local state carries it to the device thread), not the fp32 ``math`` kernel; the output is
+    bf16, the gradients fp32. Negative control: the same call without autocast runs ``math`` and stays fp32.
+    (``torch.autocast("cuda")`` turns itself off without a GPU: the state is set directly.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = Case(kernel="auto", P=2, dtype=torch.float32)
+    was = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    try:
+        torch.set_autocast_enabled("cuda", autocast)
+        torch.set_autocast_dtype("cuda", torch.bfloat16)
+        with device.use("cuda", FakeCuda()), FakeTensorMode(allow_non_fake_inputs=True):
+            q, k, v, kw, leaves = _inputs(case)
+            out = ring_attention(q, k, v, ring=LoopbackRing(case.P, 1, q.device), **kw)
+            grads = fake_backward(out, torch.randn_like(out), leaves)
+    finally:
+        torch.set_autocast_enabled("cuda", was[0])
+        torch.set_autocast_dtype("cuda", was[1])
+    assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert all(grads[id(t)].dtype == torch.float32 for t in leaves)
+    used = {n for n, (f, b) in kernel_calls.items() if f and b}
+    assert used == ({"cudnn"} if autocast else {"math"}), kernel_calls
