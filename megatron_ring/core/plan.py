@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from megatron_ring.kernels.dropout import DropoutKernel, DropoutSpec
+from megatron_ring.kernels.dropout import DropoutKernel, DropoutSpec, FusedDropoutKernel
 from megatron_ring.wire.codecs import KVCodec
 from megatron_ring.transport.ring import Transport
 from megatron_ring.kernels.block import BlockKernel, ReversedKernel
@@ -15,6 +15,7 @@ from megatron_ring.kernels.varlen import masked_kernel, whole_blocks
 from megatron_ring.schedules.layouts import Schedule, TaskKind
 from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
 from megatron_ring.schedules.on_device import positions_on
+from megatron_ring.core.launch import direct_launch_ok, has_triton
 from megatron_ring.core.status import PendingChecks, StatusRecorder
 
 __all__ = ["RingPlan", "for_heads"]
@@ -74,8 +75,10 @@ class RingPlan:
         """The kernel a task runs on, its ``causal`` flag and extra keywords: position-keyed dropout, an
         explicit mask (on a kernel that takes masks, else the math kernel), or the plan's kernel."""
         kind = task.kind
-        if self.dropout is not None:
-            return (DropoutKernel(self.dropout), task.causal,
+        if self.dropout is not None:  # on CUDA with Triton: the fused kernels (kernels/dropout_triton.py)
+            fused = device.type == "cuda" and has_triton()
+            kernel = FusedDropoutKernel(self.dropout, direct_launch_ok) if fused else DropoutKernel(self.dropout)
+            return (kernel, task.causal,
                     dict(mask=task.explicit_mask(), **self.positions(task, step, device)))
         if kind is TaskKind.FULL or kind is TaskKind.CAUSAL:
             return self.kernel, task.causal, {}

@@ -14,7 +14,7 @@ from megatron_ring.kernels.block import BlockKernel
 
 _M32 = 0xFFFFFFFF
 
-__all__ = ["DropoutSpec", "DropoutKernel", "keep_mask"]
+__all__ = ["DropoutSpec", "DropoutKernel", "FusedDropoutKernel", "keep_mask"]
 
 
 def _fmix(x: torch.Tensor) -> torch.Tensor:
@@ -135,3 +135,106 @@ class DropoutKernel(BlockKernel):
         dq = torch.einsum("bkgqs,bksd->bkgqd", ds, k.float()).reshape(q.shape)
         dk = torch.einsum("bkgqs,bkgqd->bksd", ds, q.float().view(b, h_kv, g, sq, -1))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class FusedDropoutKernel(DropoutKernel):
+    """:class:`DropoutKernel` as Triton kernels on CUDA for fp16/bf16 (kernels/dropout_triton.py): the same keep
+    mask, visibility, lse and scaling, with the scores, probabilities and mask never in memory (the torch kernel
+    holds ``[b, h, sq, sk]`` fp32 scores and int64 hashes per block). fp32 inputs run the torch kernel. Each
+    direction is ONE registered op (``torch.ops.megatron_ring.dropout_attention`` and ``..._backward``, with fake
+    implementations: they trace as one op), or its launcher called directly where ``direct(q, k, v)`` says nothing
+    would see the op (the engine passes :func:`megatron_ring.core.launch.direct_launch_ok`: the op's Python
+    dispatch costs host time of its own on every block)."""
+
+    name = "dropout_fused"
+
+    def __init__(self, spec: DropoutSpec, direct=None) -> None:
+        super().__init__(spec)
+        self.direct = direct
+
+    def _args(self, q, causal, scale, mask, qpos, kpos) -> tuple:
+        dev = q.device
+        seed = self.spec.seed  # a device seed is folded in the kernel; an int here
+        if isinstance(seed, torch.Tensor):
+            seed_t, seed_int = seed.reshape(()).to(dev), 0
+        else:
+            seed_t, seed_int = None, _seed32(seed, dev)
+        if mask is not None:
+            mq, qd, mk, kd = mask.vectors(dev)
+            window = mask.rule.window or (-1, -1)
+            rule = (bool(mask.rule.causal), int(window[0]), int(window[1]))
+        else:
+            mq = qd = mk = kd = None
+            rule = (False, -1, -1)
+        return (qpos.to(dev), kpos.to(dev), mq, qd, mk, kd, seed_t, seed_int, bool(causal), *rule, float(scale),
+                float(self.spec.p), int(self.spec.heads), int(self.spec.head_offset))
+
+    def forward(self, q, k, v, causal, scale, mask=None, qpos=None, kpos=None):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return super().forward(q, k, v, causal, scale, mask=mask, qpos=qpos, kpos=kpos)
+        args = self._args(q, causal, scale, mask, qpos, kpos)
+        if self.direct is not None and self.direct(q, k, v):
+            return _forward_launch(q, k, v, *args)
+        return torch.ops.megatron_ring.dropout_attention(q, k, v, *args)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, qpos=None, kpos=None):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return super().backward(dout, q, k, v, out, lse, causal, scale, mask=mask, qpos=qpos, kpos=kpos)
+        args = self._args(q, causal, scale, mask, qpos, kpos)
+        if self.direct is not None and self.direct(dout, q, k, v, out, lse):
+            return _backward_launch(dout, q, k, v, out, lse, *args)
+        return torch.ops.megatron_ring.dropout_attention_backward(dout, q, k, v, out, lse, *args)
+
+
+def _fused_call(qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, causal, rule_causal, left, right):
+    """The launchers' arguments from the ops' flat ones."""
+    vectors = None if mq is None else (mq, qd, mk, kd)
+    return dict(causal=causal, qpos=qpos, kpos=kpos, mask_vectors=vectors, rule=(rule_causal, (left, right)),
+                seed=seed_t if seed_t is not None else seed_int)
+
+
+def _forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
+                    mq: torch.Tensor | None, qd: torch.Tensor | None, mk: torch.Tensor | None, kd: torch.Tensor | None,
+                    seed_t: torch.Tensor | None, seed_int: int, causal: bool, rule_causal: bool, left: int,
+                    right: int, scale: float, p: float, heads: int,
+                    head_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward op's implementation (the launcher of kernels/dropout_triton.py on the ops' flat arguments)."""
+    from megatron_ring.kernels.dropout_triton import dropout_attention_forward  # noqa: PLC0415 - Triton on use
+
+    return dropout_attention_forward(q, k, v, scale=scale, p=p, heads=heads, head_offset=head_offset,
+                                     **_fused_call(qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, causal,
+                                                   rule_causal, left, right))
+
+
+_dropout_op = torch.library.custom_op("megatron_ring::dropout_attention", _forward_launch, mutates_args=())
+
+
+@_dropout_op.register_fake
+def _dropout_fake(q, k, v, *args):
+    b, h, m, _ = q.shape
+    return q.new_empty(b, h, m, v.shape[-1]), q.new_empty(b, h, m, dtype=torch.float32)
+
+
+def _backward_launch(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, mq: torch.Tensor | None,
+                    qd: torch.Tensor | None, mk: torch.Tensor | None, kd: torch.Tensor | None,
+                    seed_t: torch.Tensor | None, seed_int: int, causal: bool, rule_causal: bool, left: int,
+                    right: int, scale: float, p: float, heads: int,
+                    head_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward op's implementation."""
+    from megatron_ring.kernels.dropout_triton import dropout_attention_backward  # noqa: PLC0415 - Triton on use
+
+    return dropout_attention_backward(dout, q, k, v, out, lse, scale=scale, p=p, heads=heads, head_offset=head_offset,
+                                      **_fused_call(qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, causal,
+                                                    rule_causal, left, right))
+
+
+_dropout_bwd_op = torch.library.custom_op("megatron_ring::dropout_attention_backward", _backward_launch,
+                                          mutates_args=())
+
+
+@_dropout_bwd_op.register_fake
+def _dropout_bwd_fake(dout, q, k, v, *args):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))

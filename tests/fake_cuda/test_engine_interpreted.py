@@ -1,5 +1,6 @@
-"""The whole engine on its CUDA code path with its two Triton kernels run in Triton's interpreter, on CPU tensors,
-against the float64 reference: outputs and gradients of every rank.
+"""The whole engine on its CUDA code path with its Triton kernels run in Triton's interpreter, on CPU tensors,
+against the float64 reference: outputs and gradients of every rank. The merge and the list op in every case; the
+fused attention dropout kernels (kernels/dropout_triton.py) in the dropout cases.
 
 The kernels' own tests (test_triton_kernels.py) check each kernel against its torch reference on chosen tensors;
 here they run as the engine calls them, on the tensors it hands them: row-slice views of the accumulators, the
@@ -10,8 +11,9 @@ backward gathers its adds as on CUDA (``launch.gathers_adds``), and the merge an
 Triton route (``launch.route``), interpreted (``TRITON_INTERPRET=1``). Each rank is a thread of one ThreadRing;
 the interpreter patches ``triton.language`` while a kernel runs, so launches are serialised by a lock.
 
-Negative controls: a list op whose adds copy instead, and a merge that takes every block as the first one, each
-fail the comparison (the kernels are on the path, and the check can fail)."""
+Negative controls: a list op whose adds copy instead, a merge that takes every block as the first one, and
+dropout kernels keyed on another seed, each fail the comparison (the kernels are on the path, and the check can
+fail)."""
 from __future__ import annotations
 
 import threading
@@ -26,12 +28,15 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 
 from megatron_ring import device, ring_attention  # noqa: E402
-from megatron_ring.core import engine, foreach, foreach_triton, launch, merge, merge_triton  # noqa: E402
+from megatron_ring.core import engine, foreach, foreach_triton, launch, merge, merge_triton, plan  # noqa: E402
+from megatron_ring.kernels import dropout_triton  # noqa: E402
+from megatron_ring.kernels.dropout import FusedDropoutKernel  # noqa: E402
 from megatron_ring.schedules.layouts import get_layout  # noqa: E402
 from tests.helpers.fake_device import FakeCuda  # noqa: E402
 from tests.helpers.numerics import max_err, score_bound, tol  # noqa: E402
 from tests.helpers.reference import feature_reference, outputs_and_grads  # noqa: E402
 from tests.helpers.ring_fakes import run_threads  # noqa: E402
+from tests.helpers.triton_interp import loops_interpreted  # noqa: E402
 
 # (P, layout, causal, heads (h, h_kv), head dims (qk, v), dtype, format, extra ring_attention arguments)
 CASES = {
@@ -40,6 +45,14 @@ CASES = {
     "documents-padding": (2, "zigzag", True, (2, 1), (16, 16), torch.float32, "thd",
                           dict(cu_seqlens=[0, 5, 9, 20, 22])),
     "mla-window": (3, "contiguous", True, (2, 2), (16, 8), torch.float32, "bshd", dict(window=(5, 0))),
+    # attention dropout on its fused kernels (kernels/dropout_triton.py), interpreted: fp16, as Triton's interpreter
+    # computes no bf16 products (numpy has no bf16); whole blocks and masked tiles, an int seed and a tensor seed
+    "dropout-documents": (2, "zigzag", True, (4, 2), (16, 16), torch.float16, "thd",
+                          dict(cu_seqlens=[0, 5, 9, 20, 22], dropout_p=0.25, dropout_seed=7)),
+    "dropout-mla-window": (3, "striped", True, (2, 1), (16, 8), torch.float16, "bshd",
+                           dict(window=(5, 0), dropout_p=0.3, dropout_seed=torch.tensor(2 ** 40 + 99))),
+    "dropout-full-gqa": (2, "zigzag", False, (4, 1), (32, 32), torch.float16, "sbhd",
+                         dict(dropout_p=0.1, dropout_seed=3)),
 }
 
 
@@ -49,6 +62,7 @@ def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     merge_triton._kernel.cache_clear()
     foreach_triton._kernel.cache_clear()
+    dropout_triton._kernels.cache_clear()
     lock = threading.Lock()
 
     def locked(fn):
@@ -59,6 +73,9 @@ def interpreted(monkeypatch):
 
     monkeypatch.setattr(merge, "merge_triton", locked(merge.merge_triton))
     monkeypatch.setattr(foreach, "foreach_triton", locked(foreach.foreach_triton))
+    for name in ("dropout_attention_forward", "dropout_attention_backward"):
+        monkeypatch.setattr(dropout_triton, name, locked(getattr(dropout_triton, name)))
+    monkeypatch.setattr(plan, "DropoutKernel", FusedDropoutKernel)  # chosen on CUDA only: these tensors are CPU ones
     monkeypatch.setattr(merge, "route", lambda *t: launch.DIRECT)
     monkeypatch.setattr(foreach, "route", lambda *t: launch.DIRECT)
     monkeypatch.setattr(engine, "gathers_adds", lambda t: True)
@@ -66,6 +83,7 @@ def interpreted(monkeypatch):
         yield
     merge_triton._kernel.cache_clear()
     foreach_triton._kernel.cache_clear()
+    dropout_triton._kernels.cache_clear()
 
 
 def _errors(name: str) -> list[tuple[str, float, float]]:
@@ -79,7 +97,9 @@ def _errors(name: str) -> list[tuple[str, float, float]]:
     dout = torch.randn(1, S, h, dv, generator=g).to(dtype)
     cu = extra.get("cu_seqlens")
     kw = dict(extra, cu_seqlens=torch.tensor(cu, dtype=torch.int32)) if cu else dict(extra)
-    ref = outputs_and_grads(lambda *t: feature_reference(*t, causal=causal, cu=cu, window=extra.get("window")),
+    seed = extra.get("dropout_seed")
+    drop = {} if seed is None else dict(dropout_p=extra["dropout_p"], seed=int(seed))
+    ref = outputs_and_grads(lambda *t: feature_reference(*t, causal=causal, cu=cu, window=extra.get("window"), **drop),
                             q.double(), k.double(), v.double(), dout.double())
     pos = [get_layout(layout).positions(S, P, r) for r in range(P)]
     fmt_in = {"bshd": lambda t: t, "sbhd": lambda t: t.transpose(0, 1).contiguous(), "thd": lambda t: t[0]}[fmt]
@@ -104,7 +124,14 @@ def _errors(name: str) -> list[tuple[str, float, float]]:
     return errors
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def _runs_here(name: str):
+    """A dropout case needs loops with runtime bounds in the interpreter (tests/helpers/triton_interp.py)."""
+    skip = name.startswith("dropout") and not loops_interpreted()
+    return pytest.param(name, marks=pytest.mark.skipif(skip, reason="this Triton's interpreter runs no loop with a "
+                                                                    "runtime bound"))
+
+
+@pytest.mark.parametrize("name", [_runs_here(n) for n in CASES])
 def test_the_engine_with_its_kernels_interpreted_matches_float64(interpreted, name):
     bad = [e for e in _errors(name) if not e[1] <= e[2]]
     assert not bad, bad
@@ -126,4 +153,20 @@ def test_a_merge_that_takes_every_block_as_the_first_fails(interpreted, monkeypa
     monkeypatch.setattr(merge, "merge_triton", lambda acc, lse, o, l, fresh, *a, **kw: launch_(acc, lse, o, l, True,
                                                                                               *a, **kw))
     bad = [e for e in _errors("causal-gqa-pieces") if not e[1] <= e[2]]
+    assert any(what.endswith("out") for what, _, _ in bad), bad
+
+
+@pytest.mark.skipif(not loops_interpreted(), reason="this Triton's interpreter runs no loop with a runtime bound")
+def test_a_dropout_kernel_keyed_on_another_seed_fails(interpreted, monkeypatch):
+    """Negative control of the dropout cases: the fused kernels fed a seed one off (another keep mask) miss the
+    float64 reference of the call's own seed."""
+    args = FusedDropoutKernel._args
+
+    def other_seed(self, *a):
+        got = list(args(self, *a))
+        got[7] += 1  # seed_int (the cases' int seed)
+        return tuple(got)
+
+    monkeypatch.setattr(FusedDropoutKernel, "_args", other_seed)
+    bad = [e for e in _errors("dropout-full-gqa") if not e[1] <= e[2]]
     assert any(what.endswith("out") for what, _, _ in bad), bad

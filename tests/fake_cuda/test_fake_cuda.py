@@ -106,7 +106,11 @@ def _cases() -> list[Case]:
             Case(kernel="flash_cuda", P=4, fmt="thd", heads=(8, 2), layout="striped"),
             Case(kernel="cudnn", P=2, fmt="thd", causal=False, window=(10, 3), layout="contiguous"),
             Case(kernel="cudnn", P=1, fmt="thd", heads=(4, 1))]
-    out += [Case(kernel="auto", P=P, dropout=0.1) for P in (1, 4)]  # dropout runs its own fp32 kernel
+    # dropout runs its own kernels (on CUDA the fused ones, kernels/dropout_triton.py): dense, documents with a
+    # window (masked tiles), MLA head dims
+    out += [Case(kernel="auto", P=P, dropout=0.1) for P in (1, 4)]
+    out += [Case(kernel="auto", P=2, dropout=0.1, fmt="thd", window=(10, 3)),
+            Case(kernel="auto", P=2, dropout=0.1, dims=(192, 128), heads=(8, 2))]
     out += [Case(kernel="auto", P=1, comm_type=c) for c in ("all_gather", "a2a", "a2a+p2p", "auto")]
     return out
 

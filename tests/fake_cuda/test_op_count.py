@@ -16,7 +16,8 @@ that sees every aten op the engine issues. The counting rule:
   ``_foreach_copy_``: one per list), the same sizes and strides list to list), else one per entry (the slow route
   is a loop of single ops): an fp32 accumulator list added to a bf16 list is as many launches as entries;
 - an attention op is one of the kernels' aten ops (``_scaled_dot_product_*``, ``_flash_attention_*``,
-  ``_efficient_attention_*``, ``_cudnn_attention_*``); everything else (copies, element-wise math, fills,
+  ``_efficient_attention_*``, ``_cudnn_attention_*``) or the fused attention dropout ops
+  (``megatron_ring::dropout_attention*``, kernels/dropout_triton.py); everything else (copies, element-wise math, fills,
   reductions, our fused ``megatron_ring::merge_``) is "other".
 
 On a GPU each counted op is one kernel launch (or one copy); issue 34 matched this count (131 ops at P=4) to the
@@ -41,7 +42,8 @@ from tests.helpers.fake_device import FakeCuda
 
 pytestmark = pytest.mark.fake_cuda
 
-_ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn_attention")
+_ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn_attention",
+              "dropout_attention")
 _NOT_LAUNCHES = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "record_stream",
                  "_unsafe_view"}
 
@@ -127,10 +129,10 @@ def count(case: Case, rank: int = 1) -> tuple[OpCounter, OpCounter]:
 def _case(name: str, P: int) -> Case:
     base = dict(kernel="auto", P=P, heads=(4, 4))  # MHA; "gqa": 8 query heads on 2 K/V heads
     return {"causal": Case(**base), "full": Case(**base, causal=False), "gqa": Case(**{**base, "heads": (8, 2)}),
-            "thd": Case(**base, fmt="thd")}[name]
+            "thd": Case(**base, fmt="thd"), "dropout": Case(**base, dropout=0.1)}[name]
 
 
-NAMES = ("causal", "full", "gqa", "thd")
+NAMES = ("causal", "full", "gqa", "thd", "dropout")
 PS = (2, 4, 8)
 #: (attention ops, other ops of the first call, of a warm call) per case at the time of writing: may only go down
 CEILING = {
@@ -151,6 +153,11 @@ CEILING = {
     # to the device (4 / 6 / 6). Before the fix-ups moved: 20 / 40 / 60 first calls (34 / 62 / 94 before the
     # list op)
     ("thd", 2): (4, 16, 12), ("thd", 4): (10, 35, 29), ("thd", 8): (18, 55, 49),
+    # attention dropout (a device seed, folded in the kernels) on its fused kernels (kernels/dropout_triton.py): the
+    # dense causal case's count on a warm call (the first also copies the global positions the mask is keyed on to
+    # the device, once per signature: 2 / 4 / 8); on the torch kernel (materialised scores and hashes) a warm call
+    # made 348 / 689 / 1369 device ops, none of them an attention kernel
+    ("dropout", 2): (4, 14, 12), ("dropout", 4): (8, 27, 23), ("dropout", 8): (16, 51, 43),
 }
 
 def _table(results: dict) -> str:

@@ -1,8 +1,10 @@
-"""The project's two Triton kernels (core/merge_triton.py, core/_foreach_kernels.py), checked without a GPU, in
-the tier that has Triton (.venv312):
+"""The project's Triton kernels (core/merge_triton.py, core/_foreach_kernels.py, and attention with dropout,
+kernels/_dropout_kernels.py), checked without a GPU, in the tiers that have Triton (.venv312, .venv-floor):
 
 * semantics: each kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors) against its torch
-  reference (the checks of tests/test_merge_fused.py and tests/test_foreach_fused.py, with their bounds);
+  reference (the checks of tests/test_merge_fused.py and tests/test_foreach_fused.py, with their bounds), the
+  dropout kernels against the float64 attention with the same keep mask (fp16; Triton 3.7's interpreter only:
+  tests/helpers/triton_interp.py ``loops_interpreted``);
 * compilation: each is compiled the whole way to a cubin for sm_80 (A100) and sm_90 (H100/H200) with Triton's own
   ptxas, in the variants the engine launches (the merge fresh and not, with the status rider and the +inf lse;
   the list op with 4 pairs of mixed dtypes), so an error the interpreter does not see (a type that differs between
@@ -12,10 +14,11 @@ the tier that has Triton (.venv312):
 from __future__ import annotations
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
-from tests.helpers.triton_interp import run_interpreted  # noqa: E402
+from tests.helpers.triton_interp import loops_interpreted, run_interpreted  # noqa: E402
 
 TARGETS = [(80, "sm_80"), (90, "sm_90")]
 
@@ -90,3 +93,145 @@ def test_a_kernel_the_compiler_refuses_fails_the_check(tmp_path, monkeypatch):
 
     with pytest.raises(Exception, match="(?i)type|mismatch|yield"):
         _compile(_bad_kernel.bad, {"out": "*fp32", "flag": "i32"}, {"BLOCK": 16}, 90)
+
+
+_DROPOUT_FLAGS = ("CAUSAL", "MASKED", "RULE_CAUSAL", "WIN_L", "WIN_R", "SEED_PTR", "BM", "BN", "BDQ", "BDV")
+
+
+def _dropout_signature(fn, dtype: str) -> dict:
+    """The attention dropout kernels' arguments: Q, K, V, DO and the outputs O, DQ, DK, DVG in ``dtype``; the lse,
+    delta fp32; positions, documents and the seed int64; seed_int i64 (a folded 32-bit seed may exceed i32's
+    range); scale, inv_keep fp32; the rest i32."""
+    sig = {}
+    for n in fn.arg_names:
+        if n in _DROPOUT_FLAGS:
+            continue
+        if n in ("Q", "K", "V", "DO", "O", "DQ", "DK", "DVG"):
+            sig[n] = f"*{dtype}"
+        elif n in ("L", "DELTA"):
+            sig[n] = "*fp32"
+        elif n in ("QPOS", "KPOS", "MQPOS", "MKPOS", "QDOC", "KDOC", "SEED"):
+            sig[n] = "*i64"
+        elif n == "seed_int":
+            sig[n] = "i64"
+        elif n in ("scale", "inv_keep"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    return sig
+
+
+@pytest.mark.parametrize("arch,name", TARGETS, ids=[t[1] for t in TARGETS])
+def test_the_dropout_kernels_compile_to_a_cubin(arch, name, tmp_path, monkeypatch):
+    """The attention dropout kernels (kernels/_dropout_kernels.py: forward, dK/dV, dQ, delta) in bf16 and fp16,
+    plain causal and masked (documents, causal rule, both window edges, a device seed), head dims 128 and 192
+    (MLA's): Triton's interpreter computes no bf16 products (numpy has no bf16), so the bf16 variants are checked
+    here only."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    from megatron_ring.kernels import dropout_triton
+
+    dropout_triton._kernels.cache_clear()
+    variants = [
+        ("bf16", dict(CAUSAL=True, MASKED=False, RULE_CAUSAL=False, WIN_L=False, WIN_R=False, SEED_PTR=False,
+                      BM=64, BN=64, BDQ=128, BDV=128)),
+        ("fp16", dict(CAUSAL=False, MASKED=True, RULE_CAUSAL=True, WIN_L=True, WIN_R=True, SEED_PTR=True,
+                      BM=32, BN=32, BDQ=256, BDV=128)),
+    ]
+    for fn in dropout_triton._kernels():
+        for dtype, flags in variants:
+            got = _compile(fn, _dropout_signature(fn, dtype), {n: x for n, x in flags.items() if n in fn.arg_names},
+                           arch)
+            assert got.asm["cubin"] and name in got.asm["ptx"]
+    dropout_triton._kernels.cache_clear()
+
+
+def _dropout_reference(q, k, v, causal, scale, qpos, kpos, mask, spec, dout):
+    """float64 attention of one block with the keep mask of :func:`keep_mask` (the spec of the hash), its lse
+    (of the undropped scores) and the gradients of ``(out * dout).sum()``."""
+    from megatron_ring.kernels.dropout import keep_mask
+
+    b, h, m, _ = q.shape
+    g = h // k.shape[1]
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = (qd @ kd.repeat_interleave(g, 1).transpose(-1, -2)) * scale
+    vis = torch.ones(m, k.shape[2], dtype=torch.bool)
+    if causal:
+        vis = vis.tril()
+    if mask is not None:
+        vis &= mask.allowed()
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).nan_to_num(nan=0.0)
+    rows = (torch.arange(b)[:, None] * spec.heads + spec.head_offset + torch.arange(h)[None, :]).flatten()
+    keep = keep_mask(spec.seed, rows, qpos, kpos, spec.p).view(b, h, m, -1)
+    out = (p * keep / (1.0 - spec.p)) @ vd.repeat_interleave(g, 1)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
+
+
+def _dropout_cases():
+    from megatron_ring.kernels.dropout import DropoutSpec
+    from megatron_ring.schedules.masks import AttentionMask, BlockMask, doc_ids
+
+    g = torch.Generator().manual_seed(5)
+    h16 = torch.float16
+    cases = []
+    # dense causal, GQA 4:2, q a strided view, an int seed over 2**32, heads offset in a larger call
+    q = torch.randn(2, 40, 4, 32, generator=g).to(h16).transpose(1, 2)
+    k, v = torch.randn(2, 2, 40, 32, generator=g).to(h16), torch.randn(2, 2, 40, 16, generator=g).to(h16)
+    cases.append(("causal-gqa-strided", q, k, v, True, torch.arange(40) * 3 + 5, torch.arange(40) * 3 + 5, None,
+                  DropoutSpec(p=0.3, seed=2 ** 40 + 3, heads=8, seq_len=200, head_offset=2)))
+    # full, fewer rows than keys, a negative int32 device seed (folded in the kernel)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(h16) for n in (24, 72, 72))
+    cases.append(("full-rows-lt-keys-tensor-seed", q, k, v, False, torch.arange(24) + 100, torch.arange(72), None,
+                  DropoutSpec(p=0.5, seed=torch.tensor([-5], dtype=torch.int32), heads=2, seq_len=200)))
+    # an explicit mask: documents (padding rows that see nothing), the causal rule and a window on striped positions
+    qpos, kpos = torch.arange(36) * 2 + 1, torch.arange(36) * 2
+    rule = AttentionMask(causal=True, cu_seqlens=(0, 11, 40, 62), window=(9, 0))
+    mask = BlockMask(rule, qpos, doc_ids(qpos, rule.cu_seqlens), kpos, doc_ids(kpos, rule.cu_seqlens))
+    q, k, v = (torch.randn(1, 2, 36, 16, generator=g).to(h16) for _ in range(3))
+    cases.append(("documents-window-padding", q, k, v, False, qpos, kpos, mask,
+                  DropoutSpec(p=0.2, seed=11, heads=2, seq_len=72)))
+    return cases
+
+
+@pytest.mark.skipif(not loops_interpreted(), reason="this Triton's interpreter runs no loop with a runtime bound "
+                    "(tests/helpers/triton_interp.py); the kernels compile on it (test_the_dropout_kernels_compile...)")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_dropout_kernels_in_the_interpreter(monkeypatch):
+    """The fused dropout kernels (fp16, interpreted) against the float64 block attention with the same keep mask:
+    output, lse, dQ, dK, dV within the derived bound; edge cases: GQA, a strided q, fewer rows than keys, int and
+    device seeds (over 2**32, negative int32), a mask with documents, padding rows, the causal rule and a window.
+    Negative control: the same kernels keyed on another seed miss the bound."""
+    from megatron_ring.kernels import dropout_triton
+    from megatron_ring.kernels.dropout import FusedDropoutKernel
+    from tests.helpers.numerics import grad_terms, max_err, score_bound, tol
+
+    def check():
+        for name, q, k, v, causal, qpos, kpos, mask, spec in _dropout_cases():
+            scale = q.shape[-1] ** -0.5
+            dout = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(1)).to(q.dtype)
+            ref = _dropout_reference(q, k, v, causal, scale, qpos, kpos, mask, spec, dout)
+            for seed_shift, must_pass in ((0, True), (1, False)):
+                kern = FusedDropoutKernel(spec if not seed_shift else type(spec)(
+                    p=spec.p, seed=int(spec.seed) + 1, heads=spec.heads, seq_len=spec.seq_len,
+                    head_offset=spec.head_offset))
+                out, lse = kern.forward(q, k, v, causal, scale, mask=mask, qpos=qpos, kpos=kpos)
+                grads = kern.backward(dout, q, k, v, out, lse, causal, scale, mask=mask, qpos=qpos, kpos=kpos)
+                bounds = dict(dtype=q.dtype, n=k.shape[2], sigma=score_bound(q, k, scale))
+                # dS = P (dP z - D): a kept dP_ij is scaled by 1 / (1 - p), so are the terms dQ and dK sum
+                gmax = grad_terms(q, k, v, dout, scale, n=q.shape[2]) / (1.0 - spec.p)
+                errs = {"out": (max_err(out, ref[0]), tol(ref[0].abs().max().item(), **bounds))}
+                finite = torch.isfinite(ref[1])
+                errs["lse"] = (max_err(lse[finite], ref[1][finite]), tol(1.0 + ref[1][finite].abs().max().item(),
+                                                                        **bounds))
+                errs["lse -inf"] = (0.0 if torch.equal(torch.isinf(lse), ~finite) else float("inf"), 0.0)
+                for what, got, want in zip(("dq", "dk", "dv"), grads, ref[2:]):
+                    m = max(want.abs().max().item(), gmax if what != "dv" else 0.0)
+                    errs[what] = (max_err(got, want), tol(m, **bounds))
+                ok = all(e <= b for e, b in errs.values())
+                assert ok == must_pass, (name, seed_shift, errs)
+                if isinstance(spec.seed, torch.Tensor):
+                    break  # (the shifted seed is an int: the device-seed case has no negative control of its own)
+
+    run_interpreted(monkeypatch, dropout_triton._kernels, check)

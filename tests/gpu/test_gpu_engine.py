@@ -3,6 +3,8 @@ a time on recorded messages, exact, cannot deadlock) vs the float64 reference wi
 layout (contiguous, zigzag, striped, DocumentZigzag), GQA, THD with documents, windows, each wire. The
 ``cpu`` variants run in the fast tier (CI); the ``cuda`` ones where a GPU is (tests/gpu/conftest.py).
 Negative control: pass 1 of the replay (remote K/V still placeholders) must be far over the bound."""
+import sys
+
 import pytest
 import torch
 
@@ -23,6 +25,9 @@ CASES = [
     (4, "zigzag", (4, 2), "bshd", None, (24, 0), None),
     (2, "striped", (4, 2), "thd", [5, 3], (8, 0), "fp8"),
 ]
+# attention dropout: (case, dropout_p); the torch dropout kernel on CPU, the fused Triton kernels on CUDA
+# (kernels/dropout_triton.py; a device seed there, folded in the kernels)
+DROPOUT_CASES = [(CASES[0], 0.1), (CASES[3], 0.2), (CASES[6], 0.3)]
 
 
 def _global(P, heads, fmt, docs, device, dtype, seed=0):
@@ -36,7 +41,8 @@ def _global(P, heads, fmt, docs, device, dtype, seed=0):
     return q, k, v, dout, cu
 
 
-def engine_checks(device, P, layout, heads, fmt, docs, window, wire, dtype=torch.bfloat16, stop_after=None):
+def engine_checks(device, P, layout, heads, fmt, docs, window, wire, dtype=torch.bfloat16, stop_after=None,
+                  dropout_p=0.0):
     q, k, v, dout, cu = _global(P, heads, fmt, docs, device, dtype)
     lay = DocumentZigzag(cu) if layout == "docs" else get_layout(layout)
     dim = 0 if fmt == "thd" else 1
@@ -45,6 +51,9 @@ def engine_checks(device, P, layout, heads, fmt, docs, window, wire, dtype=torch
     kw = dict(causal=True, layout=lay, window=window, comm_dtype=wire, qkv_format=fmt)
     if cu is not None:
         kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
+    drop = dict(dropout_p=dropout_p, seed=2 ** 33 + 5) if dropout_p else {}
+    if drop:
+        kw.update(dropout_p=dropout_p, dropout_seed=torch.tensor(drop["seed"], device=device))
 
     def rank(r, ring):
         leaves = [t.index_select(dim, pos[r]).requires_grad_() for t in (q, k, v)]
@@ -56,10 +65,11 @@ def engine_checks(device, P, layout, heads, fmt, docs, window, wire, dtype=torch
         if isinstance(res, BaseException):
             raise res
     batch = (lambda t: t[None]) if fmt == "thd" else (lambda t: t)
-    ref = outputs_and_grads(lambda *t: feature_reference(*(batch(x) for x in t), causal=True, cu=cu, window=window)
+    ref = outputs_and_grads(lambda *t: feature_reference(*(batch(x) for x in t), causal=True, cu=cu, window=window,
+                                                         **drop)
                             [0 if fmt == "thd" else slice(None)], *(t.double().cpu() for t in (q, k, v, dout)))
     sigma, n = score_bound(q, k), max(T, q.shape[-1])
-    checks = Checks(f"engine on {device} P={P} {layout} {fmt} wire={wire} pass {passes}")
+    checks = Checks(f"engine on {device} P={P} {layout} {fmt} wire={wire} dropout={dropout_p} pass {passes}")
     for i, what in enumerate(("out", "dq", "dk", "dv")):
         got = torch.empty_like(ref[i], dtype=dtype)
         for r in range(P):
@@ -79,3 +89,22 @@ def test_engine_forward_backward_on_one_device_matches_float64(device, case):
 def test_negative_control_unfinished_replay_is_over_the_bound(device):
     checks = engine_checks(device, *CASES[0], stop_after=1)
     assert checks.worst() > 10, checks.rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case,p", DROPOUT_CASES, ids=lambda c: "-".join(str(x) for x in c).replace(" ", "")
+                         if isinstance(c, tuple) else str(c))
+def test_engine_with_dropout_matches_float64(device, case, p):
+    """Attention dropout through the engine vs the float64 attention with the same keep mask (the reference draws
+    it from kernels/dropout.py ``keep_mask``, the spec of the hash)."""
+    engine_checks(device, *case, dropout_p=p).check(min_rows=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_negative_control_dropout_with_another_seed_is_over_the_bound(device, monkeypatch):
+    """The reference keyed on another seed: the check fails (the dropout cases are not vacuous)."""
+    real = feature_reference
+    monkeypatch.setattr(sys.modules[__name__], "feature_reference",
+                        lambda *a, seed=None, **kw: real(*a, seed=None if seed is None else seed + 1, **kw))
+    checks = engine_checks(device, *DROPOUT_CASES[0][0], dropout_p=DROPOUT_CASES[0][1])
+    assert checks.worst() > 1, checks.rows

@@ -1,0 +1,266 @@
+"""The Triton kernels of :mod:`.dropout_triton` (imported, with Triton, at the first launch only; the interpreter
+tests re-import it under ``TRITON_INTERPRET=1``, which ``triton.jit`` reads when it decorates)."""
+import triton
+import triton.language as tl
+
+@triton.jit
+def _larger(a, b):
+    """Combine functions of the row reductions (``tl.reduce`` is a builtin; ``tl.max``/``tl.sum`` are jitted
+    wrappers, which Triton's interpreter cannot call when Triton was imported before it was asked for)."""
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _plus(a, b):
+    return a + b
+
+
+@triton.jit
+def _fmix(x):
+    """murmur3's 32-bit finaliser on uint32 (kernels/dropout.py ``_fmix``)."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x85EBCA6B, tl.uint32)
+    x = x ^ (x >> 13)
+    x = x * tl.full([], 0xC2B2AE35, tl.uint32)
+    return x ^ (x >> 16)
+
+@triton.jit
+def _row_hash(seed, rid, qpos):
+    """The hash of (row id, query position): ``fmix(fmix(rid * C + seed) ^ qpos)``, per query row."""
+    r = _fmix(rid.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32) + seed)
+    return _fmix(r ^ qpos.to(tl.uint32))
+
+@triton.jit
+def _key_hash(kpos):
+    return _fmix(kpos.to(tl.uint32) * tl.full([], 0x27D4EB2F, tl.uint32) + tl.full([], 0x165667B1, tl.uint32))
+
+@triton.jit
+def _seed(SEED, seed_int, SEED_PTR: tl.constexpr):
+    """The seed folded to 32 bits (kernels/dropout.py ``_seed32``): ``seed_int`` folded on the host, or the
+    one-element int64 device seed folded here, ``(s ^ (s >> 32))`` (arithmetic shift) to its low word."""
+    if SEED_PTR:
+        s = tl.load(SEED).to(tl.int64)
+        return (s ^ (s >> 32)).to(tl.uint32)
+    return seed_int.to(tl.uint32)
+
+@triton.jit
+def _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
+             CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr,
+             WIN_L: tl.constexpr, WIN_R: tl.constexpr):
+    vis = row_ok[:, None] & col_ok[None, :]
+    if CAUSAL:
+        vis = vis & (cols[None, :] <= rows[:, None])
+    if MASKED:
+        vis = vis & (qd[:, None] == kd[None, :]) & (qd >= 0)[:, None]
+        if RULE_CAUSAL:
+            vis = vis & (mk[None, :] <= mq[:, None])
+        if WIN_L:
+            vis = vis & (mk[None, :] >= mq[:, None] - LEFT)
+        if WIN_R:
+            vis = vis & (mk[None, :] <= mq[:, None] + RIGHT)
+    return vis
+
+@triton.jit
+def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
+         s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+         s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm,
+         H, G, HEADS, HOFF, M, N, DQK, DV, scale, thresh, inv_keep, LEFT, RIGHT,
+         CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr,
+         WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
+         BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    dq_ = tl.arange(0, BDQ)
+    dv_ = tl.arange(0, BDV)
+    q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qm + dq_[None, :] * s_qd,
+                mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+    hq = _row_hash(_seed(SEED, seed_int, SEED_PTR), b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
+    mq = rows
+    qd = rows
+    if MASKED:
+        mq = tl.load(MQPOS + rows, mask=row_ok, other=0)
+        qd = tl.load(QDOC + rows, mask=row_ok, other=-1)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.full([BM], 0.0, tl.float32)
+    acc = tl.full([BM, BDV], 0.0, tl.float32)
+    hi = N
+    if CAUSAL:
+        hi = tl.minimum(N, (pid_m + 1) * BM)
+    for start in range(0, hi, BN):
+        cols = start + tl.arange(0, BN)
+        col_ok = cols < N
+        k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_kn + dq_[None, :] * s_kd,
+                    mask=col_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        mk = cols
+        kd = cols
+        if MASKED:
+            mk = tl.load(MKPOS + cols, mask=col_ok, other=0)
+            kd = tl.load(KDOC + cols, mask=col_ok, other=-2)
+        vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
+                       CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _larger))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _plus)
+        hkey = _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0))
+        keep = (_fmix(hq[:, None] ^ hkey[None, :]) >> 8) >= thresh
+        v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vn + dv_[None, :] * s_vd,
+                    mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(tl.where(keep, p, 0.0).to(v.dtype), v)
+        m_i = m_new
+    inv = tl.where(l_i == 0.0, 0.0, inv_keep / l_i)
+    tl.store(O + b * s_ob + h * s_oh + rows[:, None] * s_om + dv_[None, :] * s_od,
+             (acc * inv[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dv_[None, :] < DV))
+    tl.store(L + b * s_lb + h * s_lh + rows * s_lm,
+             tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i)), mask=row_ok)
+
+@triton.jit
+def dropout_bwd_kv(Q, K, V, DO, L, DELTA, DK, DVG, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
+            s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+            s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm,
+            s_gb, s_gh, s_gn, s_gd, s_wb, s_wh, s_wn, s_wd,
+            HK, G, HEADS, HOFF, M, N, DQK, DV, scale, thresh, inv_keep, LEFT, RIGHT,
+            CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr,
+            WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
+    """dK, dV of one key tile of one K/V head, over the group's query heads (DO, L, DELTA: strides s_o*, s_l*;
+    DK: s_g*, DVG: s_w*)."""
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = (bhk // HK).to(tl.int64)
+    hk = (bhk % HK).to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    dq_ = tl.arange(0, BDQ)
+    dv_ = tl.arange(0, BDV)
+    k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_kn + dq_[None, :] * s_kd,
+                mask=col_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+    v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vn + dv_[None, :] * s_vd,
+                mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+    hkey = _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0))
+    mk = cols
+    kd = cols
+    if MASKED:
+        mk = tl.load(MKPOS + cols, mask=col_ok, other=0)
+        kd = tl.load(KDOC + cols, mask=col_ok, other=-2)
+    seed = _seed(SEED, seed_int, SEED_PTR)
+    dk = tl.full([BN, BDQ], 0.0, tl.float32)
+    dv = tl.full([BN, BDV], 0.0, tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = (pid_n * BN // BM) * BM
+    for g in range(0, G):
+        h = hk * G + g
+        for start in range(lo, M, BM):
+            rows = start + tl.arange(0, BM)
+            row_ok = rows < M
+            q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qm + dq_[None, :] * s_qd,
+                        mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+            do = tl.load(DO + b * s_ob + h * s_oh + rows[:, None] * s_om + dv_[None, :] * s_od,
+                         mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+            lse = tl.load(L + b * s_lb + h * s_lh + rows * s_lm, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + (b * HK * G + h) * M + rows, mask=row_ok, other=0.0)
+            mq = rows
+            qd = rows
+            if MASKED:
+                mq = tl.load(MQPOS + rows, mask=row_ok, other=0)
+                qd = tl.load(QDOC + rows, mask=row_ok, other=-1)
+            vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
+                           CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
+            s = tl.dot(q, tl.trans(k)) * scale
+            p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+            hq = _row_hash(seed, b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
+            z = tl.where((_fmix(hq[:, None] ^ hkey[None, :]) >> 8) >= thresh, inv_keep, 0.0)
+            dv += tl.dot(tl.trans((p * z).to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp * z - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(DK + b * s_gb + hk * s_gh + cols[:, None] * s_gn + dq_[None, :] * s_gd,
+             (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < DQK))
+    tl.store(DVG + b * s_wb + hk * s_wh + cols[:, None] * s_wn + dv_[None, :] * s_wd,
+             dv.to(DVG.dtype.element_ty), mask=col_ok[:, None] & (dv_[None, :] < DV))
+
+@triton.jit
+def dropout_bwd_q(Q, K, V, DO, L, DELTA, DQ, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
+           s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+           s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm, s_gb, s_gh, s_gm, s_gd,
+           H, G, HEADS, HOFF, M, N, DQK, DV, scale, thresh, inv_keep, LEFT, RIGHT,
+           CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr,
+           WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
+           BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
+    """dQ of one query tile of one head (DQ: strides s_g*)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    dq_ = tl.arange(0, BDQ)
+    dv_ = tl.arange(0, BDV)
+    q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qm + dq_[None, :] * s_qd,
+                mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+    do = tl.load(DO + b * s_ob + h * s_oh + rows[:, None] * s_om + dv_[None, :] * s_od,
+                 mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+    lse = tl.load(L + b * s_lb + h * s_lh + rows * s_lm, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + (b * H + h) * M + rows, mask=row_ok, other=0.0)
+    hq = _row_hash(_seed(SEED, seed_int, SEED_PTR), b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
+    mq = rows
+    qd = rows
+    if MASKED:
+        mq = tl.load(MQPOS + rows, mask=row_ok, other=0)
+        qd = tl.load(QDOC + rows, mask=row_ok, other=-1)
+    dq = tl.full([BM, BDQ], 0.0, tl.float32)
+    hi = N
+    if CAUSAL:
+        hi = tl.minimum(N, (pid_m + 1) * BM)
+    for start in range(0, hi, BN):
+        cols = start + tl.arange(0, BN)
+        col_ok = cols < N
+        k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_kn + dq_[None, :] * s_kd,
+                    mask=col_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+        v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vn + dv_[None, :] * s_vd,
+                    mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+        mk = cols
+        kd = cols
+        if MASKED:
+            mk = tl.load(MKPOS + cols, mask=col_ok, other=0)
+            kd = tl.load(KDOC + cols, mask=col_ok, other=-2)
+        vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
+                       CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
+        s = tl.dot(q, tl.trans(k)) * scale
+        p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+        hkey = _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0))
+        z = tl.where((_fmix(hq[:, None] ^ hkey[None, :]) >> 8) >= thresh, inv_keep, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp * z - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + b * s_gb + h * s_gh + rows[:, None] * s_gm + dq_[None, :] * s_gd,
+             (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < DQK))
+
+
+
+@triton.jit
+def dropout_delta(O, DO, DELTA, s_ob, s_oh, s_om, s_od, s_db, s_dh, s_dm, s_dd, H, M, DV,
+                  BM: tl.constexpr, BDV: tl.constexpr):
+    """``delta = rowsum(dO * O)`` in fp32 for one tile of query rows of one head (DELTA: ``[b, h, M]``
+    contiguous)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    dv_ = tl.arange(0, BDV)
+    keep = row_ok[:, None] & (dv_[None, :] < DV)
+    o = tl.load(O + b * s_ob + h * s_oh + rows[:, None] * s_om + dv_[None, :] * s_od, mask=keep, other=0.0)
+    do = tl.load(DO + b * s_db + h * s_dh + rows[:, None] * s_dm + dv_[None, :] * s_dd, mask=keep, other=0.0)
+    tl.store(DELTA + (b * H + h) * M + rows, tl.reduce(o.to(tl.float32) * do.to(tl.float32), 1, _plus), mask=row_ok)
