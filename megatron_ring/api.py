@@ -47,7 +47,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    hierarchical_groups: Any = None, softmax_offset: Any = None,
                    dropout_p: float = 0.0, dropout_seed: int | torch.Tensor | None = None,
                    kv_pieces: int | None = None, deterministic: bool | None = None,
-                   return_max_logit: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   return_max_logit: bool = False,
+                   max_logit_rows: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -126,6 +127,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             own queries' max (docs/model_features.md, "QK-clip"). An extra pass over each computed block
             (the kernels return no max; fp32 accumulation, scores rounded once to bf16 for bf16 inputs, else
             fp32); nothing is computed when False.
+        max_logit_rows: with ``return_max_logit``, a bool tensor on q's device, one entry per local query row (the
+            sequence dim of q in ``qkv_format``: ``s_local``, or ``t_local`` for "thd"): only the rows marked True
+            count in ``max_logit`` (e.g. the real tokens of Megatron's padded packed documents, not their filler).
+            No host read. None: every row.
 
     Returns:
         The attention output with q's shape and dtype, contiguous in ``qkv_format``; with
@@ -140,7 +145,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             head_chunks=head_chunks, ring=ring, cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
             hierarchical_groups=hierarchical_groups, softmax_offset=softmax_offset, dropout_p=dropout_p,
             dropout_seed=dropout_seed, kv_pieces=kv_pieces, deterministic=deterministic,
-            return_max_logit=return_max_logit)
+            return_max_logit=return_max_logit, max_logit_rows=max_logit_rows)
     _check_tensors(q, k, v)
     cast = autocast_inputs(q.device.type, q, k, v)
     if cast is not None:  # as torch's SDPA under autocast: inputs in its dtype, the call without it (core/autocast.py)
@@ -166,6 +171,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                      per_call=(dropout_seed,) if isinstance(dropout_seed, int) and dropout_p else ())
         q, k, v = call.tensors
         call.refusing(check_inputs, q, k, v, call.qkv_format)
+        if return_max_logit and max_logit_rows is not None:  # refused on every rank (a per-rank value)
+            call.refusing(_check_rows, max_logit_rows, q.shape[call.s_dim], q.device)
         scale = call.checked_scale(softmax_scale)
         qh = call.bhsd(q)
         # head dim: with MLA head dims the kernel's operands are padded to the larger one (kernels.head_dim)
@@ -173,13 +180,31 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         dropout = dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world)
         plan = call.plan(scale, block_kernel, qh, dropout)
         out = call.repack(_dispatch(call, q, k, v, qh, plan, sink_logits(softmax_offset, qh)))
-        return (out, plan.row_max.amax(dim=1)) if return_max_logit else out
+        if not return_max_logit:
+            return out
+        return out, _max_logit(plan.row_max, max_logit_rows)
 
 
 #: ``ring_attention`` as torch.compile sees it: never traced (its exchanges wait on the host, its status is
 #: read on the host), called eagerly between the compiled graphs before and after it
 _eager_ring_attention = torch.compiler.disable(
     ring_attention, reason="megatron_ring: the ring's exchanges and in-band status run eagerly (docs/compile.md)")
+
+
+def _check_rows(rows: Any, s_local: int, device: torch.device) -> None:
+    if not (isinstance(rows, torch.Tensor) and rows.dtype == torch.bool and tuple(rows.shape) == (s_local,)
+            and rows.device == device):
+        got = f"{rows.dtype} {tuple(rows.shape)} on {rows.device}" if isinstance(rows, torch.Tensor) else \
+            type(rows).__name__
+        raise ValueError(f"max_logit_rows must be a bool tensor of the {s_local} local query rows on {device}, "
+                         f"got {got}")
+
+
+def _max_logit(row_max: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The max logit per head (``row_max``: fp32 ``[h, s_local]``) over the rows ``rows`` marks (None: all)."""
+    if rows is None:
+        return row_max.amax(dim=1)
+    return row_max.masked_fill(~rows, float("-inf")).amax(dim=1)
 
 
 def _pieces_alias(head_chunks: Any) -> int | None:

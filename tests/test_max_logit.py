@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_ring import ring_attention
+from megatron_ring import RingInputError, ring_attention
 from megatron_ring.schedules.layouts import get_layout
 from megatron_ring.schedules.masks import DocumentZigzag
 from megatron_ring.wire.codecs import KVSpec, make_codec
@@ -270,3 +270,33 @@ def test_bad_flag_refused():
     q = torch.randn(1, 8, 2, 8)
     with pytest.raises(ValueError, match="return_max_logit"):
         ring_attention(q, q, q, return_max_logit="yes")
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_max_logit_rows_count_the_marked_rows_only(world):
+    """``max_logit_rows``: the max over the marked local query rows only (the glue passes the real tokens of
+    Megatron's padded packed documents); against the reference rows of those positions; negative control: the max
+    over every row misses (the unmarked rows hold the largest logits); a mask of the wrong length is refused on
+    every rank by name."""
+    S = 8 * world
+    q, k, v = _inputs(1, S, 4, 2, 16, torch.float32, seed=3)
+    marked = torch.arange(S) % 3 != 0
+    q[:, ~marked] *= 10.0  # the unmarked rows' logits are the largest
+    ref = max_logit_reference(q, k, causal=True)
+    bound = max_logit_tol(sigma=score_bound(q, k), d=16, ref_max=_finite_max(ref))
+
+    def body(rank, ring, rows_of=lambda pos: marked[pos]):
+        pos = _positions("zigzag", S, world, rank)
+        local = [t.index_select(1, pos) for t in (q, k, v)]
+        _, ml = ring_attention(*local, ring=ring, causal=True, return_max_logit=True, max_logit_rows=rows_of(pos))
+        return ml, pos
+
+    results = run_threads(body, world)
+    for rank, (ml, pos) in enumerate(results):
+        want = ref[:, pos].masked_fill(~marked[pos], float("-inf")).amax(1)
+        assert (ml.double() - want).abs().max().item() <= bound, (rank, ml, want)
+        assert (ml.double() - ref[:, pos].amax(1)).abs().max().item() > bound  # every row: another max
+    bad = run_threads(lambda rank, ring: body(rank, ring, lambda pos: marked[pos][1:] if rank == 0 else marked[pos]),
+                      world)
+    assert isinstance(bad[0], ValueError) and "max_logit_rows" in str(bad[0]), bad
+    assert all(isinstance(r, RingInputError) for r in bad[1:]), bad  # every other rank: the named refusal

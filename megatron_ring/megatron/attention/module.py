@@ -19,7 +19,7 @@ from megatron_ring.megatron import compat
 from megatron_ring.megatron.attention import comm_types, qk_clip
 from megatron_ring.megatron.groups import resolve as groups
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
-from megatron_ring.megatron.data.documents import DocumentsFromMask, packed_cu_seqlens
+from megatron_ring.megatron.data.documents import DocumentsFromMask, packed_cu_seqlens, real_rows
 from megatron_ring.megatron.attention.dropout import dropout_seed, row_seed
 from megatron_ring.megatron.env import kv_pieces_from_env, ring_config_from_env
 from megatron_ring.megatron.attention.sinks import make_softmax_offset, ring_softmax_offset, sharded_sinks
@@ -288,12 +288,12 @@ class RingDotProductAttention(MegatronModule):
                 token_order.check_sequence_split(group.size())  # RoPE (GPT models; hybrids at build time)
             layout = token_order.megatron_thd_layout(group.size(), cfg.layout, packed_seq_params, split)
 
-        def run(q, k, v, fmt, cu=None):
+        def run(q, k, v, fmt, cu=None, rows=None):
             got = megatron_ring.ring_attention(
                 q, k, v, group=group, causal=causal, layout=layout, softmax_scale=self.softmax_scale,
                 qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
                 window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed, kv_pieces=pieces,
-                deterministic=self.deterministic, return_max_logit=max_logit, **strategy)
+                deterministic=self.deterministic, return_max_logit=max_logit, max_logit_rows=rows, **strategy)
             if not max_logit:
                 return got
             self.current_max_attn_logits = qk_clip.accumulate(self.current_max_attn_logits, got[1])
@@ -308,8 +308,17 @@ class RingDotProductAttention(MegatronModule):
             if self.packed_rope is not None:  # set by use_layout_rope: RoPE at the layout's positions
                 query, key = apply_packed_rope(self.packed_rope[0], self.config, query, key, packed_seq_params,
                                                layout, group)
-            out = run(query, key, value, "thd", packed_cu_seqlens(packed_seq_params))
-            return out.view(out.size(0), self.hidden_size_per_partition)
+            if group is not None and group.size() > 1 and self.batch_split == "ring" \
+                    and getattr(self.config, "multi_latent_attention", False):
+                token_order.refuse_mla_packed_ring_split(group.size())
+            rows = None
+            if max_logit:  # QK-clip's max over the real tokens: not over the filler of padded documents
+                world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
+                rows = real_rows(packed_seq_params, layout, world, rank, query.shape[0], query.device)
+            out = run(query, key, value, "thd", packed_cu_seqlens(packed_seq_params), rows)
+            # heads x V's head dim as V came (megatron-core 0.19's MLA pads V to Q's head dim for THD batches,
+            # tells core attention so through hidden_size_per_attention_head_v, and trims the output itself)
+            return out.view(out.size(0), -1)
         docs = None
         if attention_mask is not None and causal:  # --reset-attention-mask: documents per batch row
             docs = self._documents(attention_mask, group if group is not None and group.size() > 1 else None,
@@ -322,7 +331,7 @@ class RingDotProductAttention(MegatronModule):
                 seed = None if p_drop == 0.0 else row_seed(dropout_seed_base, i)
                 rows.append(run(query[:, i], key[:, i], value[:, i], "thd", torch.tensor(cu)))
             out = torch.stack(rows, 1)
-        return out.view(out.size(0), out.size(1), self.hidden_size_per_partition)
+        return out.view(out.size(0), out.size(1), -1)
 
 
 def _refuse_meaningful(where: str, kwargs: dict[str, Any]) -> None:

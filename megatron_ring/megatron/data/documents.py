@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_ring import get_layout
 
-__all__ = ["packed_cu_seqlens", "DocumentsFromMask", "document_mask", "packed_batch"]
+__all__ = ["packed_cu_seqlens", "real_rows", "DocumentsFromMask", "document_mask", "packed_batch"]
 
 
 def packed_cu_seqlens(params: Any) -> torch.Tensor:
@@ -49,6 +49,22 @@ def packed_cu_seqlens(params: Any) -> torch.Tensor:
     ends = padded[:-1] + lens  # real tokens [padded[i], ends[i]); filler [ends[i], padded[i+1])
     bounds = torch.stack([padded[:-1], ends], 1).flatten()
     return torch.unique_consecutive(torch.cat([bounds, padded[-1:]]))
+
+
+def real_rows(params: Any, layout: Any, world: int, rank: int, t_local: int, device: Any) -> torch.Tensor | None:
+    """Bool ``[t_local]`` on ``device``: which of this rank's packed rows are real tokens, not the filler Megatron
+    pads each document with (``cu_seqlens_q_padded``; :func:`packed_cu_seqlens` makes filler documents of their
+    own, so it gets attention like any document, but it is no token of the data); None where nothing is filler.
+    ``layout``: the ring layout the stream was split by (a name or a layout object). For QK-clip's max logit."""
+    padded = params.cu_seqlens_q_padded
+    cu = params.cu_seqlens_q.detach().cpu().long()
+    if padded is None or torch.equal(padded.detach().cpu().long(), cu):
+        return None  # no filler (tokens past the last document are padding to the ring itself: they see nothing)
+    padded = padded.detach().cpu().long()
+    pos = (get_layout(layout) if isinstance(layout, str) else layout).positions(t_local * world, world, rank)
+    doc = (torch.searchsorted(padded, pos, right=True) - 1).clamp(0, len(cu) - 2)
+    real = (pos >= padded[doc]) & (pos < padded[doc] + cu[doc + 1] - cu[doc]) & (pos < padded[-1])
+    return real.to(device)
 
 
 class DocumentsFromMask:

@@ -23,6 +23,7 @@ from torch import Tensor
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron_ring import get_layout
+from megatron_ring.megatron.data.token_order import refuse_mla_packed_ring_split
 
 __all__ = ["LayoutRotaryEmbedding", "use_layout_rope"]
 
@@ -36,6 +37,8 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
 
     ring_layout: str = "zigzag"
     packed_by_ring: bool = False  # THD batches: the ring core attentions apply RoPE (apply_packed_rope)
+    #: an MLA's own RoPE: its core attention's ``batch_split`` ("ring": packed batches at CP > 1 are refused by name)
+    mla_split: Optional[str] = None
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group: Optional[torch.distributed.ProcessGroup] = None) -> Optional[Tensor]:
@@ -43,6 +46,8 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
             return None  # Megatron's attention applies no RoPE; ring attention does, per token
         emb = self.get_emb(max_seq_len, offset)
         group = cp_group if cp_group is not None else self.cp_group
+        if packed_seq and self.mla_split == "ring" and group is not None and group.size() > 1:
+            refuse_mla_packed_ring_split(group.size())
         if group is not None and group.size() > 1 and not packed_seq:
             pos = get_layout(self.ring_layout).positions(max_seq_len, group.size(), group.rank())
             emb = emb.index_select(0, pos.to(emb.device))
@@ -63,6 +68,7 @@ def use_layout_rope(model: torch.nn.Module, layout: str | None = None) -> int:
     n = 0
     for chunk in (model if isinstance(model, (list, tuple)) else [model]):
         rotary = []
+        own = _mla_rotaries(chunk)
         for m in chunk.modules():
             if type(m) is RotaryEmbedding or isinstance(m, LayoutRotaryEmbedding):
                 m.__class__ = LayoutRotaryEmbedding
@@ -75,8 +81,22 @@ def use_layout_rope(model: torch.nn.Module, layout: str | None = None) -> int:
         # (RingDotProductAttention declares ``packed_rope``; found by that attribute, so data/ needs no
         # import of attention/)
         ring = [m for m in chunk.modules() if hasattr(m, "packed_rope")]
+        for attention in own.values():  # MLA applies its own RoPE, to packed batches too
+            attention.rotary_pos_emb.mla_split = getattr(getattr(attention, "core_attention", None), "batch_split",
+                                                         None)
+        rotary = [m for m in rotary if id(m) not in own]
         if len(rotary) == 1 and ring:
             rotary[0].packed_by_ring = True
             for m in ring:
                 m.packed_rope = (rotary[0],)  # a tuple: not registered as a submodule
     return n
+
+
+def _mla_rotaries(chunk: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The multi-latent attention layers by the id of the RoPE module each owns: MLA applies it itself (to a slice
+    of each head, packed batches in Megatron's per-document order), so the ring's core attention never takes it
+    over for packed batches."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention  # noqa: PLC0415
+
+    return {id(m.rotary_pos_emb): m for m in chunk.modules()
+            if isinstance(m, MultiLatentAttention) and getattr(m, "rotary_pos_emb", None) is not None}

@@ -42,7 +42,7 @@ import torch
 from megatron_ring import DocumentZigzag, get_layout
 from megatron_ring.megatron import compat
 
-__all__ = ["TokenOrderError", "thd_get_partitioned_indices", "attention_layout", "data_layout",
+__all__ = ["TokenOrderError", "refuse_mla_packed_ring_split", "thd_get_partitioned_indices", "attention_layout", "data_layout",
            "megatron_thd_layout", "check_sequence_split", "ROPE_TYPES",
            "same_order", "install_thd_partitioner", "PARTITION_MODES"]
 
@@ -51,6 +51,21 @@ PARTITION_MODES = ("zigzag", "contiguous")
 
 class TokenOrderError(ValueError):
     """The ring's token order cannot be made the one Megatron's Mamba / GDN context parallelism assumes."""
+
+
+def refuse_mla_packed_ring_split(cp: int) -> None:
+    """Multi-latent attention applies its RoPE itself, to packed (THD) batches with Megatron's per-document split
+    of each document over the CP ranks (TransformerEngine's), which is not the order the ring's own batch split
+    (``batch_split="ring"``) gives the packed stream: the embeddings would land on the wrong tokens. Raised by the
+    MLA's RoPE (``rope.LayoutRotaryEmbedding``, after :func:`~megatron_ring.megatron.use_layout_rope`) and by the
+    ring core attention."""
+    raise TokenOrderError(
+        f"multi-latent attention on a packed (THD) batch at CP = {cp}: MLA applies its RoPE itself, in Megatron's "
+        "per-document order (each document padded to a multiple of 2 x CP, cu_seqlens_q_padded), not in the "
+        "order the ring's own batch split gives the stream. Split the batch in Megatron's order (stock "
+        "Megatron-LM's get_batch, or get_batch_on_this_cp_rank(batch, layout=attention_layout('thd', cp, "
+        "'zigzag', cu_seqlens_padded))) and build the core attention with batch_split='megatron' (the stock "
+        "--spec's, megatron_ring.megatron.spec.stock.ring_core()), or feed BSHD batches.")
 
 
 def thd_get_partitioned_indices(cu_seqlens: torch.Tensor, total_tokens: int, world_size: int,
