@@ -140,8 +140,9 @@ class RingConfig:
             return types[0]
         if not 1 <= layer_number <= len(types):
             raise ContextParallelConfigError(
-                "--cp-comm-type", f"{len(types)} per-layer values but layer number {layer_number}; give one "
-                                  "value or one per layer (--num-layers)")
+                "--cp-comm-type", f"the ring config (MEGATRON_RING_CP_COMM_TYPE, or the RingConfig given to "
+                                  f"initialize_context_parallel) has {len(types)} per-layer values but layer "
+                                  f"number {layer_number}; give one value or one per layer (--num-layers)")
         return types[layer_number - 1]
 
     def validate(self, *, world_size: int | None = None, tensor_model_parallel_size: int = 1,

@@ -134,3 +134,62 @@ def test_heads_not_divisible_by_tp_are_refused_naming_the_flag(one_rank_group): 
     assert build(2).num_query_groups_per_partition == 1
     with pytest.raises(ContextParallelConfigError, match="--tensor-model-parallel-size.*num_query_groups = 2"):
         build(4)
+
+
+def test_a_comm_type_in_two_places_names_both_and_the_fix():
+    """Stock Megatron-LM's --cp-comm-type defaults to 'p2p' (TransformerConfig.cp_comm_type): with
+    MEGATRON_RING_CP_COMM_TYPE set to another value, the error names both sources and what to do on stock
+    Megatron-LM (it named a flag the user never passed); a per-layer list of the wrong length in the ring config
+    names the ring config. Control: the same value in both places is accepted."""
+    from megatron_ring.megatron import RingConfig
+
+    ring = RingConfig(context_parallel_size=2, cp_comm_type=("all_gather",))
+    with pytest.raises(ContextParallelConfigError, match="MEGATRON_RING_CP_COMM_TYPE.*leave MEGATRON_RING_CP_COMM_TYPE "
+                                                         "unset"):
+        comm_types.layer_comm_type(SimpleNamespace(cp_comm_type="p2p"), 1, None, ring)
+    assert comm_types.layer_comm_type(SimpleNamespace(cp_comm_type="all_gather"), 1, None, ring) == "all_gather"
+    two = RingConfig(context_parallel_size=2, cp_comm_type=("p2p", "a2a"))
+    with pytest.raises(ContextParallelConfigError, match="the ring config .MEGATRON_RING_CP_COMM_TYPE.*2 per-layer"):
+        two.comm_type_for_layer(3)
+
+
+def test_the_stock_layout_refusal_names_where_the_layout_came_from(monkeypatch):
+    """A layout from a registered ring (initialize_context_parallel's RingConfig) is named as such, not as
+    MEGATRON_RING_LAYOUT (which the user may never have set)."""
+    from megatron_ring.megatron.spec import stock
+
+    import megatron_ring.megatron.groups.provider as provider
+
+    monkeypatch.setattr(provider, "is_context_parallel_initialized", lambda: True)
+    monkeypatch.setattr(provider, "get_ring_state", lambda: SimpleNamespace(config=SimpleNamespace(layout="striped")))
+    with pytest.raises(ContextParallelConfigError) as e:
+        stock.check_stock_layout()
+    assert e.value.flag == "RingConfig.layout (initialize_context_parallel)", e.value
+
+
+@pytest.mark.parametrize("padding,plain", [(AttnMaskType.padding_causal, AttnMaskType.causal),
+                                           (AttnMaskType.padding, AttnMaskType.no_mask)])
+def test_padding_mask_types_with_packed_batches(one_rank_group, padding, plain):  # noqa: F811
+    """padding_causal / padding with packed (THD) batches: the documents and their padding are the
+    packed_seq_params', so the call is the causal / no_mask one bit for bit (they were refused); without packed
+    params they are refused by name at the call; arbitrary is refused at build. Control: the causal and the
+    non-causal packed outputs differ (the mask type is not ignored)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    m = _module(dist.group.WORLD)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    q, k, v = _qkv()
+    got = m(q, k, v, None, attn_mask_type=padding, packed_seq_params=params)
+    want = m(q, k, v, None, attn_mask_type=plain, packed_seq_params=params)
+    assert torch.equal(got, want)
+    other = m(q, k, v, None, attn_mask_type=AttnMaskType.no_mask if plain is AttnMaskType.causal
+              else AttnMaskType.causal, packed_seq_params=params)
+    assert not torch.equal(got, other)
+    with pytest.raises(NotImplementedError, match="with packed .THD. batches only"):
+        m(q, k, v, None, attn_mask_type=padding)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                            context_parallel_size=1, attention_dropout=0.0)
+    with pytest.raises(NotImplementedError, match="supports attn_mask_type causal or no_mask"):
+        RingDotProductAttention(cfg, 1, AttnMaskType.arbitrary, "self",
+                                pg_collection=SimpleNamespace(cp=None, tp=SimpleNamespace(size=lambda: 1)))

@@ -38,8 +38,11 @@ def layer_comm_type(model_config: Any, layer_number: int, passed: str | None, ri
         mine = ring_value or "p2p"
     elif ring is not None and ring.cp_comm_type != ("p2p",) and ring_value != mine:
         raise ContextParallelConfigError(
-            "--cp-comm-type", f"layer {layer_number}: the model config says {mine!r} but the ring config says "
-                              f"{ring_value!r}; set it in one place")
+            "--cp-comm-type", f"layer {layer_number}: the model config (TransformerConfig.cp_comm_type: "
+                              f"--cp-comm-type, whose default on stock Megatron-LM is 'p2p') says {mine!r} but "
+                              f"the ring config (MEGATRON_RING_CP_COMM_TYPE, or the RingConfig given to "
+                              f"initialize_context_parallel) says {ring_value!r}; set it in one place: on stock "
+                              f"Megatron-LM pass --cp-comm-type and leave MEGATRON_RING_CP_COMM_TYPE unset")
     if mine not in CP_COMM_TYPES:
         raise ContextParallelConfigError("--cp-comm-type", f"layer {layer_number}: {mine!r} is not one of "
                                                            f"{list(CP_COMM_TYPES)}")

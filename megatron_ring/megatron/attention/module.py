@@ -31,6 +31,8 @@ __all__ = ["RingDotProductAttention"]
 
 
 _CAUSAL = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+# with packed (THD) batches: documents and their padding are the packed_seq_params' (what these types ask for)
+_PACKED = {AttnMaskType.padding_causal: True, AttnMaskType.padding: False}
 _KEPT = 8  # resolved settings a layer keeps (one per group it runs on: hybrid CP's sizes, eval rebinding)
 
 
@@ -222,12 +224,20 @@ class RingDotProductAttention(MegatronModule):
 
     # ------------------------------------------------------------------------------------------
     @staticmethod
-    def _mask_causal(mask_type: AttnMaskType) -> bool:
-        try:
+    def _mask_causal(mask_type: AttnMaskType, packed: bool | None = None) -> bool:
+        """Whether ``mask_type`` is causal. ``packed``: the call has packed_seq_params (None: at build, not known
+        yet): padding_causal / padding are causal / not within the packed documents, which carry the padding."""
+        if mask_type in _CAUSAL:
             return _CAUSAL[mask_type]
-        except KeyError:
-            raise NotImplementedError(f"ring attention supports attn_mask_type causal or no_mask, got "
-                                      f"{mask_type}") from None
+        if mask_type in _PACKED and packed is not False:
+            return _PACKED[mask_type]
+        if mask_type in _PACKED:
+            raise NotImplementedError(
+                f"ring attention takes attn_mask_type {mask_type} with packed (THD) batches only (packed_seq_params: "
+                "the documents and their padding); for a BSHD batch use causal or no_mask (padding tokens then take "
+                "part in attention: mask their loss), or pack the batch (documents.packed_batch)")
+        raise NotImplementedError(f"ring attention supports attn_mask_type causal or no_mask (padding_causal and "
+                                  f"padding with packed THD batches), got {mask_type}")
 
     def _ring(self, packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[Any, RingConfig, Any]:
         """(CP process group, ring config, registered state if the group is its group) for this call.
@@ -278,7 +288,8 @@ class RingDotProductAttention(MegatronModule):
         _refuse_meaningful("forward", newer_kwargs)
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by RingDotProductAttention")
-        causal = self._mask_causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
+        causal = self._mask_causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type,
+                                   packed_seq_params is not None)
         group, cfg, registered, strategy, pieces, max_logit = self._settings(packed_seq_params)
         layout = cfg.layout
         if packed_seq_params is not None and self.batch_split == "megatron" and group is not None \

@@ -98,15 +98,20 @@ def _documents(mask: torch.Tensor, group: Any, layout: str) -> list[list[int]] |
     j = torch.arange(S, device=mask.device)
     start = torch.where(visible, j, S).amin(-1)  # first visible key of each local query
     expected = (j >= start[..., None]) & (j <= pos[:, None])
-    if not torch.equal(visible, expected):
-        raise NotImplementedError(
-            "ring attention supports attention_mask tensors that are causal within documents (as "
-            "--reset-attention-mask builds them); this mask is not. Use attn_mask_type causal/no_mask "
-            "with attention_mask=None, or packed_seq_params (THD) for packed documents")
-    is_start = torch.zeros(b, S, dtype=torch.uint8, device=mask.device)
+    # the last column: whether this rank's rows break the rule; reduced with the document starts, so that a mask
+    # only some ranks' query rows break is refused on every rank (one raising alone left the others in the
+    # all-reduce)
+    is_start = torch.zeros(b, S + 1, dtype=torch.uint8, device=mask.device)
     is_start.scatter_(1, start.clamp(max=S - 1).long(), 1)
+    is_start[:, S] = int(not torch.equal(visible, expected))
     if cp > 1:
         dist.all_reduce(is_start, op=dist.ReduceOp.MAX, group=group)
+    if bool(is_start[:, S].any()):
+        raise NotImplementedError(
+            "ring attention supports attention_mask tensors that are causal within documents (as "
+            "--reset-attention-mask builds them); this mask is not (on some CP rank's query rows). Use "
+            "attn_mask_type causal/no_mask with attention_mask=None, or packed_seq_params (THD) for packed documents")
+    is_start = is_start[:, :S]
     is_start[:, 0] = 1
     rows = [torch.nonzero(r).flatten().tolist() + [S] for r in is_start.cpu()]
     return None if all(r == [0, S] for r in rows) else rows

@@ -21,12 +21,14 @@ def check_stock_layout() -> None:
     from megatron_ring.megatron.env import ring_config_from_env
     from megatron_ring.megatron.groups.provider import get_ring_state, is_context_parallel_initialized
 
-    cfg = get_ring_state().config if is_context_parallel_initialized() else ring_config_from_env()
+    registered = is_context_parallel_initialized()
+    cfg = get_ring_state().config if registered else ring_config_from_env()
     if cfg.layout != "zigzag":
+        where = "RingConfig.layout (initialize_context_parallel)" if registered else "MEGATRON_RING_LAYOUT"
         raise ContextParallelConfigError(
-            "MEGATRON_RING_LAYOUT", f"layout {cfg.layout!r} needs a batch split and RoPE that stock Megatron does "
-                                    "not do (it splits zigzag); use zigzag with --spec / ring_spec, or run "
-                                    "examples/pretrain_ring_gpt.py --cp-layout ... or the patch in patches/")
+            where, f"layout {cfg.layout!r} needs a batch split and RoPE that stock Megatron does not do (it splits "
+                   "zigzag); use zigzag with --spec / ring_spec, or run examples/pretrain_ring_gpt.py --cp-layout ... "
+                   "or the patch in patches/")
 
 
 def swap(spec: Any) -> Any:
