@@ -193,3 +193,34 @@ def test_padding_mask_types_with_packed_batches(one_rank_group, padding, plain):
     with pytest.raises(NotImplementedError, match="supports attn_mask_type causal or no_mask"):
         RingDotProductAttention(cfg, 1, AttnMaskType.arbitrary, "self",
                                 pg_collection=SimpleNamespace(cp=None, tp=SimpleNamespace(size=lambda: 1)))
+
+
+def test_a_decode_step_at_cp1_is_megatrons_attention(one_rank_group):  # noqa: F811
+    """Inference with a KV cache hands core attention fewer queries than keys (Megatron turns the mask off past the
+    prompt): at CP = 1 every query sees every key, against the float64 attention (GQA 4:2, no_mask with 3 queries,
+    causal with 1: the last position); refused by name: causal with several queries (Megatron refuses it too), a
+    window. Negative control: a decode step computed causal-top-left (the first key only) misses."""
+    from tests.helpers.numerics import max_err, score_bound, tol
+
+    def attention_reference(q, k, v, causal=False):  # float64, [b, s, h, d], every query sees every key
+        kk, vv = (t.repeat_interleave(q.shape[2] // t.shape[2], 2) for t in (k, v))
+        p = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, kk) / q.shape[-1] ** 0.5, -1)
+        return torch.einsum("bhqk,bkhd->bqhd", p, vv)
+
+    m = _module(dist.group.WORLD)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(8, 2, 2, 8, generator=g), torch.randn(8, 2, 2, 8, generator=g)
+    for sq, mask in ((3, AttnMaskType.no_mask), (1, AttnMaskType.causal)):
+        q = torch.randn(sq, 2, 4, 8, generator=g)
+        got = m(q, k, v, None, attn_mask_type=mask)
+        qd, kd, vd = (t.transpose(0, 1).double() for t in (q, k, v))  # [b, s, h, d]
+        ref = attention_reference(qd, kd, vd, causal=False).transpose(0, 1).reshape(sq, 2, -1)
+        bound = tol(ref.abs().max().item(), dtype=torch.float32, n=8, sigma=score_bound(qd, kd))
+        assert got.shape == (sq, 2, 32) and max_err(got, ref) <= bound
+        first = attention_reference(qd, kd[:, :1], vd[:, :1], causal=False).transpose(0, 1).reshape(sq, 2, -1)
+        assert max_err(got, first) > bound
+    with pytest.raises(NotImplementedError, match="causal attention with query length 3 != key length 8"):
+        m(torch.randn(3, 2, 4, 8), k, v, None)
+    windowed = _module(dist.group.WORLD, window_size=(4, 0))
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        windowed(torch.randn(1, 2, 4, 8), k, v, None, attn_mask_type=AttnMaskType.no_mask)

@@ -330,6 +330,8 @@ class RingDotProductAttention(MegatronModule):
             # heads x V's head dim as V came (megatron-core 0.19's MLA pads V to Q's head dim for THD batches,
             # tells core attention so through hidden_size_per_attention_head_v, and trims the output itself)
             return out.view(out.size(0), -1)
+        if query.shape[0] != key.shape[0]:  # a decode step of inference with a KV cache
+            return _decode(self, query, key, value, causal, group, offset)
         docs = None
         if attention_mask is not None and causal:  # --reset-attention-mask: documents per batch row
             docs = self._documents(attention_mask, group if group is not None and group.size() > 1 else None,
@@ -343,6 +345,30 @@ class RingDotProductAttention(MegatronModule):
                 rows.append(run(query[:, i], key[:, i], value[:, i], "thd", torch.tensor(cu)))
             out = torch.stack(rows, 1)
         return out.view(out.size(0), out.size(1), -1)
+
+
+def _decode(layer: "RingDotProductAttention", query: Tensor, key: Tensor, value: Tensor, causal: bool, group: Any,
+            offset: Any) -> Tensor:
+    """Core attention with fewer queries than keys: a decode step of Megatron's inference with a KV cache (it
+    turns the mask off past the prompt: ``no_mask``), at CP = 1, as Megatron's ``DotProductAttention`` computes it:
+    every query sees every key (torch's SDPA, GQA K/V as they are); one causal query is the last position, which
+    sees every key too. Refused by name at CP > 1, causal with several queries (Megatron's own attention refuses it
+    too), with a window or attention sinks."""
+    if group is not None and group.size() > 1:
+        raise NotImplementedError(f"query length {query.shape[0]} != key length {key.shape[0]} (inference with a "
+                                  "KV cache) at context parallel size > 1: run generation at CP = 1")
+    if causal and query.shape[0] > 1:
+        raise NotImplementedError(f"causal attention with query length {query.shape[0]} != key length "
+                                  f"{key.shape[0]}: Megatron turns the mask off for decode steps (attn_mask_type "
+                                  "no_mask); its own attention refuses this too")
+    if layer.window is not None or offset is not None:
+        raise NotImplementedError("a decode step (query length != key length) with a sliding window or attention "
+                                  "sinks: not supported by RingDotProductAttention; build the model for "
+                                  "generation with Megatron's own core attention")
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=layer.softmax_scale,
+                                                           enable_gqa=k.shape[1] != q.shape[1])
+    return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
 def _refuse_meaningful(where: str, kwargs: dict[str, Any]) -> None:
