@@ -3,6 +3,7 @@ tests re-import it under ``TRITON_INTERPRET=1``, which ``triton.jit`` reads when
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _larger(a, b):
     """Combine functions of the row reductions (``tl.reduce`` is a builtin; ``tl.max``/``tl.sum`` are jitted
@@ -24,15 +25,18 @@ def _fmix(x):
     x = x * tl.full([], 0xC2B2AE35, tl.uint32)
     return x ^ (x >> 16)
 
+
 @triton.jit
 def _row_hash(seed, rid, qpos):
     """The hash of (row id, query position): ``fmix(fmix(rid * C + seed) ^ qpos)``, per query row."""
     r = _fmix(rid.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32) + seed)
     return _fmix(r ^ qpos.to(tl.uint32))
 
+
 @triton.jit
 def _key_hash(kpos):
     return _fmix(kpos.to(tl.uint32) * tl.full([], 0x27D4EB2F, tl.uint32) + tl.full([], 0x165667B1, tl.uint32))
+
 
 @triton.jit
 def _seed(SEED, seed_int, SEED_PTR: tl.constexpr):
@@ -42,6 +46,7 @@ def _seed(SEED, seed_int, SEED_PTR: tl.constexpr):
         s = tl.load(SEED).to(tl.int64)
         return (s ^ (s >> 32)).to(tl.uint32)
     return seed_int.to(tl.uint32)
+
 
 @triton.jit
 def _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
@@ -60,14 +65,50 @@ def _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
             vis = vis & (mk[None, :] <= mq[:, None] + RIGHT)
     return vis
 
+
+@triton.jit
+def _tile(P, b, h, s_b, s_h, s_n, s_d, idx, ok, dcols, D):
+    """The ``[len(idx), len(dcols)]`` tile of head ``h`` of batch row ``b``: rows ``idx`` (``ok``: in range), head-dim
+    columns ``dcols`` (those ``< D``); 0 outside."""
+    return tl.load(P + b * s_b + h * s_h + idx[:, None] * s_n + dcols[None, :] * s_d,
+                   mask=ok[:, None] & (dcols[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _mask_vectors(MPOS, DOC, idx, ok, pad, MASKED: tl.constexpr):
+    """An explicit mask's positions and documents of the rows (or keys) ``idx`` (``pad``: the document of a row out
+    of range); ``idx`` itself for both where the task has no explicit mask (unused then)."""
+    pos = idx
+    doc = idx
+    if MASKED:
+        pos = tl.load(MPOS + idx, mask=ok, other=0)
+        doc = tl.load(DOC + idx, mask=ok, other=pad)
+    return pos, doc
+
+
+@triton.jit
+def _kept(hq, hkey, thresh, inv_keep):
+    """``1 / (1 - p)`` where the pair is kept, else 0: the row hashes ``hq`` against the key hashes ``hkey``."""
+    return tl.where((_fmix(hq[:, None] ^ hkey[None, :]) >> 8) >= thresh, inv_keep, 0.0)
+
+
+@triton.jit
+def _ds(q, k, v, do, lse, delta, vis, z, scale):
+    """The backward's probabilities ``p`` (the forward's, from its lse; 0 where hidden) and ``dS / scale`` of one
+    tile pair: ``p (dP z - delta)``."""
+    p = tl.where(vis, tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
+    return p, p * (tl.dot(do, tl.trans(v)) * z - delta[:, None])
+
+
 @triton.jit
 def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
-         s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-         s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm,
-         H, G, HEADS, HOFF, M, N, DQK, DV, scale, thresh, inv_keep, LEFT, RIGHT,
-         CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr,
-         WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
-         BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
+                s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm,
+                H, G, HEADS, HOFF, M, N, DQK, DV, scale, thresh, inv_keep, LEFT, RIGHT,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr,
+                WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
+    """Output and lse of one query tile of one head: the online softmax over the key tiles."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -77,14 +118,9 @@ def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_
     row_ok = rows < M
     dq_ = tl.arange(0, BDQ)
     dv_ = tl.arange(0, BDV)
-    q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qm + dq_[None, :] * s_qd,
-                mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+    q = _tile(Q, b, h, s_qb, s_qh, s_qm, s_qd, rows, row_ok, dq_, DQK)
     hq = _row_hash(_seed(SEED, seed_int, SEED_PTR), b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
-    mq = rows
-    qd = rows
-    if MASKED:
-        mq = tl.load(MQPOS + rows, mask=row_ok, other=0)
-        qd = tl.load(QDOC + rows, mask=row_ok, other=-1)
+    mq, qd = _mask_vectors(MQPOS, QDOC, rows, row_ok, -1, MASKED)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.full([BM], 0.0, tl.float32)
     acc = tl.full([BM, BDV], 0.0, tl.float32)
@@ -94,27 +130,19 @@ def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_
     for start in range(0, hi, BN):
         cols = start + tl.arange(0, BN)
         col_ok = cols < N
-        k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_kn + dq_[None, :] * s_kd,
-                    mask=col_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        mk = cols
-        kd = cols
-        if MASKED:
-            mk = tl.load(MKPOS + cols, mask=col_ok, other=0)
-            kd = tl.load(KDOC + cols, mask=col_ok, other=-2)
+        k = _tile(K, b, hk, s_kb, s_kh, s_kn, s_kd, cols, col_ok, dq_, DQK)
+        mk, kd = _mask_vectors(MKPOS, KDOC, cols, col_ok, -2, MASKED)
         vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
                        CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(vis, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _larger))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _plus)
-        hkey = _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0))
-        keep = (_fmix(hq[:, None] ^ hkey[None, :]) >> 8) >= thresh
-        v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vn + dv_[None, :] * s_vd,
-                    mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(tl.where(keep, p, 0.0).to(v.dtype), v)
+        z = _kept(hq, _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0)), thresh, 1.0)
+        v = _tile(V, b, hk, s_vb, s_vh, s_vn, s_vd, cols, col_ok, dv_, DV)
+        acc = acc * alpha[:, None] + tl.dot((p * z).to(v.dtype), v)
         m_i = m_new
     inv = tl.where(l_i == 0.0, 0.0, inv_keep / l_i)
     tl.store(O + b * s_ob + h * s_oh + rows[:, None] * s_om + dv_[None, :] * s_od,
@@ -122,15 +150,16 @@ def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_
     tl.store(L + b * s_lb + h * s_lh + rows * s_lm,
              tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i)), mask=row_ok)
 
+
 @triton.jit
 def dropout_bwd_kv(Q, K, V, DO, L, DELTA, DK, DVG, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
-            s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-            s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm,
-            s_gb, s_gh, s_gn, s_gd, s_wb, s_wh, s_wn, s_wd,
-            HK, G, HEADS, HOFF, M, N, DQK, DV, scale, thresh, inv_keep, LEFT, RIGHT,
-            CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr,
-            WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
-            BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
+                   s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                   s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm,
+                   s_gb, s_gh, s_gn, s_gd, s_wb, s_wh, s_wn, s_wd,
+                   HK, G, HEADS, HOFF, M, N, DQK, DV, scale, thresh, inv_keep, LEFT, RIGHT,
+                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr,
+                   WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
     """dK, dV of one key tile of one K/V head, over the group's query heads (DO, L, DELTA: strides s_o*, s_l*;
     DK: s_g*, DVG: s_w*)."""
     pid_n = tl.program_id(0)
@@ -141,16 +170,10 @@ def dropout_bwd_kv(Q, K, V, DO, L, DELTA, DK, DVG, QPOS, KPOS, MQPOS, MKPOS, QDO
     col_ok = cols < N
     dq_ = tl.arange(0, BDQ)
     dv_ = tl.arange(0, BDV)
-    k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_kn + dq_[None, :] * s_kd,
-                mask=col_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
-    v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vn + dv_[None, :] * s_vd,
-                mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+    k = _tile(K, b, hk, s_kb, s_kh, s_kn, s_kd, cols, col_ok, dq_, DQK)
+    v = _tile(V, b, hk, s_vb, s_vh, s_vn, s_vd, cols, col_ok, dv_, DV)
     hkey = _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0))
-    mk = cols
-    kd = cols
-    if MASKED:
-        mk = tl.load(MKPOS + cols, mask=col_ok, other=0)
-        kd = tl.load(KDOC + cols, mask=col_ok, other=-2)
+    mk, kd = _mask_vectors(MKPOS, KDOC, cols, col_ok, -2, MASKED)
     seed = _seed(SEED, seed_int, SEED_PTR)
     dk = tl.full([BN, BDQ], 0.0, tl.float32)
     dv = tl.full([BN, BDV], 0.0, tl.float32)
@@ -162,40 +185,32 @@ def dropout_bwd_kv(Q, K, V, DO, L, DELTA, DK, DVG, QPOS, KPOS, MQPOS, MKPOS, QDO
         for start in range(lo, M, BM):
             rows = start + tl.arange(0, BM)
             row_ok = rows < M
-            q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qm + dq_[None, :] * s_qd,
-                        mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
-            do = tl.load(DO + b * s_ob + h * s_oh + rows[:, None] * s_om + dv_[None, :] * s_od,
-                         mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+            q = _tile(Q, b, h, s_qb, s_qh, s_qm, s_qd, rows, row_ok, dq_, DQK)
+            do = _tile(DO, b, h, s_ob, s_oh, s_om, s_od, rows, row_ok, dv_, DV)
             lse = tl.load(L + b * s_lb + h * s_lh + rows * s_lm, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + (b * HK * G + h) * M + rows, mask=row_ok, other=0.0)
-            mq = rows
-            qd = rows
-            if MASKED:
-                mq = tl.load(MQPOS + rows, mask=row_ok, other=0)
-                qd = tl.load(QDOC + rows, mask=row_ok, other=-1)
+            mq, qd = _mask_vectors(MQPOS, QDOC, rows, row_ok, -1, MASKED)
             vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
                            CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
-            s = tl.dot(q, tl.trans(k)) * scale
-            p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-            hq = _row_hash(seed, b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
-            z = tl.where((_fmix(hq[:, None] ^ hkey[None, :]) >> 8) >= thresh, inv_keep, 0.0)
+            z = _kept(_row_hash(seed, b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0)), hkey,
+                      thresh, inv_keep)
+            p, ds = _ds(q, k, v, do, lse, delta, vis, z, scale)
             dv += tl.dot(tl.trans((p * z).to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp * z - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     tl.store(DK + b * s_gb + hk * s_gh + cols[:, None] * s_gn + dq_[None, :] * s_gd,
              (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < DQK))
     tl.store(DVG + b * s_wb + hk * s_wh + cols[:, None] * s_wn + dv_[None, :] * s_wd,
              dv.to(DVG.dtype.element_ty), mask=col_ok[:, None] & (dv_[None, :] < DV))
 
+
 @triton.jit
 def dropout_bwd_q(Q, K, V, DO, L, DELTA, DQ, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
-           s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-           s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm, s_gb, s_gh, s_gm, s_gd,
-           H, G, HEADS, HOFF, M, N, DQK, DV, scale, thresh, inv_keep, LEFT, RIGHT,
-           CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr,
-           WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
-           BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
+                  s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                  s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm, s_gb, s_gh, s_gm, s_gd,
+                  H, G, HEADS, HOFF, M, N, DQK, DV, scale, thresh, inv_keep, LEFT, RIGHT,
+                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr,
+                  WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
     """dQ of one query tile of one head (DQ: strides s_g*)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -206,18 +221,12 @@ def dropout_bwd_q(Q, K, V, DO, L, DELTA, DQ, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDO
     row_ok = rows < M
     dq_ = tl.arange(0, BDQ)
     dv_ = tl.arange(0, BDV)
-    q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qm + dq_[None, :] * s_qd,
-                mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
-    do = tl.load(DO + b * s_ob + h * s_oh + rows[:, None] * s_om + dv_[None, :] * s_od,
-                 mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+    q = _tile(Q, b, h, s_qb, s_qh, s_qm, s_qd, rows, row_ok, dq_, DQK)
+    do = _tile(DO, b, h, s_ob, s_oh, s_om, s_od, rows, row_ok, dv_, DV)
     lse = tl.load(L + b * s_lb + h * s_lh + rows * s_lm, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + (b * H + h) * M + rows, mask=row_ok, other=0.0)
     hq = _row_hash(_seed(SEED, seed_int, SEED_PTR), b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
-    mq = rows
-    qd = rows
-    if MASKED:
-        mq = tl.load(MQPOS + rows, mask=row_ok, other=0)
-        qd = tl.load(QDOC + rows, mask=row_ok, other=-1)
+    mq, qd = _mask_vectors(MQPOS, QDOC, rows, row_ok, -1, MASKED)
     dq = tl.full([BM, BDQ], 0.0, tl.float32)
     hi = N
     if CAUSAL:
@@ -225,27 +234,16 @@ def dropout_bwd_q(Q, K, V, DO, L, DELTA, DQ, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDO
     for start in range(0, hi, BN):
         cols = start + tl.arange(0, BN)
         col_ok = cols < N
-        k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_kn + dq_[None, :] * s_kd,
-                    mask=col_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
-        v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vn + dv_[None, :] * s_vd,
-                    mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)
-        mk = cols
-        kd = cols
-        if MASKED:
-            mk = tl.load(MKPOS + cols, mask=col_ok, other=0)
-            kd = tl.load(KDOC + cols, mask=col_ok, other=-2)
+        k = _tile(K, b, hk, s_kb, s_kh, s_kn, s_kd, cols, col_ok, dq_, DQK)
+        v = _tile(V, b, hk, s_vb, s_vh, s_vn, s_vd, cols, col_ok, dv_, DV)
+        mk, kd = _mask_vectors(MKPOS, KDOC, cols, col_ok, -2, MASKED)
         vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
                        CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
-        s = tl.dot(q, tl.trans(k)) * scale
-        p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-        hkey = _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0))
-        z = tl.where((_fmix(hq[:, None] ^ hkey[None, :]) >> 8) >= thresh, inv_keep, 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp * z - delta[:, None])
+        z = _kept(hq, _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0)), thresh, inv_keep)
+        _, ds = _ds(q, k, v, do, lse, delta, vis, z, scale)
         dq += tl.dot(ds.to(k.dtype), k)
     tl.store(DQ + b * s_gb + h * s_gh + rows[:, None] * s_gm + dq_[None, :] * s_gd,
              (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < DQK))
-
 
 
 @triton.jit
@@ -260,7 +258,6 @@ def dropout_delta(O, DO, DELTA, s_ob, s_oh, s_om, s_od, s_db, s_dh, s_dm, s_dd, 
     rows = pid_m * BM + tl.arange(0, BM)
     row_ok = rows < M
     dv_ = tl.arange(0, BDV)
-    keep = row_ok[:, None] & (dv_[None, :] < DV)
-    o = tl.load(O + b * s_ob + h * s_oh + rows[:, None] * s_om + dv_[None, :] * s_od, mask=keep, other=0.0)
-    do = tl.load(DO + b * s_db + h * s_dh + rows[:, None] * s_dm + dv_[None, :] * s_dd, mask=keep, other=0.0)
+    o = _tile(O, b, h, s_ob, s_oh, s_om, s_od, rows, row_ok, dv_, DV)
+    do = _tile(DO, b, h, s_db, s_dh, s_dm, s_dd, rows, row_ok, dv_, DV)
     tl.store(DELTA + (b * H + h) * M + rows, tl.reduce(o.to(tl.float32) * do.to(tl.float32), 1, _plus), mask=row_ok)
