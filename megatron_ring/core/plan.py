@@ -45,8 +45,13 @@ class RingPlan:
 
     def runs_whole_blocks(self, q: torch.Tensor) -> bool:
         """Whether this call's masked tasks run as whole blocks, not tiles: on a variable-length kernel that
-        takes ``q``'s case, without dropout (kernels/varlen.py: whole_blocks). Asked once per call."""
-        return self.mask is not None and self.dropout is None and whole_blocks(self.kernel, q)
+        takes ``q``'s case (kernels/varlen.py: whole_blocks), or with dropout on its fused kernels, which find
+        each pair's visibility themselves and skip the tile pairs that see nothing. Asked once per call."""
+        if self.mask is None:
+            return False
+        if self.dropout is not None:
+            return fused_dropout(q.device) and FusedDropoutKernel.fuses(q)
+        return whole_blocks(self.kernel, q)
 
     def tasks(self, step: int, s: int, whole: bool = False):
         """The tasks of ``step`` for local blocks of ``s`` rows (``whole``: :meth:`runs_whole_blocks`)."""
@@ -75,8 +80,8 @@ class RingPlan:
         """The kernel a task runs on, its ``causal`` flag and extra keywords: position-keyed dropout, an
         explicit mask (on a kernel that takes masks, else the math kernel), or the plan's kernel."""
         kind = task.kind
-        if self.dropout is not None:  # on CUDA with Triton: the fused kernels (kernels/dropout_triton.py)
-            fused = device.type == "cuda" and has_triton()
+        if self.dropout is not None:
+            fused = fused_dropout(device)
             kernel = FusedDropoutKernel(self.dropout, direct_launch_ok) if fused else DropoutKernel(self.dropout)
             return (kernel, task.causal,
                     dict(mask=task.explicit_mask(), **self.positions(task, step, device)))
@@ -113,6 +118,12 @@ class RingPlan:
         ``s * world`` tokens of the stream."""
         m = self.mask
         return m is not None and m.cu_seqlens is not None and m.cu_seqlens[-1] < s * self.ring.world
+
+
+def fused_dropout(device: torch.device) -> bool:
+    """Whether attention dropout runs on its fused kernels on ``device`` (kernels/dropout_triton.py): CUDA with
+    Triton (fp16/bf16 inputs; fp32 run the torch kernel, :meth:`FusedDropoutKernel.fuses`)."""
+    return device.type == "cuda" and has_triton()
 
 
 def for_heads(plan: RingPlan, qs: slice) -> RingPlan:

@@ -87,6 +87,15 @@ def _mask_vectors(MPOS, DOC, idx, ok, pad, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _any(vis, MASKED: tl.constexpr):
+    """Whether a tile pair has a visible pair (an explicit mask's tile pairs may have none: the work is skipped);
+    always where the task has no explicit mask."""
+    if MASKED:
+        return tl.reduce(tl.reduce(vis.to(tl.int32), 1, _larger), 0, _larger) > 0
+    return True
+
+
+@triton.jit
 def _kept(hq, hkey, thresh, inv_keep):
     """``1 / (1 - p)`` where the pair is kept, else 0: the row hashes ``hq`` against the key hashes ``hkey``."""
     return tl.where((_fmix(hq[:, None] ^ hkey[None, :]) >> 8) >= thresh, inv_keep, 0.0)
@@ -130,20 +139,21 @@ def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_
     for start in range(0, hi, BN):
         cols = start + tl.arange(0, BN)
         col_ok = cols < N
-        k = _tile(K, b, hk, s_kb, s_kh, s_kn, s_kd, cols, col_ok, dq_, DQK)
         mk, kd = _mask_vectors(MKPOS, KDOC, cols, col_ok, -2, MASKED)
         vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
                        CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
-        s = tl.where(vis, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _larger))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _plus)
-        z = _kept(hq, _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0)), thresh, 1.0)
-        v = _tile(V, b, hk, s_vb, s_vh, s_vn, s_vd, cols, col_ok, dv_, DV)
-        acc = acc * alpha[:, None] + tl.dot((p * z).to(v.dtype), v)
-        m_i = m_new
+        if _any(vis, MASKED):
+            k = _tile(K, b, hk, s_kb, s_kh, s_kn, s_kd, cols, col_ok, dq_, DQK)
+            s = tl.where(vis, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _larger))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(s - m_use[:, None])
+            l_i = l_i * alpha + tl.reduce(p, 1, _plus)
+            z = _kept(hq, _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0)), thresh, 1.0)
+            v = _tile(V, b, hk, s_vb, s_vh, s_vn, s_vd, cols, col_ok, dv_, DV)
+            acc = acc * alpha[:, None] + tl.dot((p * z).to(v.dtype), v)
+            m_i = m_new
     inv = tl.where(l_i == 0.0, 0.0, inv_keep / l_i)
     tl.store(O + b * s_ob + h * s_oh + rows[:, None] * s_om + dv_[None, :] * s_od,
              (acc * inv[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dv_[None, :] < DV))
@@ -185,18 +195,19 @@ def dropout_bwd_kv(Q, K, V, DO, L, DELTA, DK, DVG, QPOS, KPOS, MQPOS, MKPOS, QDO
         for start in range(lo, M, BM):
             rows = start + tl.arange(0, BM)
             row_ok = rows < M
-            q = _tile(Q, b, h, s_qb, s_qh, s_qm, s_qd, rows, row_ok, dq_, DQK)
-            do = _tile(DO, b, h, s_ob, s_oh, s_om, s_od, rows, row_ok, dv_, DV)
-            lse = tl.load(L + b * s_lb + h * s_lh + rows * s_lm, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + (b * HK * G + h) * M + rows, mask=row_ok, other=0.0)
             mq, qd = _mask_vectors(MQPOS, QDOC, rows, row_ok, -1, MASKED)
             vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
                            CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
-            z = _kept(_row_hash(seed, b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0)), hkey,
-                      thresh, inv_keep)
-            p, ds = _ds(q, k, v, do, lse, delta, vis, z, scale)
-            dv += tl.dot(tl.trans((p * z).to(do.dtype)), do)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            if _any(vis, MASKED):
+                q = _tile(Q, b, h, s_qb, s_qh, s_qm, s_qd, rows, row_ok, dq_, DQK)
+                do = _tile(DO, b, h, s_ob, s_oh, s_om, s_od, rows, row_ok, dv_, DV)
+                lse = tl.load(L + b * s_lb + h * s_lh + rows * s_lm, mask=row_ok, other=0.0)
+                delta = tl.load(DELTA + (b * HK * G + h) * M + rows, mask=row_ok, other=0.0)
+                z = _kept(_row_hash(seed, b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0)), hkey,
+                          thresh, inv_keep)
+                p, ds = _ds(q, k, v, do, lse, delta, vis, z, scale)
+                dv += tl.dot(tl.trans((p * z).to(do.dtype)), do)
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     tl.store(DK + b * s_gb + hk * s_gh + cols[:, None] * s_gn + dq_[None, :] * s_gd,
              (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < DQK))
     tl.store(DVG + b * s_wb + hk * s_wh + cols[:, None] * s_wn + dv_[None, :] * s_wd,
@@ -234,14 +245,15 @@ def dropout_bwd_q(Q, K, V, DO, L, DELTA, DQ, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDO
     for start in range(0, hi, BN):
         cols = start + tl.arange(0, BN)
         col_ok = cols < N
-        k = _tile(K, b, hk, s_kb, s_kh, s_kn, s_kd, cols, col_ok, dq_, DQK)
-        v = _tile(V, b, hk, s_vb, s_vh, s_vn, s_vd, cols, col_ok, dv_, DV)
         mk, kd = _mask_vectors(MKPOS, KDOC, cols, col_ok, -2, MASKED)
         vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
                        CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
-        z = _kept(hq, _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0)), thresh, inv_keep)
-        _, ds = _ds(q, k, v, do, lse, delta, vis, z, scale)
-        dq += tl.dot(ds.to(k.dtype), k)
+        if _any(vis, MASKED):
+            k = _tile(K, b, hk, s_kb, s_kh, s_kn, s_kd, cols, col_ok, dq_, DQK)
+            v = _tile(V, b, hk, s_vb, s_vh, s_vn, s_vd, cols, col_ok, dv_, DV)
+            z = _kept(hq, _key_hash(tl.load(KPOS + cols, mask=col_ok, other=0)), thresh, inv_keep)
+            _, ds = _ds(q, k, v, do, lse, delta, vis, z, scale)
+            dq += tl.dot(ds.to(k.dtype), k)
     tl.store(DQ + b * s_gb + h * s_gh + rows[:, None] * s_gm + dq_[None, :] * s_gd,
              (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < DQK))
 

@@ -152,6 +152,11 @@ class FusedDropoutKernel(DropoutKernel):
         super().__init__(spec)
         self.direct = direct
 
+    @staticmethod
+    def fuses(q: torch.Tensor) -> bool:
+        """Whether ``q``'s blocks run on the fused kernels (fp16/bf16; fp32 runs the torch kernel)."""
+        return q.dtype in (torch.float16, torch.bfloat16)
+
     def _args(self, q, causal, scale, mask, qpos, kpos) -> tuple:
         dev = q.device
         seed = self.spec.seed  # a device seed is folded in the kernel; an int here
@@ -170,7 +175,7 @@ class FusedDropoutKernel(DropoutKernel):
                 float(self.spec.p), int(self.spec.heads), int(self.spec.head_offset))
 
     def forward(self, q, k, v, causal, scale, mask=None, qpos=None, kpos=None):
-        if q.dtype not in (torch.float16, torch.bfloat16):
+        if not self.fuses(q):
             return super().forward(q, k, v, causal, scale, mask=mask, qpos=qpos, kpos=kpos)
         args = self._args(q, causal, scale, mask, qpos, kpos)
         if self.direct is not None and self.direct(q, k, v):
@@ -178,7 +183,7 @@ class FusedDropoutKernel(DropoutKernel):
         return torch.ops.megatron_ring.dropout_attention(q, k, v, *args)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, qpos=None, kpos=None):
-        if q.dtype not in (torch.float16, torch.bfloat16):
+        if not self.fuses(q):
             return super().backward(dout, q, k, v, out, lse, causal, scale, mask=mask, qpos=qpos, kpos=kpos)
         args = self._args(q, causal, scale, mask, qpos, kpos)
         if self.direct is not None and self.direct(dout, q, k, v, out, lse):

@@ -75,7 +75,7 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(foreach, "foreach_triton", locked(foreach.foreach_triton))
     for name in ("dropout_attention_forward", "dropout_attention_backward"):
         monkeypatch.setattr(dropout_triton, name, locked(getattr(dropout_triton, name)))
-    monkeypatch.setattr(plan, "DropoutKernel", FusedDropoutKernel)  # chosen on CUDA only: these tensors are CPU ones
+    monkeypatch.setattr(plan, "fused_dropout", lambda device: True)  # chosen on CUDA only: these tensors are CPU ones
     monkeypatch.setattr(merge, "route", lambda *t: launch.DIRECT)
     monkeypatch.setattr(foreach, "route", lambda *t: launch.DIRECT)
     monkeypatch.setattr(engine, "gathers_adds", lambda t: True)

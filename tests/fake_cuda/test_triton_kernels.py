@@ -185,13 +185,14 @@ def _dropout_cases():
     q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(h16) for n in (24, 72, 72))
     cases.append(("full-rows-lt-keys-tensor-seed", q, k, v, False, torch.arange(24) + 100, torch.arange(72), None,
                   DropoutSpec(p=0.5, seed=torch.tensor([-5], dtype=torch.int32), heads=2, seq_len=200)))
-    # an explicit mask: documents (padding rows that see nothing), the causal rule and a window on striped positions
-    qpos, kpos = torch.arange(36) * 2 + 1, torch.arange(36) * 2
-    rule = AttentionMask(causal=True, cu_seqlens=(0, 11, 40, 62), window=(9, 0))
+    # an explicit mask on a whole block: documents (padding rows that see nothing), the causal rule and a window on
+    # striped positions; 2 x 2 tiles of 64, two of them with no visible pair (skipped)
+    qpos, kpos = torch.arange(128) * 2 + 1, torch.arange(128) * 2
+    rule = AttentionMask(causal=True, cu_seqlens=(0, 11, 40, 62, 180, 250), window=(9, 0))
     mask = BlockMask(rule, qpos, doc_ids(qpos, rule.cu_seqlens), kpos, doc_ids(kpos, rule.cu_seqlens))
-    q, k, v = (torch.randn(1, 2, 36, 16, generator=g).to(h16) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=g).to(h16) for _ in range(3))
     cases.append(("documents-window-padding", q, k, v, False, qpos, kpos, mask,
-                  DropoutSpec(p=0.2, seed=11, heads=2, seq_len=72)))
+                  DropoutSpec(p=0.2, seed=11, heads=2, seq_len=256)))
     return cases
 
 
