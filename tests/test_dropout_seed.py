@@ -59,3 +59,30 @@ def test_glue_row_seeds_on_the_device_equal_the_python_formula():
         for row in range(5):
             got = row_seed(torch.tensor(base, dtype=torch.int64), row)
             assert int(got) == (base + mix * (row + 1)) % (1 << 63), (base, row)
+
+
+def _seed_worker(rank: int, world: int, variant: str) -> str:
+    from megatron_ring import ring_attention
+
+    q = torch.randn(1, 4, 2, 8)
+    kw = {"p": dict(dropout_p=0.1, dropout_seed=7) if rank == 0 else {},  # one rank in eval mode: dropout off
+          "kind": dict(dropout_p=0.1, dropout_seed=7 if rank == 0 else torch.tensor([7])),
+          "same": dict(dropout_p=0.1, dropout_seed=7)}[variant]
+    try:
+        ring_attention(q, q, q, timeout_s=20.0, **kw)
+        return "ran"
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,named", [("p", "dropout/softmax_offset/kv_pieces"), ("kind", "int dropout_seed given")])
+def test_ranks_that_disagree_on_dropout_are_named_on_every_rank(variant, named):
+    """dropout_p on one rank only, or an int seed beside a tensor seed: the cross-rank check names the difference
+    on every rank (its all-gather sent tensors of different sizes: gloo aborted the processes, NCCL could hang).
+    Control: the same arguments run."""
+    from tests.helpers.launch import run_distributed
+
+    for r in run_distributed(_seed_worker, 2, variant, timeout=120):
+        assert r.startswith("ValueError: ring_attention was called with different arguments") and named in r, r
+    assert run_distributed(_seed_worker, 2, "same", timeout=120) == ["ran", "ran"]

@@ -32,7 +32,9 @@ _SIGNATURE_FIELDS = (
     "q.dtype", "k.dtype", "v.dtype", "device type", "causal", "layout", "qkv_format", "comm_dtype",
     "softmax_scale", "head_chunks", "cu_seqlens", "window", "comm_type", "dropout/softmax_offset/kv_pieces",
 )
-_PER_CALL_FIELDS = ("dropout_seed",)
+#: the per-call integers, always sent (a count first, then the values, zero-padded): a rank with an int dropout seed
+#: and one without (dropout off, or a tensor seed) send tensors of one size, and the difference is named
+_PER_CALL_FIELDS = ("int dropout_seed given", "dropout_seed")
 _INT63 = (1 << 63) - 1  # per-call integers as int64 (a seed's bits above 63 are not compared)
 
 
@@ -108,13 +110,17 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
     if sig in seen:
         return
     world = dist.get_world_size(group)
-    mine = torch.tensor(sig + tuple(int(x) & _INT63 for x in per_call), dtype=torch.int64, device=device)
+    values = tuple(int(x) & _INT63 for x in per_call)
+    if len(values) >= len(_PER_CALL_FIELDS):
+        raise ValueError(f"at most {len(_PER_CALL_FIELDS) - 1} per-call values, got {len(values)}")
+    padded = (len(values), *values) + (0,) * (len(_PER_CALL_FIELDS) - 1 - len(values))
+    mine = torch.tensor(sig + padded, dtype=torch.int64, device=device)
     allsig = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(allsig, mine, group=group, async_op=True)
     if (work.wait(timeout) if timeout is not None else work.wait()) is False:
         raise TimeoutError(f"the all_gather did not complete within {timeout}")
     rows = torch.stack(allsig).cpu()
-    fields = _SIGNATURE_FIELDS + _PER_CALL_FIELDS[:len(per_call)]
+    fields = _SIGNATURE_FIELDS + _PER_CALL_FIELDS
     differing = [name for i, name in enumerate(fields) if not bool((rows[:, i] == rows[0, i]).all())]
     if differing:
         per_rank = "; ".join(
@@ -136,7 +142,7 @@ def _decode(field: str, value: int, describe: dict[str, Any]) -> str:
     if field in ("cu_seqlens", "window"):
         local = describe.get(field)
         return f"<{field} differs from this rank's {_listed(local)}>" if local is not None else "<differs>"
-    if "shape" in field or field in ("q.ndim", "head_chunks", "dropout_seed"):
+    if "shape" in field or field in ("q.ndim", "head_chunks", "dropout_seed", "int dropout_seed given"):
         return str(value)
     local = describe.get(field)
     if local is not None and _code(local) == value:

@@ -43,7 +43,7 @@ def test_shrink_shortens_a_hybrid_pattern_keeping_kinds_and_order():
 
 
 def test_static_finds_what_cannot_run_or_differs():
-    bad = "--seq-length 100 --num-attention-heads 6 --cp-comm-type a2a --hidden-dropout 0.1 --mtp-num-layers 1".split()
+    bad = "--seq-length 100 --num-attention-heads 3 --cp-comm-type a2a --hidden-dropout 0.1 --mtp-num-layers 1".split()
     findings, info = static.check(bad, [4])
     text = static.format_static(findings, info)
     levels = {(f.level, f.topic) for f in findings}
@@ -80,3 +80,30 @@ def test_every_known_issue_has_its_releases_in_compat():
     assert compat.known_issue_affects("NVIDIA/Megatron-LM#3959", (0, 16, 1)) is False
     assert compat.known_issue_affects("NVIDIA/Megatron-LM#3959", (0, 19, 2)) is True
     assert compat.known_issue_affects("NVIDIA/Megatron-LM#3959", None) is None
+
+
+@pytest.mark.parametrize("argv,cp,refused", [
+    ("--num-attention-heads 6 --cp-comm-type a2a", 4, False),  # uneven split: the library runs it
+    ("--num-attention-heads 8 --group-query-attention --num-query-groups 2 --cp-comm-type a2a", 4, False),
+    ("--num-attention-heads 3 --cp-comm-type a2a", 4, True),  # a rank without a head
+    ("--num-attention-heads 2 --tensor-model-parallel-size 2 --cp-comm-type a2a", 2, True),  # 1 head per TP rank
+    ("--num-attention-heads 2 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2", 4, False),
+    ("--num-attention-heads 1 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2", 4, True),
+])
+def test_the_static_heads_rule_is_the_librarys(argv, cp, refused):
+    """The doctor refuses an a2a comm type exactly where the library does (comm_types.check_heads: every rank of
+    the split needs a TP rank's head); it refused head counts CP does not divide, which the library runs."""
+    findings, _ = static.check(argv.split(), [cp])
+    assert (("error", "heads") in {(f.level, f.topic) for f in findings}) == refused, findings
+
+
+def test_the_cp1_reference_leaves_out_the_hierarchical_sizes():
+    """The doctor's CP = 1 reference run of an a2a+p2p command: Megatron asserts that the hierarchical CP sizes
+    multiply to the CP size, so the reference drops them and runs p2p (the doctor could run no a2a+p2p command);
+    the CP > 1 runs keep the command as given."""
+    from megatron_ring_lab.doctor.run import for_cp
+
+    args = "--num-layers 2 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 --seq-length 64".split()
+    assert for_cp(args, 1) == "--num-layers 2 --cp-comm-type p2p --seq-length 64".split()
+    assert for_cp(args, 4) == args
+    assert for_cp(["--cp-comm-type", "a2a"], 1) == ["--cp-comm-type", "a2a"]

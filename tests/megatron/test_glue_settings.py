@@ -224,3 +224,10 @@ def test_a_decode_step_at_cp1_is_megatrons_attention(one_rank_group):  # noqa: F
     windowed = _module(dist.group.WORLD, window_size=(4, 0))
     with pytest.raises(NotImplementedError, match="sliding window"):
         windowed(torch.randn(1, 2, 4, 8), k, v, None, attn_mask_type=AttnMaskType.no_mask)
+
+
+@pytest.mark.parametrize("window", [(16,), (1, 2, 3)])
+def test_a_window_size_without_two_values_is_named(one_rank_group, window):  # noqa: F811
+    """Megatron-LM parses ``--window-size 16`` to ``(16,)``: named at build (it was an IndexError)."""
+    with pytest.raises(ContextParallelConfigError, match="--window-size: needs two values"):
+        _module(dist.group.WORLD, window_size=window)

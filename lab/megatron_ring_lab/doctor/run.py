@@ -55,11 +55,26 @@ def command(script: str, args: list[str], cp: int, pp: int = 1, fork: bool = Fal
     forked: a CPU run starts in seconds instead of every rank importing them; it reads MASTER_ADDR / MASTER_PORT
     from the environment, see :func:`launch`)."""
     spec = [] if "--spec" in args else SPEC
-    job = ["-m", "megatron_ring_lab.doctor.entry", script, *args, "--context-parallel-size", str(cp), *spec]
+    job = ["-m", "megatron_ring_lab.doctor.entry", script, *for_cp(args, cp), "--context-parallel-size", str(cp),
+           *spec]
     if fork:
         return forkrun.command(cp * pp, *job)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp * pp), "--master-addr",
             "127.0.0.1", "--master-port", str(free_port()), *job]
+
+
+def for_cp(args: list[str], cp: int) -> list[str]:
+    """``args`` for a run at CP = ``cp``: the CP = 1 reference leaves out the hierarchical CP sizes (Megatron
+    asserts that their product is the CP size) and runs p2p (one rank: every comm type computes the same)."""
+    if cp != 1 or "--hierarchical-context-parallel-sizes" not in args:
+        return list(args)
+    from megatron_ring_lab.doctor.shrink import Args
+
+    a = Args(args)
+    a.drop("--hierarchical-context-parallel-sizes")
+    if a.has("--cp-comm-type"):
+        a.set("--cp-comm-type", "p2p")
+    return a.argv()
 
 
 def cache_key(script: str, args: list[str], cp: int, env: dict[str, str]) -> str:

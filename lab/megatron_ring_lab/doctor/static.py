@@ -56,16 +56,23 @@ def check(argv: list[str], cps: list[int]) -> tuple[list[Finding], dict[str, Any
     out: list[Finding] = []
     seq = _ints(a, "--seq-length", 0)
     heads = _ints(a, "--num-attention-heads", 0)
-    groups = _ints(a, "--num-query-groups", heads) if a.has("--group-query-attention") else heads
+    per_tp = heads // max(1, _ints(a, "--tensor-model-parallel-size", 1))
     comm = a.values("--cp-comm-type") or ["p2p"]
+    inner = [int(x) for x in (a.values("--hierarchical-context-parallel-sizes") or []) if x.isdigit()][:1]
     pp = _ints(a, "--pipeline-model-parallel-size", 1)
     for cp in cps:
         if seq and seq % (2 * cp):
             out.append(Finding("error", "sequence", f"--seq-length {seq} is not divisible by 2 x CP = {2 * cp} "
                                "(Megatron's zigzag split): pad the sequence"))
-        if any(c.startswith("a2a") for c in comm) and heads and (heads % cp or groups % cp):
-            out.append(Finding("error", "heads", f"--cp-comm-type {' '.join(comm)} splits heads over CP={cp}: "
-                               f"{heads} heads / {groups} query groups are not divisible; use p2p"))
+        # the library's rule (megatron_ring.megatron.attention.comm_types.check_heads): a2a splits a TP rank's query
+        # heads over the CP ranks (a2a+p2p over the inner group), unevenly where they do not divide; every rank needs
+        # one at least. GQA's K/V heads need not divide (docs/strategies.md, "Heads")
+        for c in {c for c in comm if c.startswith("a2a")}:
+            n = cp if c == "a2a" else (inner[0] if inner else cp)
+            if heads and per_tp < n:
+                out.append(Finding("error", "heads", f"--cp-comm-type {c} splits the {per_tp} attention heads of a "
+                                   f"tensor-parallel rank over {n} ranks, but every rank needs at least one head; "
+                                   "use p2p, all_gather or auto (or a smaller inner size)"))
         if seq and seq // (2 * cp) < 8:
             out.append(Finding("warn", "sequence", f"CP={cp} leaves {seq // (2 * cp)} tokens per zigzag chunk"))
     if a.has("--window-size") and any(c.startswith("a2a") for c in comm):

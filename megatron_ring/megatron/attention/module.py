@@ -386,6 +386,9 @@ def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int,
     window = getattr(config, "window_size", None)
     if window is None:
         return None
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise ContextParallelConfigError("--window-size", f"needs two values, left and right (e.g. --window-size "
+                                                          f"4096 0; -1: unbounded), got {window!r}")
     skip = getattr(config, "window_attn_skip_freq", None)
     if skip is not None:
         from megatron.core.transformer.utils import is_layer_window_attention
