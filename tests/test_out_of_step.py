@@ -138,3 +138,55 @@ def test_an_input_changed_in_place_before_the_backward_is_named():
         return True
 
     assert run_threads(body, P) == [True] * P
+
+
+def _collective_worker(rank: int, world: int, comm_type: str, mark: bool) -> list[str]:
+    """Three calls; rank 2's kernel raises in the second (after the call's first collective): the names of what
+    each call raised on this rank. ``mark`` False: the negative control, the guard left out (no mark)."""
+    import time
+
+    from megatron_ring import shard_sequence
+    from megatron_ring.kernels.block import MathKernel
+    from megatron_ring.strategies import refusal
+
+    if not mark:
+        engine.one_ring = lambda ring, which: contextlib.nullcontext()
+        import megatron_ring.strategies as strategies
+
+        strategies.one_ring = engine.one_ring
+        refusal.StrategyStatus._wait = lambda self, pending, which: pending.wait()
+    q = shard_sequence(torch.randn(1, 32, 4, 8, generator=torch.Generator().manual_seed(0)), 1)
+    got = []
+    for call in range(3):
+        if call == 1 and rank == 2:
+            MathKernel.forward = lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("injected failure"))
+        try:
+            ring_attention(q, q, q, causal=True, comm_type=comm_type, kernel="math", timeout_s=4.0)
+            got.append("ok")
+        except Exception as e:  # noqa: BLE001 - the test reads the type
+            got.append(type(e).__name__)
+        if call == 1:
+            MathKernel.forward = _MATH_FORWARD
+            time.sleep(6)  # every rank's second call has ended (the others by their timeout)
+    return got
+
+
+from megatron_ring.kernels.block import MathKernel as _MathKernel  # noqa: E402
+
+_MATH_FORWARD = _MathKernel.forward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm_type", ["a2a", "all_gather"])
+def test_a_collective_left_in_its_middle_marks_the_group_out_of_step(comm_type):
+    """The other comm types: a rank raising after its call's first collective leaves the group's collectives out
+    of step (the others wait for it and time out); every later call raises RingOutOfStepError on every rank before
+    any collective. Before, the next call's collectives were matched with the stale ones: gloo aborted the
+    processes (sizes that differ), or every later call timed out. Negative control: without the mark, the third
+    call is not refused by name on every rank."""
+    from tests.helpers.launch import run_distributed
+
+    got = run_distributed(_collective_worker, 4, comm_type, True, timeout=120)
+    assert all(r[0] == "ok" and r[1] != "ok" and r[2] == "RingOutOfStepError" for r in got), got
+    control = run_distributed(_collective_worker, 4, comm_type, False, timeout=120, return_exceptions=True)
+    assert not all(isinstance(r, list) and r[2] == "RingOutOfStepError" for r in control), control

@@ -173,6 +173,9 @@ def test_deferred_status_check_raises_at_the_start_of_backward():
     waited = []
 
     class Status:
+        def _wait(self, pending, which):
+            pending.wait()
+
         def _raise(self, codes):
             if codes.any():
                 raise RingInputError("ring global rank(s) 2 rejected their input")

@@ -40,6 +40,7 @@ from megatron_ring.core.merge import merge_into
 from megatron_ring.core.plan import RingPlan, for_heads
 from megatron_ring.core.rotation import divisor_at_most
 from megatron_ring.core.views import block_cols, covers, strides_like
+from megatron_ring.transport.collectives import launched
 
 __all__ = ["ring_forward", "ring_backward", "refuse_on_ring", "query_heads", "one_ring"]
 
@@ -205,11 +206,11 @@ def one_ring(ring, which: str) -> Iterator[None]:
     marks the transport so (:meth:`~megatron_ring.transport.ring.Transport.abandon`): its messages no longer
     match the calls that sent them. An error raised before the first exchange leaves the ring as it was."""
     ring.raise_if_failed()
-    sent = ring.sent_bytes()
+    sent = (ring.sent_bytes(), launched())  # the ring's exchanges, and the collectives of the other comm types
     try:
         yield
     except BaseException as exc:
-        if ring.sent_bytes() != sent:
+        if (ring.sent_bytes(), launched()) != sent:
             ring.abandon(exc, which)
         raise
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.core.plan import RingPlan
-from megatron_ring.core.engine import refuse_on_ring
+from megatron_ring.core.engine import one_ring, refuse_on_ring
 from megatron_ring.strategies import a2a, a2a_p2p, all_gather, p2p
 from megatron_ring.strategies.a2a_p2p import make_hierarchical_groups
 from megatron_ring.strategies.refusal import StrategyStatus
@@ -97,7 +97,8 @@ def run_strategy(comm_type: str, qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
             refuse_on_ring(plan, kh, vh, refusal)
         return p2p.run(qh, kh, vh, plan, **kw)
     status = StrategyStatus(plan, refusal)
-    out = STRATEGIES[comm_type](qh, kh, vh, dataclasses.replace(plan, strategy_status=status), **kw)
+    with one_ring(plan.ring, "forward"):  # an error after its first collective leaves the group out of step
+        out = STRATEGIES[comm_type](qh, kh, vh, dataclasses.replace(plan, strategy_status=status), **kw)
     return status.settle(out)
 
 

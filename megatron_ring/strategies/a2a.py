@@ -24,6 +24,7 @@ its owner; a rank's own shard is used as is, as in the ring). Q, O and the gradi
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from megatron_ring.wire.codecs import IdentityCodec, KVCodec, KVSpec
 from megatron_ring.transport.ring import LoopbackRing, Ring
 from megatron_ring.core.plan import RingPlan
+from megatron_ring.core.engine import one_ring
 from megatron_ring.core.max_logit import new_row_max
 from megatron_ring.core.heads import HeadSplit, check_head_count, head_split
 from megatron_ring.transport.collectives import all_to_all
@@ -55,9 +57,15 @@ def _len(sl: slice) -> int:
 class _A2A:
     """The all-to-all group: ``world`` ranks, ``timeout_s``; ``world == 1`` moves nothing."""
 
-    def __init__(self, group: Any, world: int, timeout_s: float | None) -> None:
+    def __init__(self, group: Any, world: int, timeout_s: float | None, transport: Any = None) -> None:
         self.group, self.world, self.timeout_s = group, world, timeout_s
         self.rank = dist.get_rank(group) if world > 1 else 0
+        #: the call's transport, marked out of step by an error after a backward's first all-to-all (one_ring)
+        self.transport = transport
+
+    def guard(self) -> Any:
+        """The backward's :func:`~megatron_ring.core.engine.one_ring` on the call's transport (none: nothing)."""
+        return one_ring(self.transport, "backward") if self.transport is not None else contextlib.nullcontext()
 
     def exchange(self, chunks: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], what: str) -> list[torch.Tensor]:
         """``chunks[j]`` goes to rank j; returns the tensor of ``recv_shapes[i]`` rank i sent (one
@@ -108,7 +116,8 @@ class SeqToHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return torch.cat(_head_to_seq(grad, ctx.a2a, ctx.parts, "all-to-all of dQ"), dim=1), None, None
+        with ctx.a2a.guard():
+            return torch.cat(_head_to_seq(grad, ctx.a2a, ctx.parts, "all-to-all of dQ"), dim=1), None, None
 
 
 class HeadToSeq(torch.autograd.Function):
@@ -119,7 +128,8 @@ class HeadToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_head(grad.contiguous(), ctx.a2a, ctx.parts, "all-to-all of dO"), None, None
+        with ctx.a2a.guard():
+            return _seq_to_head(grad.contiguous(), ctx.a2a, ctx.parts, "all-to-all of dO"), None, None
 
 
 class KVSeqToHead(torch.autograd.Function):
@@ -152,7 +162,8 @@ class KVSeqToHead(torch.autograd.Function):
         wire = torch.float32 if split.shared else dk.dtype  # a head's gradients from several ranks: fp32 sum
         d = dk.shape[-1]
         both = torch.cat([dk.to(wire), dv.to(wire)], dim=-1)  # one message: [dK | dV] per head (MLA: d_v != d)
-        parts = _head_to_seq(both, a2a, split.kv, "all-to-all of dK/dV")  # per rank j: my shard of kv[j]
+        with a2a.guard():
+            parts = _head_to_seq(both, a2a, split.kv, "all-to-all of dK/dV")  # per rank j: my shard of kv[j]
         if split.shared:
             back = parts[0].new_zeros((parts[0].shape[0], split.h_kv, *parts[0].shape[2:]))
             for sl, part in zip(split.kv, parts):
@@ -204,6 +215,6 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
     ring = plan.ring
     check_heads(qh.shape[1], ring.world)
     timeout = timeout_seconds(ring)
-    return run_grouped(qh, kh, vh, plan, inner=_A2A(ring.group, ring.world, timeout),
+    return run_grouped(qh, kh, vh, plan, inner=_A2A(ring.group, ring.world, timeout, plan.ring),
                        outer=LoopbackRing(1, 0, qh.device), a2a_codec=plan.codec, ring_codec=IdentityCodec(),
                        sink=sink)

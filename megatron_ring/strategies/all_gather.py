@@ -25,7 +25,7 @@ from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.core.autocast import autocast_off
 from megatron_ring.core.autograd import forward_by_heads, refuse_double_backward, saved_tensors
-from megatron_ring.core.engine import query_heads, ring_backward, ring_forward
+from megatron_ring.core.engine import one_ring, query_heads, ring_backward, ring_forward
 from megatron_ring.core.heads import head_groups
 from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.transport.collectives import Pending, all_gather, reduce_scatter
@@ -106,7 +106,8 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         refuse_double_backward()
-        with autocast_off(dout.device.type):  # as the forward ran (core/autocast.py)
+        # as the forward ran (core/autocast.py); an error after its first collective leaves the group out of step
+        with autocast_off(dout.device.type), one_ring(ctx.plan.ring, "backward"):
             return AllGatherAttention._backward(ctx, dout, *saved_tensors(ctx))
 
     @staticmethod

@@ -39,7 +39,7 @@ from megatron_ring.core.autograd import RingAttentionFunction
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.device import ops_for
 from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, raise_for
-from megatron_ring.errors import RingInputError
+from megatron_ring.errors import RingInputError, RingPeerError
 from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.transport.collectives import all_gather
 
@@ -81,7 +81,7 @@ class StrategyStatus:
         # read it (a value-checking wire in a call without autograd: one read per call, as the ring does)
         if (ops_for(out.device).host_reads_free or self.error is not None
                 or (self.plan.codec.checks_values and not out.requires_grad)):
-            pending.wait()
+            self._wait(pending, "forward")
             self._raise(codes)
             return out
         return _CheckInBackward.apply(out, (self, pending, codes))
@@ -91,6 +91,16 @@ class StrategyStatus:
         host-side error naming the first bad element."""
         for _, codec, k, v in self.checked:
             codec.check_values(k, v)
+
+    def _wait(self, pending: Any, which: str) -> None:
+        """The status all-gather's end; where it fails (a peer left the call in its middle, or died) the group's
+        collectives are out of step: the transport is marked so (``Transport.abandon``: every later call raises
+        ``RingOutOfStepError`` before any exchange)."""
+        try:
+            pending.wait()
+        except RingPeerError as exc:
+            self.plan.ring.abandon(exc, which)
+            raise
 
     def _raise(self, codes: torch.Tensor) -> None:
         if self.error is not None:
@@ -109,7 +119,7 @@ class _CheckInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         status, pending, codes = ctx.check
-        pending.wait()
+        status._wait(pending, "backward")
         status._raise(codes)
         return grad, None
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Any, Callable
 
 import torch
@@ -44,11 +45,25 @@ class Pending:
             self.then()
 
 
+_LAUNCHED = threading.local()
+
+
+def launched() -> int:
+    """Collectives this thread has launched so far (:func:`megatron_ring.core.engine.one_ring` tells from it whether
+    an error came after a call's first collective: the group is then out of step)."""
+    return getattr(_LAUNCHED, "n", 0)
+
+
+def _launch() -> None:
+    _LAUNCHED.n = launched() + 1
+
+
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Any, timeout_s: float | None, what: str,
                in_splits: list[int] | None = None, out_splits: list[int] | None = None) -> Pending:
     """Chunk j of ``inp`` (split on dim 0) goes to group rank j; chunk i of ``out`` comes from rank i.
     Equal chunks by default; ``in_splits`` / ``out_splits``: the chunks' lengths on dim 0 (uneven
     all-to-all, which NCCL and gloo both run)."""
+    _launch()
     work = dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                   group=group, async_op=True)
     return Pending(work, what, group, timeout_s)
@@ -57,6 +72,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Any, timeout_s: floa
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, timeout_s: float | None, what: str) -> Pending:
     """``out`` (``[P * n]`` flat) receives every rank's ``inp`` (``[n]`` flat) in group-rank order."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # new name in torch 2.13
+    _launch()
     work = gather(out, inp, group=group, async_op=True)
     return Pending(work, what, group, timeout_s)
 
@@ -67,6 +83,7 @@ _NO_REDUCE_SCATTER = {"gloo"}
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, timeout_s: float | None,
                    what: str) -> Pending:
     """``out`` (``[n]``) = sum over ranks of chunk ``rank`` of ``inp`` (``[P * n]``, rank-major)."""
+    _launch()
     if dist.get_backend(group) not in _NO_REDUCE_SCATTER:
         work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return Pending(work, what, group, timeout_s)
