@@ -183,6 +183,10 @@ def _agreed_codec(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         codec, codec_error = None, exc
     wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
     if ring.world > 1 and ring.group is not None and check_consistency:
+        if comm_type == "auto":  # what auto decides from besides the call: the same on every rank, or named
+            from megatron_ring.strategies.auto import inputs_key  # noqa: PLC0415 - auto loads on first use
+
+            comm_type = inputs_key(ring.group, q.device.type)
         sig = call_signature(q, k, v, causal=causal, layout=layout, qkv_format=qkv_format,
                              comm_dtype=wire_name, softmax_scale=softmax_scale, head_chunks=head_chunks,
                              cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,

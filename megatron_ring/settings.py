@@ -121,6 +121,17 @@ AUTO_VARIABLES = {"BAND": "MEGATRON_RING_AUTO_BAND", "MEASURE_MIN_S": "MEGATRON_
                   "MEASURE_ROUNDS": "MEGATRON_RING_AUTO_MEASURE_ROUNDS"}
 
 
+def auto_inputs() -> tuple[tuple[str, str], ...]:
+    """What ``comm_type="auto"`` reads from the environment and the ranks of a group must agree on (the call's
+    cross-rank check compares it), or they would probe and choose differently: WHICH machine numbers are set
+    (a rank with all six skips the probe; their values may differ, they are agreed by MIN/MAX), and the values of
+    the settings that are not agreed (nodes, overlap, the measured tie-break). Unset ones are left out."""
+    machine = tuple((name, "set") for name in MACHINE_VARIABLES.values() if _raw(name) is not None)
+    names = (*AUTO_VARIABLES.values(), "MEGATRON_RING_GPUS_PER_NODE", "MEGATRON_RING_OVERLAP",
+             "MEGATRON_RING_AUTO_MEASURE")
+    return machine + tuple((name, _raw(name)) for name in names if _raw(name) is not None)
+
+
 def machine_numbers() -> dict[str, float]:
     """The machine numbers the environment gives (``MACHINE_VARIABLES``; the unset ones left out)."""
     numbers = {name: _float(variable) for name, variable in MACHINE_VARIABLES.items()}

@@ -147,3 +147,37 @@ def test_bad_strategy_input_fails_on_every_rank():
             if name in ("a2a+p2p swapped",) and "see their error" in msgs[name]:
                 continue  # ranks whose own groups happen to pass name the failing ranks instead
             assert text in msgs[name], (rank, name, msgs[name])
+
+
+def _auto_inputs_worker(rank: int, world: int, variant: str) -> str:
+    import os
+
+    from megatron_ring.strategies.auto import set_machine
+
+    machine = dict(MEGATRON_RING_FLOPS="1e9", MEGATRON_RING_BWD_FLOPS="1e9", MEGATRON_RING_BANDWIDTH="1e9",
+                   MEGATRON_RING_INTER_BANDWIDTH="1e9", MEGATRON_RING_LATENCY_S="1e-5",
+                   MEGATRON_RING_CALL_OVERHEAD_S="1e-5", MEGATRON_RING_AUTO_MEASURE="0")
+    os.environ.update(machine)  # every rank: the same machine, no probe, no measurement
+    if variant == "env" and rank == 0:
+        os.environ["MEGATRON_RING_GPUS_PER_NODE"] = "8"
+    if variant == "set_machine" and rank == 0:
+        from megatron_ring.planning.cost_model import Machine
+
+        set_machine(Machine(flops=1e12, bwd_flops=1e12, bw_intra=1e11, bw_inter=1e10, latency=1e-6))
+    q = shard_sequence(torch.randn(1, 32, 4, 8, generator=torch.Generator().manual_seed(0)), 1)
+    try:
+        ring_attention(q, q, q, causal=True, comm_type="auto", timeout_s=20.0)
+        return "ran"
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+@pytest.mark.parametrize("variant", ["env", "set_machine"])
+def test_auto_inputs_that_differ_across_ranks_are_named(variant):
+    """What comm_type="auto" decides from besides the call (the MEGATRON_RING_* variables it reads, a set_machine
+    machine) set on one rank only: the call's cross-rank check names it on every rank before any probe (the ranks
+    probed and chose differently: mismatched collectives, a hang until the group's timeout or aborted processes).
+    Control: the same settings on every rank run."""
+    for r in run_distributed(_auto_inputs_worker, 2, variant, timeout=120):
+        assert r.startswith("ValueError: ring_attention was called with different arguments") and "comm_type" in r, r
+    assert run_distributed(_auto_inputs_worker, 2, "same", timeout=120) == ["ran", "ran"]

@@ -72,6 +72,16 @@ def set_machine(machine: Machine | None, group: Any = None, device_type: str | N
     groups.context(group).machines[("set", device_type)] = machine
 
 
+def inputs_key(group: Any, device_type: str) -> str:
+    """What this rank's ``auto`` decides from besides the call (the ``MEGATRON_RING_*`` variables it reads, a
+    machine given to :func:`set_machine` for this group or all), as text for the call's cross-rank check: ranks
+    that differ would probe and choose differently (mismatched collectives); they get the named error instead."""
+    set_here = [f"{key[1] or 'any device'}: {m}" for ctx in (groups.context(group), groups.context(None))
+                for key, m in ctx.machines.items() if key[0] == "set" and key[1] in (None, device_type)]
+    env = ", ".join(f"{k}={v}" for k, v in settings.auto_inputs())
+    return "auto" + (f" [{env}]" if env else "") + (f" [set_machine {'; '.join(set_here)}]" if set_here else "")
+
+
 def _kernel_times(kern, device, dtype, h: int, s: int, d: int) -> tuple[float, float]:
     q, k, v = (torch.randn(1, h, s, d, device=device, dtype=dtype) for _ in range(3))
     o, lse = kern.forward(q, k, v, False, d ** -0.5)
