@@ -55,10 +55,12 @@ def who_is_lost(members: Sequence[int], me: int, blamed: int | Sequence[int], ti
         path = " -> ".join(map(str, chain + silent[:1]))
         if len(silent) == 1:
             result[0] = (f" [failure chain {path}: global rank {silent[0]} left no failure note, so it (or its "
-                         "node) is the one lost]")
+                         "node) is the one lost, or it is alive and making another call: check that every rank "
+                         "makes the same sequence of ring_attention calls]")
         elif silent:
             result[0] = (f" [failure chain {path}: global ranks {', '.join(map(str, silent))} left no failure "
-                         "note; one of them (or its node) is lost]")
+                         "note; one of them (or its node) is lost, or they are alive and making another call: check "
+                         "that every rank makes the same sequence of ring_attention calls]")
         else:
             result[0] = f" [failure chain {' -> '.join(map(str, chain))}: every rank on it reported]"
 
