@@ -110,6 +110,38 @@ def _ds(q, k, v, do, lse, delta, vis, z, scale):
 
 
 @triton.jit
+def _query_tile(H, G, M, N, BM: tl.constexpr, CAUSAL: tl.constexpr):
+    """The program's batch row ``b``, query head ``h`` and K/V head, its query rows and which are in range (program
+    ids: query tile, batch row x head), and the end of the keys they may see (causal: the tile's last row)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
+    hi = N
+    if CAUSAL:
+        hi = tl.minimum(N, (pid_m + 1) * BM)
+    return b, h, h // G, rows, rows < M, hi
+
+
+@triton.jit
+def _key_tile(start, N, MKPOS, KDOC, rows, row_ok, mq, qd, LEFT, RIGHT, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+              RULE_CAUSAL: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr, BN: tl.constexpr):
+    """The key tile from ``start``: its columns, which are in range, and the pairs the query rows see there."""
+    cols = start + tl.arange(0, BN)
+    col_ok = cols < N
+    mk, kd = _mask_vectors(MKPOS, KDOC, cols, col_ok, -2, MASKED)
+    vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT, CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
+    return cols, col_ok, vis
+
+
+@triton.jit
+def _rows_hash(QPOS, seed, b, HEADS, HOFF, h, rows, row_ok):
+    """The row hashes of query head ``h`` (``HOFF + h`` of the call's ``HEADS``) at the rows' global positions."""
+    return _row_hash(seed, b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
+
+
+@triton.jit
 def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
                 s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                 s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm,
@@ -118,30 +150,18 @@ def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_
                 WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
     """Output and lse of one query tile of one head: the online softmax over the key tiles."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // G
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < M
+    b, h, hk, rows, row_ok, hi = _query_tile(H, G, M, N, BM, CAUSAL)
     dq_ = tl.arange(0, BDQ)
     dv_ = tl.arange(0, BDV)
     q = _tile(Q, b, h, s_qb, s_qh, s_qm, s_qd, rows, row_ok, dq_, DQK)
-    hq = _row_hash(_seed(SEED, seed_int, SEED_PTR), b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
+    hq = _rows_hash(QPOS, _seed(SEED, seed_int, SEED_PTR), b, HEADS, HOFF, h, rows, row_ok)
     mq, qd = _mask_vectors(MQPOS, QDOC, rows, row_ok, -1, MASKED)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.full([BM], 0.0, tl.float32)
     acc = tl.full([BM, BDV], 0.0, tl.float32)
-    hi = N
-    if CAUSAL:
-        hi = tl.minimum(N, (pid_m + 1) * BM)
     for start in range(0, hi, BN):
-        cols = start + tl.arange(0, BN)
-        col_ok = cols < N
-        mk, kd = _mask_vectors(MKPOS, KDOC, cols, col_ok, -2, MASKED)
-        vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
-                       CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
+        cols, col_ok, vis = _key_tile(start, N, MKPOS, KDOC, rows, row_ok, mq, qd, LEFT, RIGHT,
+                                      CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R, BN)
         if _any(vis, MASKED):
             k = _tile(K, b, hk, s_kb, s_kh, s_kn, s_kd, cols, col_ok, dq_, DQK)
             s = tl.where(vis, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
@@ -203,8 +223,7 @@ def dropout_bwd_kv(Q, K, V, DO, L, DELTA, DK, DVG, QPOS, KPOS, MQPOS, MKPOS, QDO
                 do = _tile(DO, b, h, s_ob, s_oh, s_om, s_od, rows, row_ok, dv_, DV)
                 lse = tl.load(L + b * s_lb + h * s_lh + rows * s_lm, mask=row_ok, other=0.0)
                 delta = tl.load(DELTA + (b * HK * G + h) * M + rows, mask=row_ok, other=0.0)
-                z = _kept(_row_hash(seed, b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0)), hkey,
-                          thresh, inv_keep)
+                z = _kept(_rows_hash(QPOS, seed, b, HEADS, HOFF, h, rows, row_ok), hkey, thresh, inv_keep)
                 p, ds = _ds(q, k, v, do, lse, delta, vis, z, scale)
                 dv += tl.dot(tl.trans((p * z).to(do.dtype)), do)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
@@ -223,31 +242,19 @@ def dropout_bwd_q(Q, K, V, DO, L, DELTA, DQ, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDO
                   WIN_R: tl.constexpr, SEED_PTR: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BDQ: tl.constexpr, BDV: tl.constexpr):
     """dQ of one query tile of one head (DQ: strides s_g*)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // G
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < M
+    b, h, hk, rows, row_ok, hi = _query_tile(H, G, M, N, BM, CAUSAL)
     dq_ = tl.arange(0, BDQ)
     dv_ = tl.arange(0, BDV)
     q = _tile(Q, b, h, s_qb, s_qh, s_qm, s_qd, rows, row_ok, dq_, DQK)
     do = _tile(DO, b, h, s_ob, s_oh, s_om, s_od, rows, row_ok, dv_, DV)
     lse = tl.load(L + b * s_lb + h * s_lh + rows * s_lm, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + (b * H + h) * M + rows, mask=row_ok, other=0.0)
-    hq = _row_hash(_seed(SEED, seed_int, SEED_PTR), b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
+    hq = _rows_hash(QPOS, _seed(SEED, seed_int, SEED_PTR), b, HEADS, HOFF, h, rows, row_ok)
     mq, qd = _mask_vectors(MQPOS, QDOC, rows, row_ok, -1, MASKED)
     dq = tl.full([BM, BDQ], 0.0, tl.float32)
-    hi = N
-    if CAUSAL:
-        hi = tl.minimum(N, (pid_m + 1) * BM)
     for start in range(0, hi, BN):
-        cols = start + tl.arange(0, BN)
-        col_ok = cols < N
-        mk, kd = _mask_vectors(MKPOS, KDOC, cols, col_ok, -2, MASKED)
-        vis = _visible(rows, cols, row_ok, col_ok, mq, mk, qd, kd, LEFT, RIGHT,
-                       CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R)
+        cols, col_ok, vis = _key_tile(start, N, MKPOS, KDOC, rows, row_ok, mq, qd, LEFT, RIGHT,
+                                      CAUSAL, MASKED, RULE_CAUSAL, WIN_L, WIN_R, BN)
         if _any(vis, MASKED):
             k = _tile(K, b, hk, s_kb, s_kh, s_kn, s_kd, cols, col_ok, dq_, DQK)
             v = _tile(V, b, hk, s_vb, s_vh, s_vn, s_vd, cols, col_ok, dv_, DV)
