@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megatron_ring.kernels import dropout_triton  # the fused kernels' launchers and ops (Triton on use)
 from megatron_ring.kernels.block import BlockKernel
 
 _M32 = 0xFFFFFFFF
@@ -179,7 +180,7 @@ class FusedDropoutKernel(DropoutKernel):
             return super().forward(q, k, v, causal, scale, mask=mask, qpos=qpos, kpos=kpos)
         args = self._args(q, causal, scale, mask, qpos, kpos)
         if self.direct is not None and self.direct(q, k, v):
-            return _forward_launch(q, k, v, *args)
+            return dropout_triton.dropout_attention_forward(q, k, v, *args)
         return torch.ops.megatron_ring.dropout_attention(q, k, v, *args)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, qpos=None, kpos=None):
@@ -187,59 +188,5 @@ class FusedDropoutKernel(DropoutKernel):
             return super().backward(dout, q, k, v, out, lse, causal, scale, mask=mask, qpos=qpos, kpos=kpos)
         args = self._args(q, causal, scale, mask, qpos, kpos)
         if self.direct is not None and self.direct(dout, q, k, v, out, lse):
-            return _backward_launch(dout, q, k, v, out, lse, *args)
+            return dropout_triton.dropout_attention_backward(dout, q, k, v, out, lse, *args)
         return torch.ops.megatron_ring.dropout_attention_backward(dout, q, k, v, out, lse, *args)
-
-
-def _fused_call(qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, causal, rule_causal, left, right):
-    """The launchers' arguments from the ops' flat ones."""
-    vectors = None if mq is None else (mq, qd, mk, kd)
-    return dict(causal=causal, qpos=qpos, kpos=kpos, mask_vectors=vectors, rule=(rule_causal, (left, right)),
-                seed=seed_t if seed_t is not None else seed_int)
-
-
-def _forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
-                    mq: torch.Tensor | None, qd: torch.Tensor | None, mk: torch.Tensor | None, kd: torch.Tensor | None,
-                    seed_t: torch.Tensor | None, seed_int: int, causal: bool, rule_causal: bool, left: int,
-                    right: int, scale: float, p: float, heads: int,
-                    head_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward op's implementation (the launcher of kernels/dropout_triton.py on the ops' flat arguments)."""
-    from megatron_ring.kernels.dropout_triton import dropout_attention_forward  # noqa: PLC0415 - Triton on use
-
-    return dropout_attention_forward(q, k, v, scale=scale, p=p, heads=heads, head_offset=head_offset,
-                                     **_fused_call(qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, causal,
-                                                   rule_causal, left, right))
-
-
-_dropout_op = torch.library.custom_op("megatron_ring::dropout_attention", _forward_launch, mutates_args=())
-
-
-@_dropout_op.register_fake
-def _dropout_fake(q, k, v, *args):
-    b, h, m, _ = q.shape
-    return q.new_empty(b, h, m, v.shape[-1]), q.new_empty(b, h, m, dtype=torch.float32)
-
-
-def _backward_launch(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, mq: torch.Tensor | None,
-                    qd: torch.Tensor | None, mk: torch.Tensor | None, kd: torch.Tensor | None,
-                    seed_t: torch.Tensor | None, seed_int: int, causal: bool, rule_causal: bool, left: int,
-                    right: int, scale: float, p: float, heads: int,
-                    head_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward op's implementation."""
-    from megatron_ring.kernels.dropout_triton import dropout_attention_backward  # noqa: PLC0415 - Triton on use
-
-    return dropout_attention_backward(dout, q, k, v, out, lse, scale=scale, p=p, heads=heads, head_offset=head_offset,
-                                      **_fused_call(qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, causal,
-                                                    rule_causal, left, right))
-
-
-_dropout_bwd_op = torch.library.custom_op("megatron_ring::dropout_attention_backward", _backward_launch,
-                                          mutates_args=())
-
-
-@_dropout_bwd_op.register_fake
-def _dropout_bwd_fake(dout, q, k, v, *args):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))

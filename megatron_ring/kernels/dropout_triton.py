@@ -45,40 +45,47 @@ def _tiles(d: int) -> int:
     return 64 if d <= 128 else 32
 
 
-def _common(q, k, v, qpos, kpos, mask_vectors, rule, seed, spec_p, heads, head_offset, scale):
+def _common(q, k, v, qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, rule_causal, left, right, scale, p, heads,
+            head_offset):
     """The arguments every kernel takes after its tensors (see :func:`dropout_attention_forward`)."""
     import triton
 
-    b, h, m, dqk = q.shape
+    h, m, dqk = q.shape[1:]
     n, dv = k.shape[2], v.shape[-1]
-    masked = mask_vectors is not None
-    mq, qd, mk, kd = mask_vectors if masked else (qpos, qpos, kpos, kpos)
-    left, right = rule[1] if masked and rule[1] is not None else (-1, -1)
-    seed_ptr = isinstance(seed, torch.Tensor)
-    ptrs = (qpos, kpos, mq, mk, qd, kd, seed if seed_ptr else qpos, 0 if seed_ptr else int(seed))
-    scalars = (h // k.shape[1], heads, head_offset, m, n, dqk, dv, float(scale), int(round(spec_p * (1 << 24))),
-               1.0 / (1.0 - spec_p), int(left), int(right))
-    flags = dict(MASKED=masked, RULE_CAUSAL=bool(masked and rule[0]), WIN_L=bool(masked and left >= 0),
+    masked = mq is not None
+    if not masked:  # unused by the kernels then: any pointers
+        mq, qd, mk, kd = qpos, qpos, kpos, kpos
+    seed_ptr = seed_t is not None
+    ptrs = (qpos, kpos, mq, mk, qd, kd, seed_t if seed_ptr else qpos, int(seed_int))
+    scalars = (h // k.shape[1], heads, head_offset, m, n, dqk, dv, float(scale), int(round(p * (1 << 24))),
+               1.0 / (1.0 - p), int(left), int(right))
+    flags = dict(MASKED=masked, RULE_CAUSAL=bool(masked and rule_causal), WIN_L=bool(masked and left >= 0),
                  WIN_R=bool(masked and right >= 0), SEED_PTR=seed_ptr,
                  BDQ=max(16, triton.next_power_of_2(dqk)), BDV=max(16, triton.next_power_of_2(dv)))
     return ptrs, scalars, flags
 
 
-def dropout_attention_forward(q, k, v, causal: bool, scale: float, qpos, kpos, mask_vectors, rule, seed,
+def dropout_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
+                              kpos: torch.Tensor, mq: torch.Tensor | None, qd: torch.Tensor | None,
+                              mk: torch.Tensor | None, kd: torch.Tensor | None, seed_t: torch.Tensor | None,
+                              seed_int: int, causal: bool, rule_causal: bool, left: int, right: int, scale: float,
                               p: float, heads: int, head_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [b, h, sq, dv] in q's dtype, lse [b, h, sq] fp32)`` of one block (BHSD views, any strides).
+    """``(out [b, h, sq, dv] in q's dtype, lse [b, h, sq] fp32)`` of one block (BHSD views, any strides); the
+    implementation of the op ``megatron_ring::dropout_attention``.
 
-    ``qpos``, ``kpos``: the rows' and keys' global positions (int64, on q's device) that key the hash;
-    ``mask_vectors``: an explicit mask's ``(qpos, qdoc, kpos, kdoc)`` on the device, or None; ``rule``:
-    ``(causal, window)`` of that mask; ``seed``: the 32-bit folded seed (an int), or the one-element int64 device
-    seed itself (folded in the kernel: no op of its own);
-    ``p``, ``heads``, ``head_offset``: as :class:`..dropout.DropoutSpec`."""
+    ``qpos``, ``kpos``: the rows' and keys' global positions (int64, on q's device) that key the hash; ``mq``,
+    ``qd``, ``mk``, ``kd``: an explicit mask's positions and documents of the rows and keys on the device (None: no
+    explicit mask), ``rule_causal``, ``left``, ``right``: its rule (``-1``: unbounded); ``seed_t``: the
+    one-element int64 device seed (folded in the kernel: no op of its own), else ``seed_int``, the 32-bit folded
+    int seed; ``causal``: the plain task's top-left flag; ``p``, ``heads``, ``head_offset``: as
+    :class:`..dropout.DropoutSpec`."""
     b, h, m, _ = q.shape
     out = torch.empty(b, h, m, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, m, dtype=torch.float32, device=q.device)
     if b * h * m == 0:
         return out, lse
-    ptrs, scalars, flags = _common(q, k, v, qpos, kpos, mask_vectors, rule, seed, p, heads, head_offset, scale)
+    ptrs, scalars, flags = _common(q, k, v, qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, rule_causal, left, right,
+                                   scale, p, heads, head_offset)
     bm = _tiles(max(q.shape[-1], v.shape[-1]))
     fwd = _kernels()[0]
     fwd[(-(-m // bm), b * h)](q, k, v, out, lse, *ptrs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -86,17 +93,23 @@ def dropout_attention_forward(q, k, v, causal: bool, scale: float, qpos, kpos, m
     return out, lse
 
 
-def dropout_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float, qpos, kpos, mask_vectors, rule,
-                               seed, p: float, heads: int, head_offset: int):
-    """``(dq, dk, dv)`` of one block given the GLOBAL ``out`` and ``lse`` of its query rows (arguments as
-    :func:`dropout_attention_forward`); each in its input's dtype, BHSD-contiguous."""
+def dropout_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
+                               mq: torch.Tensor | None, qd: torch.Tensor | None, mk: torch.Tensor | None,
+                               kd: torch.Tensor | None, seed_t: torch.Tensor | None, seed_int: int, causal: bool,
+                               rule_causal: bool, left: int, right: int, scale: float, p: float, heads: int,
+                               head_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of one block given the GLOBAL ``out`` and ``lse`` of its query rows (the other arguments as
+    :func:`dropout_attention_forward`); each in its input's dtype, BHSD-contiguous. The implementation of the op
+    ``megatron_ring::dropout_attention_backward``."""
     b, h, m, _ = q.shape
     hk, n = k.shape[1], k.shape[2]
     dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         k, memory_format=torch.contiguous_format), torch.empty_like(v, memory_format=torch.contiguous_format)
     if b * h * m == 0 or n == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    ptrs, scalars, flags = _common(q, k, v, qpos, kpos, mask_vectors, rule, seed, p, heads, head_offset, scale)
+    ptrs, scalars, flags = _common(q, k, v, qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, rule_causal, left, right,
+                                   scale, p, heads, head_offset)
     bm = _tiles(max(q.shape[-1], v.shape[-1]))
     _, bwd_kv, bwd_q, pre = _kernels()
     delta = torch.empty(b, h, m, dtype=torch.float32, device=q.device)
@@ -108,3 +121,21 @@ def dropout_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: flo
     bwd_q[(-(-m // bm), b * h)](q, k, v, dout, lse, delta, dq, *ptrs, *common, *dq.stride(),
                                 h, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, **flags)
     return dq, dk, dv
+
+
+# the launchers as registered ops (ONE op per direction where a mode, a fake tensor or a compiler sees the call;
+# kernels/dropout.py calls the launchers directly elsewhere), with fake implementations
+_forward_op = torch.library.custom_op("megatron_ring::dropout_attention", dropout_attention_forward, mutates_args=())
+_backward_op = torch.library.custom_op("megatron_ring::dropout_attention_backward", dropout_attention_backward,
+                                       mutates_args=())
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, *args):
+    b, h, m, _ = q.shape
+    return q.new_empty(b, h, m, v.shape[-1]), q.new_empty(b, h, m, dtype=torch.float32)
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, q, k, v, *args):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
