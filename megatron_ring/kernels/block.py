@@ -125,6 +125,33 @@ def _fused_cuda_case(q: torch.Tensor, d: int, max_head_dim: int) -> str | None:
     return None
 
 
+def _flash_backward_gap(q: torch.Tensor, d: int) -> str | None:
+    """torch's flash backward does not run head dims 193..224 on sm86, sm89 and sm120/121 (torch's dispatcher
+    refuses it there: sdp_utils ``check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120``; the
+    kernel's own checks do not, so a direct call would fail or compute on a path not built for it)."""
+    arch = _cuda_arch(q)
+    if 192 < d <= 224 and ((8, 6) <= arch <= (8, 9) or (12, 0) <= arch <= (12, 1)):
+        return (f"torch's flash backward does not run head dim {d} on sm{arch[0]}{arch[1]} (193 to 224 on sm86, "
+                "sm89, sm120)")
+    return None
+
+
+def _turned_off_in_torch(backend: str) -> str | None:
+    """torch's SDPA switches (``torch.backends.cuda.enable_flash_sdp`` / ``enable_cudnn_sdp``, or the
+    ``torch.nn.attention.sdpa_kernel`` context): a backend the user turned off there (e.g. to avoid a bug of it)
+    is not run here either."""
+    on = {"flash": torch.backends.cuda.flash_sdp_enabled, "cudnn": torch.backends.cuda.cudnn_sdp_enabled}[backend]
+    if on():
+        return None
+    return (f"torch's {backend} attention is turned off (torch.backends.cuda.enable_{backend}_sdp(False) or "
+            "torch.nn.attention.sdpa_kernel)")
+
+
+def _torch_switches() -> tuple[bool, bool]:
+    """What :func:`_turned_off_in_torch` reads (part of ``auto``'s cached choice)."""
+    return torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def _deterministic_refusal(kernel: BlockKernel) -> str | None:
     return "it has no deterministic backward and deterministic mode is on" if kernel.is_deterministic() else None
 
@@ -387,7 +414,8 @@ class TorchFlashCudaKernel(_SquareCausal):
     name = "flash_cuda"
 
     def unsupported(self, q, head_dim):
-        return _fused_cuda_case(q, head_dim, 256) or _deterministic_refusal(self)
+        return (_fused_cuda_case(q, head_dim, 256) or _flash_backward_gap(q, head_dim)
+                or _turned_off_in_torch("flash") or _deterministic_refusal(self))
 
     def _fwd(self, q, k, v, causal, scale):
         g = _kv_groups("flash", q, k, v, causal)
@@ -415,18 +443,34 @@ class CudnnKernel(_SquareCausal):
     name = "cudnn"
 
     def unsupported(self, q, head_dim):
-        why = _fused_cuda_case(q, head_dim, 128) or _deterministic_refusal(self)
+        why = _fused_cuda_case(q, head_dim, 128) or _turned_off_in_torch("cudnn") or _deterministic_refusal(self)
         if why is None and not torch.backends.cudnn.is_available():
             return "cuDNN is not available to this torch"
         return why
 
+    def _instead(self, q: torch.Tensor, k: torch.Tensor) -> BlockKernel | None:
+        """The kernel that runs a (sub-)block cuDNN must not: one key (torch's ``check_cudnn_tensor_shapes``
+        refuses key length 1, a cuDNN frontend error, pytorch#138529), or one query row on sm100 and newer
+        (wrong numbers with few K/V heads on cuDNN 9.19/9.20, pytorch#193893). torch's flash kernel, which takes
+        every case cuDNN's does here, else the math kernel. Chosen by shape alone, so the forward and the
+        backward of a block run on the same kernel."""
+        if k.shape[2] != 1 and not (q.shape[2] == 1 and _cuda_arch(q) >= (10, 0)):
+            return None
+        flash = TorchFlashCudaKernel()
+        flash.deterministic = self.deterministic
+        return flash if flash.unsupported(q, q.shape[-1]) is None else MathKernel()
+
     def _fwd(self, q, k, v, causal, scale):
+        if (other := self._instead(q, k)) is not None:  # a square block: forward is its _fwd
+            return other.forward(q, k, v, causal, scale)
         g = _kv_groups("cudnn", q, k, v, causal)
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, _repeat_kv(k, g), _repeat_kv(v, g), None, True, 0.0, causal, False, scale=scale)
         return res[0], res[1].reshape(q.shape[:3]).float()
 
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        if (other := self._instead(q, k)) is not None:
+            return other.backward(dout, q, k, v, out, lse, causal, scale)
         g = _kv_groups("cudnn", q, k, v, causal)
         sq, sk = q.shape[2], k.shape[2]
         seed, offset = _unused_rng(q, torch.int64, ())
@@ -546,7 +590,7 @@ def _instance(name: str, det: bool) -> BlockKernel:
 def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim: int | None = None,
                   deterministic: bool | None = None) -> BlockKernel:
     """The kernel for ``q``: ``"auto"`` picks the first kernel of ``_AUTO_ORDER`` that supports the case,
-    once per (device, dtype, head dim, determinism), and caches it. ``head_dim``: the head dim the
+    once per (device, dtype, head dim, determinism, torch's flash / cuDNN SDPA switches), and caches it. ``head_dim``: the head dim the
     kernel's operands will have (default q's; with MLA head dims, the larger of Q/K's and V's: they are
     padded to it). ``deterministic``: the call's determinism (None: the process default, :func:`deterministic`);
     the kernel returned carries it. A kernel named that cannot run the case is refused here, with the reason.
@@ -568,7 +612,7 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim:
                              f"{q.device.type}: {why}; use kernel='auto' (it picks a kernel that can) or "
                              "kernel='math'")
         return _instance(kernel, det)
-    key = (q.device, q.dtype, d, det)
+    key = (q.device, q.dtype, d, det, _torch_switches())
     if key not in _auto_choice:
         _auto_choice[key] = next(k for k in (_instance(n, det) for n in _AUTO_ORDER) if k.unsupported(q, d) is None)
     return _auto_choice[key]

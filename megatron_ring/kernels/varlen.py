@@ -33,7 +33,9 @@ from collections import Counter
 
 import torch
 
-from megatron_ring.kernels.block import BlockKernel, MathKernel, _deterministic_refusal, _fused_cuda_case, _unused_rng
+from megatron_ring.kernels.block import (BlockKernel, MathKernel, _deterministic_refusal, _flash_backward_gap,
+                                          _fused_cuda_case, _torch_switches, _turned_off_in_torch,
+                                          _unused_rng)
 from megatron_ring.kernels.head_dim import HeadDimPadKernel
 from megatron_ring.kernels.varlen_plan import SegmentPlan, VarlenCall, plan_for, visible_in_segment
 
@@ -91,8 +93,9 @@ class _VarlenKernel(BlockKernel):
         self._fits: dict[tuple, bool] = {}
 
     def fits(self, q: torch.Tensor, head_dim: int) -> bool:
-        """Whether this kernel takes ``q``'s case (cached per device, dtype, head dim and determinism)."""
-        key = (q.device, q.dtype, head_dim, self.is_deterministic())
+        """Whether this kernel takes ``q``'s case (cached per device, dtype, head dim, determinism and torch's SDPA
+        switches)."""
+        key = (q.device, q.dtype, head_dim, self.is_deterministic(), _torch_switches())
         fits = self._fits.get(key)
         if fits is None:
             fits = self._fits[key] = self.unsupported(q, head_dim) is None
@@ -144,7 +147,9 @@ class _VarlenKernel(BlockKernel):
         for call, (cq, ck) in zip(plan.calls, plan.cum(q.device, b)):
             dq, dk, dv = self._bwd(_thd(dout[:, :, call.q]), _thd(q[:, :, call.q]), _thd(k[:, :, call.kv]),
                                    _thd(v[:, :, call.kv]), _thd(out[:, :, call.q]),
-                                   lse_k[:, :, call.q].reshape(h, -1), cq, ck, call, b, scale)
+                                   # dense [heads, rows]: the kernel reads it with no strides of its own (one
+                                   # batch row and a call of some rows: reshape gives a strided view)
+                                   lse_k[:, :, call.q].reshape(h, -1).contiguous(), cq, ck, call, b, scale)
             grads.append((call, _bhsd(dq, b), _bhsd(dk, b), _bhsd(dv, b)))
         if len(grads) == 1 and not plan.shared_keys:
             return grads[0][1:]
@@ -175,7 +180,8 @@ class VarlenFlashCudaKernel(_VarlenKernel):
     name = "varlen_cuda"
 
     def unsupported(self, q, head_dim):
-        return _fused_cuda_case(q, head_dim, 256) or _deterministic_refusal(self)
+        return (_fused_cuda_case(q, head_dim, 256) or _flash_backward_gap(q, head_dim)
+                or _turned_off_in_torch("flash") or _deterministic_refusal(self))
 
     @staticmethod
     def _args(call: VarlenCall, scale: float) -> dict:

@@ -320,9 +320,9 @@ def _varlen_torch_call(forward_call, backward_call):
     return theirs
 
 
-def varlen_differences(mask, bwd=None) -> list:
-    """Differences of each backward call our variable-length kernel makes for ``mask`` (b = 2, GQA 4/2 heads)
-    from torch's call on the same inputs; ``bwd`` replaces the kernel's ``_bwd`` (a negative control)."""
+def varlen_differences(mask, bwd=None, b=2) -> list:
+    """Differences of each backward call our variable-length kernel makes for ``mask`` (a batch of ``b``, GQA 4/2
+    heads) from torch's call on the same inputs; ``bwd`` replaces the kernel's ``_bwd`` (a negative control)."""
     from megatron_ring.kernels.varlen import VarlenFlashCudaKernel
 
     kern = VarlenFlashCudaKernel()
@@ -330,8 +330,8 @@ def varlen_differences(mask, bwd=None) -> list:
         kern._bwd = bwd.__get__(kern)
     seam, fake = _fake()
     with seam, fake:
-        q = torch.randn(2, 4, 40, 64, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(2, 2, 40, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        q = torch.randn(b, 4, 40, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, 2, 40, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
         with torch.no_grad():
             with BackwardRecorder("aten::_flash_attention_forward") as fwd:
@@ -349,6 +349,16 @@ def test_the_varlen_backward_call_is_torchs(mask):
     (int32 cumulative lengths), shapes and strides (the lse ``[heads, rows]``), the forward's rng outputs, the
     window and scale."""
     assert varlen_differences(_block_mask(*mask)) == []
+
+
+@pytest.mark.parametrize("mask", VARLEN_MASKS)
+def test_the_varlen_backward_call_is_torchs_for_one_batch_row(mask):
+    """The same with one batch row (packed THD batches always have one): a plan of several calls once passed each
+    call's lse as a strided view of the whole ``[heads, rows]`` one, which torch's kernel reads as dense (other
+    heads' rows: wrong gradients, silently). ``out`` and ``dout`` may be views of the whole block's in the same
+    memory order (their strides are the kernel's parameters: ``_same_layout_view``); the lse may not."""
+    found = varlen_differences(_block_mask(*mask), b=1)
+    assert [d for d in found if not _same_layout_view(d)] == [], found
 
 
 def _varlen_bwd_int64(self, dout, q, k, v, out, lse, cum_q, cum_k, call, b, scale):

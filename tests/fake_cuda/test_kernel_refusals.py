@@ -13,7 +13,9 @@ import torch
 from megatron_ring import device, ring_attention
 from megatron_ring.kernels import block as K
 from megatron_ring.transport.ring import LoopbackRing
-from tests.fake_cuda.test_fake_cuda import Case, run_case
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.fake_cuda.test_fake_cuda import Case, fake_backward, run_case
 from tests.helpers.fake_device import FakeCuda
 
 pytestmark = pytest.mark.fake_cuda
@@ -28,9 +30,14 @@ REFUSED = [
     ("cudnn", (9, 0), torch.bfloat16, (100, 100), "multiple of 8"),
     ("flash_cuda", (9, 0), torch.float32, (64, 64), "fp16 or bf16, not torch.float32"),
     ("sdpa_cuda", (9, 0), torch.bfloat16, (64, 64), "not verified on a GPU"),
+    # torch's dispatcher refuses its flash backward there (sdp_utils: ..._head_dim_gt192_..._on_sm86_89_or_120)
+    ("flash_cuda", (8, 9), torch.bfloat16, (224, 224), "does not run head dim 224 on sm89"),
+    ("flash_cuda", (8, 6), torch.bfloat16, (200, 200), "does not run head dim 200 on sm86"),
+    ("flash_cuda", (12, 0), torch.float16, (208, 208), "does not run head dim 208 on sm120"),
 ]
 ALLOWED = [("flash_cuda", (8, 0), torch.float16, (64, 64)), ("cudnn", (9, 0), torch.bfloat16, (128, 64)),
-           ("flash_cuda", (9, 0), torch.bfloat16, (256, 256))]
+           ("flash_cuda", (9, 0), torch.bfloat16, (256, 256)), ("flash_cuda", (9, 0), torch.bfloat16, (224, 224)),
+           ("flash_cuda", (8, 9), torch.bfloat16, (192, 192)), ("flash_cuda", (8, 9), torch.bfloat16, (256, 256))]
 
 
 def _first_call(kernel, cap, dtype, dims, calls):
@@ -126,3 +133,80 @@ def test_auto_runs_what_no_fused_kernel_takes_on_the_math_kernel(cap, dtype):
     leaves, out, grads, checker, _ = run_case(Case(kernel="auto", dtype=dtype), dev=FakeCuda(capability=cap))
     assert out.dtype == dtype and all(grads[id(t)].shape == t.shape for t in leaves)
     assert _spied == {} and checker.problems == []
+
+
+class _CudnnShapes(TorchDispatchMode):
+    """Records (query rows, keys) of every cuDNN attention op, and counts the flash ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.cudnn, self.flash = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if "cudnn_attention" in name:
+            self.cudnn.append((args[1].shape[2], args[2].shape[2]) if "backward" in name
+                              else (args[0].shape[2], args[1].shape[2]))
+        elif "flash_attention" in name:
+            self.flash += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout, s_local, cap, heads", [("zigzag", 2, (9, 0), (4, 2)), ("striped", 1, (9, 0), (4, 4)),
+                                                       ("contiguous", 1, (8, 0), (4, 2)),
+                                                       ("contiguous", 1, (10, 0), (8, 2))])
+def test_cudnn_blocks_it_must_not_run_go_to_flash(layout, s_local, cap, heads):
+    """Blocks of one key (a zigzag half of one row; one row per rank), which torch's dispatcher never gives cuDNN
+    (``check_cudnn_tensor_shapes``: a cuDNN frontend error), and blocks of one query row on sm100 (wrong numbers
+    with few K/V heads on cuDNN 9.19/9.20), run on torch's flash kernel, forward and backward; no cuDNN op sees
+    them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with device.use("cuda", FakeCuda(capability=cap)), FakeTensorMode(allow_non_fake_inputs=True):
+        h, hk = heads
+        q = torch.randn(1, s_local, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, s_local, hk, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        with _CudnnShapes() as seen:
+            out = ring_attention(q, k, v, causal=True, layout=layout, kernel="cudnn", ring=LoopbackRing(2, 1, q.device))
+            fake_backward(out, torch.ones_like(out), [q, k, v])
+    one_row = cap >= (10, 0)
+    assert all(sk != 1 and not (one_row and sq == 1) for sq, sk in seen.cudnn), seen.cudnn
+    assert seen.flash >= 2  # a forward and a backward at least
+
+
+def test_the_cudnn_shape_rule_is_not_vacuous(monkeypatch):
+    """Negative control: without the rule the same block of one key goes to cuDNN."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(K.CudnnKernel, "_instead", lambda self, q, k: None)
+    with device.use("cuda", FakeCuda(capability=(9, 0))), FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.randn(1, 4, 2, 64, device="cuda", dtype=torch.bfloat16)
+        with _CudnnShapes() as seen:
+            K.CudnnKernel().forward(q, q[:, :, :1], q[:, :, :1], False, 0.125)
+    assert seen.cudnn == [(2, 1)] and seen.flash == 0
+
+
+@pytest.mark.parametrize("off, name", [("cudnn", "flash_cuda"), ("flash", "cudnn"), ("both", "math")])
+def test_auto_honours_torchs_sdpa_switches(off, name):
+    """A backend turned off in torch (``torch.nn.attention.sdpa_kernel``, ``enable_*_sdp(False)``) is not picked by
+    ``auto``, and named when asked for; back on, ``auto`` picks cuDNN again (its cached choice keys on the
+    switches)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    flags = {"cudnn": (True, False), "flash": (False, True), "both": (False, False)}[off]
+    before = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
+    with device.use("cuda", FakeCuda(capability=(9, 0))), FakeTensorMode():
+        q = torch.empty(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
+        assert K.select_kernel(q).name == "cudnn"
+        torch.backends.cuda.enable_flash_sdp(flags[0])
+        torch.backends.cuda.enable_cudnn_sdp(flags[1])
+        try:
+            assert K.select_kernel(q).name == name
+            if off != "both":
+                with pytest.raises(ValueError, match=f"torch's {off} attention is turned off"):
+                    K.select_kernel(q, "cudnn" if off == "cudnn" else "flash_cuda")
+        finally:
+            torch.backends.cuda.enable_flash_sdp(before[0])
+            torch.backends.cuda.enable_cudnn_sdp(before[1])
+        assert K.select_kernel(q).name == "cudnn"
