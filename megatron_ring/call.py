@@ -22,7 +22,8 @@ from megatron_ring.schedules.layouts import Layout, get_layout
 from megatron_ring.schedules.masks import AttentionMask
 from megatron_ring.strategies import Refusal, refuse
 from megatron_ring.core.rotation import piece_count
-from megatron_ring.core.validation import (call_signature, check_cu_seqlens, check_same_across_ranks, check_window)
+from megatron_ring.core.validation import (call_signature, call_tag, check_cu_seqlens, check_same_across_ranks,
+                                           check_window)
 
 __all__ = ["Call", "agree", "offset_kind", "sink_logits", "dropout_spec", "attention_mask"]
 
@@ -33,7 +34,7 @@ def agree(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
           kv_pieces: int | None, extras: tuple, per_call: tuple = (), max_logit: bool = False) -> "Call":
     """The cross-rank check of the call's arguments and the wire codec (:func:`_agreed_codec`), then the
     tensors in the call's format (``thd`` as one ``bshd`` sequence) and the piece count: a frozen Call."""
-    codec = _agreed_codec(ring, q, k, v, causal=bool(causal), layout=layout, qkv_format=qkv_format,
+    codec, tag = _agreed_codec(ring, q, k, v, causal=bool(causal), layout=layout, qkv_format=qkv_format,
                           cu_seqlens=cu_seqlens, window=window, comm_type=comm_type, head_chunks=head_chunks,
                           comm_dtype=comm_dtype, softmax_scale=softmax_scale, check_consistency=check_consistency,
                           extras=extras, per_call=per_call)
@@ -42,7 +43,7 @@ def agree(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     return Call(ring=ring, causal=bool(causal), layout=layout, qkv_format=fmt, thd=thd, s_dim=s_dim,
                 cu_seqlens=cu_seqlens, window=window, comm_type=comm_type, head_chunks=head_chunks,
                 hierarchical_groups=hierarchical_groups, codec=codec, pieces=_pieces(kv_pieces, q, k, s_dim),
-                tensors=(q, k, v), max_logit=max_logit)
+                tensors=(q, k, v), max_logit=max_logit, tag=tag)
 
 
 def _unpack(qkv_format: str, cu_seqlens: Any, q: torch.Tensor, k: torch.Tensor,
@@ -83,6 +84,7 @@ class Call:
     pieces: int
     tensors: tuple  # q, k, v in the call's format
     max_logit: bool = False  # return_max_logit: the plan carries the per-row max accumulator
+    tag: int = 0  # the call's signature as the ring's status carries it, compared every call (0: not compared)
 
     @property
     def perm(self) -> tuple[int, ...]:
@@ -128,7 +130,7 @@ class Call:
         mask = self.mask
         return RingPlan(ring=self.ring, layout=self.schedule_layout, causal=self.causal, scale=scale,
                         kernel=kernel, codec=self.codec, mask=None if mask.plain else mask, dropout=dropout,
-                        pieces=self.pieces, row_max=row_max)
+                        pieces=self.pieces, row_max=row_max, tag=self.tag)
 
     def _row_max(self, qh: torch.Tensor | None) -> torch.Tensor | None:
         """``return_max_logit``: the fp32 ``[h, s]`` per-row max accumulator of the BHSD ``qh`` (-inf)."""
@@ -173,15 +175,20 @@ class Call:
 
 def _agreed_codec(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, layout: Any,
                   qkv_format: str, cu_seqlens: Any, window: Any, comm_type: str, head_chunks: Any, comm_dtype: Any,
-                  softmax_scale: Any, check_consistency: bool, extras: tuple, per_call: tuple = ()) -> KVCodec:
+                  softmax_scale: Any, check_consistency: bool, extras: tuple,
+                  per_call: tuple = ()) -> tuple[KVCodec, int]:
     """The cross-rank check (every rank raises the same error unless all pass the same shapes, dtypes
-    and options; ``per_call``: the dropout seed, compared with a new signature only), then the wire codec. ``comm_dtype`` spellings are normalised ("fp8" ==
-    torch.float8_e4m3fn); a bad value is raised after the cross-rank check, never before it."""
+    and options; ``per_call``: the dropout seed, compared with a new signature only), then the wire codec and the
+    call's tag (:func:`~megatron_ring.core.validation.call_tag`: the signature and the seed, carried in-band and
+    compared on every call, so ranks whose sequences of calls diverge onto signatures each has seen raise too;
+    0 where nothing is compared). ``comm_dtype`` spellings are normalised ("fp8" == torch.float8_e4m3fn); a bad
+    value is raised after the cross-rank check, never before it."""
     try:
         codec, codec_error = _codec(comm_dtype, q.dtype), None
     except ValueError as exc:
         codec, codec_error = None, exc
     wire_name = codec.name if codec is not None else f"invalid {comm_dtype!r}"
+    tag = 0
     if ring.world > 1 and ring.group is not None and check_consistency:
         if comm_type == "auto":  # what auto decides from besides the call: the same on every rank, or named
             from megatron_ring.strategies.auto import inputs_key  # noqa: PLC0415 - auto loads on first use
@@ -199,9 +206,10 @@ def _agreed_codec(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                 "dropout/softmax_offset/kv_pieces": extras}, timeout=ring.timeout, per_call=per_call)
         except (RuntimeError, TimeoutError) as exc:  # a rank of the group died or stalled (not a mismatch)
             raise ring.group_error("the cross-rank check of the call's arguments (an all_gather)", exc) from exc
+        tag = call_tag(sig, per_call)
     if codec_error is not None:
         raise codec_error
-    return codec
+    return codec, tag
 
 
 _codecs: dict = {}  # (comm_dtype, compute dtype) -> codec; codecs hold no per-call state

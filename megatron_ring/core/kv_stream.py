@@ -63,10 +63,13 @@ class KVStream:
             fused = self._exact and not plan.codec.checks_values  # K/V written by one foreach_into
             if status:
                 self.status = RingStatus(plan.ring, plan.codec, k.device, raws[0].dtype, refusal=refusal,
-                                         backward_follows=plan.checks.backward_follows)
+                                         backward_follows=plan.checks.backward_follows, tag=plan.tag)
                 elems = [self._elem(slot) for slot in cur]
-                # the same launch zeroes the status elements and the codes (the code where every piece is OK)
-                writes = self._writes(cur, [*elems, self.status.codes]) if fused else [None] * n
+                # the same launch writes the status elements and the codes (the status where every piece is OK)
+                start = [self.status.codes, *elems]
+                start = list(zip(start, self.status.sources(n) if self.status.pattern is not None
+                                 else [None] * len(start)))
+                writes = self._writes(cur, start) if fused else [None] * n
                 # an error is raised after the ring, on every rank
                 self.status.encode_pieces(self.local, raws, writes, elems, zeroed=fused)
             else:
@@ -78,15 +81,16 @@ class KVStream:
                     else:
                         w(kj, vj)
 
-    def _writes(self, cur: list[int], zero: tuple | list = (), flips: tuple = ()
+    def _writes(self, cur: list[int], status: tuple | list = (), flips: tuple = ()
                 ) -> list[Callable[[torch.Tensor, torch.Tensor], None]]:
         """Per piece, its writer for :meth:`RingStatus.encode` where the wire is the identity: the first
         copies EVERY piece's K and V into the decoded views of its slot (the bytes :meth:`KVCodec.encode`
-        writes, through views made once), zeroes the tensors ``zero`` and copies the ``flips`` pairs (-inf made
-        +inf) in one :func:`foreach_into` (one launch on CUDA for 4 tensors: one piece and its status), the
-        others do nothing. A failing copy is still caught and sent as the status."""
-        dsts = [t for slot in cur for t in self._decoded(0, slot)] + list(zero) + [d for d, _ in flips]
-        srcs = [t for kv in self.local for t in kv] + [None] * len(zero) + [x for _, x in flips]
+        writes, through views made once), writes the ``status`` pairs ``(dst, src)`` (the codes and the status
+        elements; ``src`` None: zeroed) and copies the ``flips`` pairs (-inf made +inf) in one :func:`foreach_into`
+        (one launch on CUDA for 4 tensors: one piece and its status), the others do nothing. A failing copy is
+        still caught and sent as the status."""
+        dsts = [t for slot in cur for t in self._decoded(0, slot)] + [d for d, _ in status] + [d for d, _ in flips]
+        srcs = [t for kv in self.local for t in kv] + [x for _, x in status] + [x for _, x in flips]
         flip = [False] * (len(dsts) - len(flips)) + [True] * len(flips)
 
         def write_all(k: torch.Tensor, v: torch.Tensor) -> None:

@@ -42,6 +42,9 @@ class RingPlan:
     #: QK-clip: fp32 ``[h, s]`` running max of the scaled logits per query head and local query row of this
     #: plan's q, folded in place by the forward (core/max_logit.py); None: not asked, nothing computed
     row_max: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    #: the call's tag (core/validation.py: call_tag): what the status this rank's K/V carry says when all is well,
+    #: compared with every other rank's on every call (core/status.py); 0: not compared
+    tag: int = 0
 
     def runs_whole_blocks(self, q: torch.Tensor) -> bool:
         """Whether this call's masked tasks run as whole blocks, not tiles: on a variable-length kernel that

@@ -2,9 +2,16 @@
 makes EVERY rank raise, without a per-step host synchronisation.
 
 Each K/V wire buffer carries one trailing element (in the wire's own dtype) holding its sender's status
-code: 0 = fine, 1 = K/V the wire codec refuses (:class:`~megatron_ring.wire.codecs.WireFiniteError`: inf/NaN,
+code: 1 = K/V the wire codec refuses (:class:`~megatron_ring.wire.codecs.WireFiniteError`: inf/NaN,
 or beyond the fp16 range), 2 = any other input error this rank detected (after the cross-rank check, e.g.
-a kernel that does not run on this rank's device). The code is written once by the block's owner and
+a kernel that does not run on this rank's device), else fine: the call's tag as a value of the element's dtype
+(:func:`tag_value`: a hash of the call's signature and dropout seed, :func:`~.validation.call_tag`; 0 where the
+call is not checked across ranks). So every call also compares what each rank called: ranks whose sequences of
+calls diverge (rank 0 calls with ``causal=True`` where rank 1 calls with ``causal=False``, both signatures seen
+before, so the cross-rank all-gather is skipped) raise :class:`RingInputError` on every rank, naming the ranks
+that called differently, with no collective per call. The tag takes one of about 16k values in a bf16 or fp16
+element, 1e9 in fp32, 253 in the FP8 wire's bytes: two different calls go unnoticed with that chance only.
+The code is written once by the block's owner and
 forwarded unchanged with the block, so after a full forward ring (P steps) every rank has seen every rank's
 code. The backward ring sends the same K/V again with the element unwritten (nothing reads it: the forward
 ring has judged these K/V). A ring that a window shortens to ``steps < P`` steps carries each block only ``steps - 1`` hops; it
@@ -51,13 +58,43 @@ import torch
 
 from megatron_ring.device import DeviceOps, ops_for
 from megatron_ring.core.buffers import POOL, SlotSet
+from megatron_ring.schedules.on_device import cached_on
 from megatron_ring.wire.codecs import KVCodec, KVSpec
 from megatron_ring.errors import WireFiniteError
 from megatron_ring.errors import RingInputError
 
-__all__ = ["RingInputError", "RingStatus", "PendingChecks", "StatusRecorder", "status_buffers", "raise_for"]
+__all__ = ["RingInputError", "RingStatus", "PendingChecks", "StatusRecorder", "status_buffers", "raise_for",
+           "tag_value", "status_pattern"]
 
 OK, BAD_VALUES, BAD_INPUT = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=256)
+def tag_value(tag: int, dtype: torch.dtype) -> float:
+    """What a status element of ``dtype`` holds for a rank whose input is fine in a call tagged ``tag``: OK (0)
+    where the call has no tag, else one of the finite values of ``dtype`` from 3 up (above the failure codes),
+    chosen by the tag (floating point: by its bit pattern; the FP8 wire's byte elements: 3..255). Exact in the
+    element, so it survives the copies and the maximum merge of :meth:`RingStatus.spread` unchanged."""
+    if not tag:
+        return OK
+    if not dtype.is_floating_point:
+        return 3 + tag % (torch.iinfo(dtype).max - 2)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    lo, hi = (int(torch.tensor(x, dtype=dtype).view(bits)) for x in (3.0, torch.finfo(dtype).max))
+    return float(torch.tensor(lo + tag % (hi - lo + 1), dtype=bits).view(dtype))
+
+
+def status_pattern(value: float, rank: int, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[world + 1]``: ``value`` at ``rank`` and at the end, zeros elsewhere: what a call's codes (the first
+    ``world``: this rank's own code) and its K/V's status elements (the last) start as. Made on the device once per
+    (value, rank, world, dtype, device) (three launches, no host-to-device copy) and kept."""
+    def make() -> torch.Tensor:
+        t = torch.zeros(world + 1, dtype=dtype, device=device)
+        t[rank].fill_(value)
+        t[world].fill_(value)
+        return t
+
+    return cached_on(("status", value, rank, world, dtype), make, device)
 
 
 
@@ -94,23 +131,23 @@ class PendingChecks:
     autograd function; a call without one reads value-checking wires' codes at the forward's end)."""
 
     def __init__(self) -> None:
-        self._items: list[tuple[torch.Tensor, Any, DeviceOps, Any, KVCodec, Callable[[], None] | None]] = []
+        self._items: list[tuple[torch.Tensor, Any, DeviceOps, Any, KVCodec, Callable[[], None] | None, float]] = []
         self.backward_follows = True
 
     def add(self, host: torch.Tensor, event: Any, ops: DeviceOps, ring: Any, codec: KVCodec,
-            explain: Callable[[], None] | None = None) -> None:
-        self._items.append((host, event, ops, ring, codec, explain))
+            explain: Callable[[], None] | None = None, fine: float = OK) -> None:
+        self._items.append((host, event, ops, ring, codec, explain, fine))
 
     def check(self) -> None:
         """Raise if a forward ring carried a failing rank's code; the checks are consumed. Waits for a
         copy only if the device has not completed it yet (see the module doc)."""
         items, self._items = self._items, []
-        for host, event, ops, ring, codec, explain in items:
+        for host, event, ops, ring, codec, explain, fine in items:
             if not ops.event_done(event):
                 ops.wait_event_host(event)  # the one possible sync: the forward ring's end not reached yet
             codes = host.tolist()
             ops.give_host(host)
-            raise_for(codes, ring, codec, explain)
+            raise_for(codes, ring, codec, explain, fine)
 
 
 class RingStatus:
@@ -118,18 +155,24 @@ class RingStatus:
 
     ``refusal``: this rank's input was refused before the ring; every piece it sends carries
     :data:`BAD_INPUT` (its payload is whatever it encodes, zeros), and it raises ``refusal``.
-    ``backward_follows``: False for a call without a backward (see the module doc)."""
+    ``backward_follows``: False for a call without a backward (see the module doc). ``tag``: the call's tag
+    (``RingPlan.tag``); ``fine`` is its value in the elements' ``dtype`` (what a rank whose input is fine
+    sends, and every code reads when all is well)."""
 
     def __init__(self, ring: Any, codec: KVCodec, device: torch.device, dtype: torch.dtype,
-                 refusal: BaseException | None = None, backward_follows: bool = True) -> None:
+                 refusal: BaseException | None = None, backward_follows: bool = True, tag: int = 0) -> None:
         self.ring, self.codec = ring, codec
         self.ops = ops_for(device)
         self.refusal = refusal
         self.local_error: BaseException | None = refusal
+        self.fine = tag_value(tag, dtype)
         # the codes in the status elements' ``dtype`` (a code is copied from an element as it is; the codes and
-        # the elements are zeroed in ONE launch: :meth:`encode_pieces`); written there, not here
+        # the elements are written in ONE launch: :meth:`encode_pieces`); written there, not here
         self.codes = torch.empty(ring.world, dtype=dtype, device=device)
         self._mine = self.codes[ring.rank:ring.rank + 1]
+        #: where the fine status comes from (None: zeros): the start of the codes and the elements' value
+        self.pattern = (status_pattern(self.fine, ring.rank, ring.world, dtype, device) if self.fine != OK
+                        else None)
         self.read_in_forward = self.ops.host_reads_free or (codec.checks_values and not backward_follows)
         self._checked: list[tuple[torch.Tensor, torch.Tensor]] = []  # pieces whose values the device checked
 
@@ -168,18 +211,28 @@ class RingStatus:
         elems = elems or [raw[-1:] for raw in raws]
         if worst == OK and bad is None:
             if not zeroed:  # one launch on CUDA (one dtype, dense: torch's fast route)
-                torch._foreach_zero_([self.codes, *elems])
+                if self.pattern is None:
+                    torch._foreach_zero_([self.codes, *elems])
+                else:
+                    torch._foreach_copy_([self.codes, *elems], self.sources(len(elems)))
             return
         self.codes.zero_()
         for elem in elems:
             self.mark(elem, worst, bad)
 
+    def sources(self, n: int) -> list[torch.Tensor]:
+        """What the codes and ``n`` status elements are copied from when this rank's input is fine (views of
+        ``pattern``): the codes start with this rank's own at ``fine``, the others 0 until received."""
+        world = self.ring.world
+        return [self.pattern[:world]] + [self.pattern[world:]] * n
+
     def mark(self, elem: torch.Tensor, code: int, bad: torch.Tensor | None = None) -> None:
-        """Write ``code`` (or :data:`BAD_VALUES` where the device verdict ``bad`` is true) into the status
-        element ``elem`` (a wire buffer's ``raw[-1:]``) and as this rank's."""
-        elem.fill_(code)
+        """Write ``code`` (``fine`` for :data:`OK`; :data:`BAD_VALUES` where the device verdict ``bad`` is
+        true) into the status element ``elem`` (a wire buffer's ``raw[-1:]``) and as this rank's."""
+        value = self.fine if code == OK else code
+        elem.fill_(value)
         mine = self._mine
-        mine.fill_(code)
+        mine.fill_(value)
         if bad is not None:
             elem.masked_fill_(bad, BAD_VALUES)
             mine.masked_fill_(bad, BAD_VALUES)
@@ -222,34 +275,52 @@ class RingStatus:
         if self.ops.capturing(self.codes.device):
             # CUDA-graph capture: no host read, no event (what the host decided would not replay); every
             # replay checks the codes on the device instead: a failing rank stops it with a device-side assert
-            torch._assert_async(torch.all(self.codes == OK),
+            torch._assert_async(torch.all(self.codes == self.fine),
                                 "megatron_ring: a rank of the ring refused its input (its K/V cannot go on this "
-                                "wire, or a rank-local input error); rerun eagerly to get the named error")
+                                "wire, or a rank-local input error), or the ranks made different calls; rerun "
+                                "eagerly to get the named error")
             return
         if self.read_in_forward:
-            raise_for(self.codes.tolist(), self.ring, self.codec, explain)
+            raise_for(self.codes.tolist(), self.ring, self.codec, explain, self.fine)
             return
         host, event = self.ops.to_host(self.codes)
-        checks.add(host, event, self.ops, self.ring, self.codec, explain)
+        checks.add(host, event, self.ops, self.ring, self.codec, explain, self.fine)
 
 
-def raise_for(codes: list[float], ring: Any, codec: KVCodec, explain: Callable[[], None] | None = None) -> None:
-    """Raise if any code is bad. ``explain``: raises this rank's own detailed error when its own code is
-    :data:`BAD_VALUES` (called only then)."""
-    bad = {int(c): [ring.members[i] for i, x in enumerate(codes) if int(x) == int(c)] for c in codes if c}
-    if not bad:
-        return
+def raise_for(codes: list[float], ring: Any, codec: KVCodec, explain: Callable[[], None] | None = None,
+              fine: float = OK) -> None:
+    """Raise if any code is bad, or differs from ``fine`` (this rank's call's tag value): a rank that made
+    another call. ``explain``: raises this rank's own detailed error when its own code is :data:`BAD_VALUES`
+    (called only then). A code 0 where ``fine`` is not is a rank whose call was not checked across ranks
+    (``check_consistency=False``): not compared."""
+    failed = {code: [ring.members[i] for i, x in enumerate(codes) if x == code] for code in (BAD_VALUES, BAD_INPUT)}
     me = ring.my_global
-    if explain is not None and int(codes[ring.rank]) == BAD_VALUES:
+    if explain is not None and codes[ring.rank] == BAD_VALUES:
         explain()
-    if BAD_VALUES in bad:
-        ranks = ", ".join(map(str, bad[BAD_VALUES]))
+    if failed[BAD_VALUES]:
+        ranks = ", ".join(map(str, failed[BAD_VALUES]))
         raise WireFiniteError(
             f"{codec.name} wire: the K/V of ring global rank(s) {ranks} cannot be sent on this wire (inf/NaN, "
             f"or out of its range); that rank raised WireFiniteError naming the element, and every rank of "
             f"the ring stops here (this is global rank {me}). Find where the non-finite values come from, or "
             "choose another --cp-comm-dtype.")
-    ranks = ", ".join(map(str, bad[BAD_INPUT]))
-    raise RingInputError(
-        f"ring_attention: ring global rank(s) {ranks} rejected their input after the cross-rank check (see "
-        f"that rank's error); every rank of the ring stops here (this is global rank {me}).")
+    if failed[BAD_INPUT]:
+        ranks = ", ".join(map(str, failed[BAD_INPUT]))
+        raise RingInputError(
+            f"ring_attention: ring global rank(s) {ranks} rejected their input after the cross-rank check (see "
+            f"that rank's error); every rank of the ring stops here (this is global rank {me}).")
+    if fine == OK:
+        return
+    other = [ring.members[i] for i, x in enumerate(codes) if x not in (fine, OK)]
+    if other:
+        calls: dict[float, list[int]] = {}
+        for i, x in enumerate(codes):
+            calls.setdefault(x, []).append(ring.members[i])
+        groups = ", ".join("[" + ", ".join(map(str, ranks)) + "]" for ranks in calls.values())
+        raise RingInputError(
+            f"ring_attention: the ranks of the ring made different calls (other shapes, dtypes, options or "
+            f"dropout seed): global rank(s) {', '.join(map(str, other))} called it otherwise than this rank (global "
+            f"rank {me}); global ranks by the call they made: {groups}. Every rank of the group must make the same "
+            "sequence of ring_attention calls with the same arguments: look for control flow that differs "
+            "between ranks (a rank in eval mode, a layer or micro-batch skipped on one rank, an option read "
+            "per rank). This call's result is not valid on any rank.")

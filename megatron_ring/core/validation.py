@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_ring.device import ops_for
 from megatron_ring.transport.groups import context
 
-__all__ = ["FORMATS", "check_inputs", "call_signature", "check_same_across_ranks", "check_cu_seqlens",
+__all__ = ["FORMATS", "check_inputs", "call_signature", "call_tag", "check_same_across_ranks", "check_cu_seqlens",
            "check_window", "host_values"]
 
 FORMATS = ("bshd", "sbhd")  # plus "thd" (packed documents), turned into bshd with b=1 by the api
@@ -59,6 +59,14 @@ def call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
             _code(qkv_format), _code(comm_dtype), scale_bits,
             head_chunks if isinstance(head_chunks, int) else _code(head_chunks), _code(_listed(cu_seqlens)),
             _code(_listed(window)), _code(comm_type), _code(extras))
+
+
+def call_tag(signature: Sequence[int], per_call: Sequence[int] = ()) -> int:
+    """A positive 63-bit hash of the call's signature and its per-call integers (the dropout seed): the tag every
+    rank's K/V carry in the ring's status elements, compared on EVERY call without a collective
+    (:mod:`~megatron_ring.core.status`). Python's hash of a tuple of ints is the same in every process (no
+    per-process salt for ints), so equal calls give equal tags on every rank."""
+    return (hash((tuple(signature), tuple(int(x) for x in per_call))) & _INT63) or 1
 
 
 def _listed(x: Any) -> Any:

@@ -12,7 +12,8 @@ of several ranks' heads. They share one rule instead:
 * at the end of the forward every rank all-gathers one status code over the context-parallel group
   (:class:`StrategyStatus`: P numbers, issued after the output all-to-all or the last gather, i.e. where
   the forward already waits for a collective) and every rank raises the same error type naming the
-  failing global rank(s); the failing rank raises its own detailed error.
+  failing global rank(s); the failing rank raises its own detailed error. A fine rank's code is the call's tag
+  (as the ring's, :mod:`megatron_ring.core.status`), so ranks that made different calls are named too.
 
 A value-checking wire codec (FP8 with ``check_finite``, fp16) judges the values ON THE DEVICE
 (``KVCodec.encode_flagged``): its verdict joins this rank's code on the device, the refused values travel
@@ -38,7 +39,7 @@ from megatron_ring.errors import WireFiniteError
 from megatron_ring.core.autograd import RingAttentionFunction
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.device import ops_for
-from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, raise_for
+from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, raise_for, tag_value
 from megatron_ring.errors import RingInputError, RingPeerError
 from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.transport.collectives import all_gather
@@ -71,7 +72,9 @@ class StrategyStatus:
         """All-gather the codes (P numbers); raise on every rank if any is bad (see the module doc)."""
         self.open = False
         ring = self.plan.ring
-        mine = torch.full((1,), float(self.code), dtype=torch.float32, device=out.device)
+        fine = tag_value(self.plan.tag, torch.float32)  # the call's tag: ranks that made other calls are named too
+        mine = torch.full((1,), float(self.code) if self.code != OK else fine, dtype=torch.float32,
+                          device=out.device)
         if self.checked and self.code == OK:  # the device verdicts: BAD_VALUES where any piece was refused
             verdicts = [c[0] for c in self.checked]
             mine.masked_fill_(verdicts[0] if len(verdicts) == 1 else torch.stack(verdicts).any(), BAD_VALUES)
@@ -105,7 +108,8 @@ class StrategyStatus:
     def _raise(self, codes: torch.Tensor) -> None:
         if self.error is not None:
             raise self.error
-        raise_for(codes.tolist(), self.plan.ring, self.plan.codec, self._explain if self.checked else None)
+        raise_for(codes.tolist(), self.plan.ring, self.plan.codec, self._explain if self.checked else None,
+                  tag_value(self.plan.tag, torch.float32))
 
 
 class _CheckInBackward(torch.autograd.Function):

@@ -30,6 +30,7 @@ dense cases (causal, full, GQA) and by packed documents (padded: rows that see n
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -248,3 +249,21 @@ def test_without_triton_the_cuda_path_runs_the_torch_expressions(monkeypatch):
     _, warm = count(_case("causal", 2))
     assert not any(name.startswith("megatron_ring::") for name in warm.other), dict(warm.other)
     assert sum(warm.other.values()) > CEILING[("causal", 2)][2]
+
+
+def test_a_call_checked_across_ranks_makes_the_same_ops(monkeypatch):
+    """A call on a process group carries its tag in the status (core/status.py: ranks that made different calls
+    are named): the fine status is COPIED from a pattern made once per signature where the untagged call zeroes it,
+    in the same launch. The loopback ring has no group (no tag): the tag is given here as a group's check gives it.
+    A warm call makes exactly the ops of the untagged one; the first call makes the pattern (3 ops)."""
+    from megatron_ring import call as call_mod
+
+    cases = [_case("causal", 4), _case("thd", 4), dataclasses.replace(_case("causal", 2), wire="fp8")]
+    plain = [count(case) for case in cases]
+    real = call_mod._agreed_codec
+    monkeypatch.setattr(call_mod, "_agreed_codec", lambda *a, **kw: (real(*a, **kw)[0], 123456789))
+    for case, (first0, warm0) in zip(cases, plain):
+        first, warm = count(case)
+        assert (warm.attention, sum(warm.other.values())) == (warm0.attention, sum(warm0.other.values())), (
+            case.id, dict(warm.other), dict(warm0.other))
+        assert sum(first.other.values()) <= sum(first0.other.values()) + 3, (case.id, dict(first.other))

@@ -1,0 +1,133 @@
+"""Ranks whose sequences of calls diverge onto signatures each has seen before (the cross-rank all-gather is
+skipped for a seen signature) are still caught: every call's K/V carry the call's tag in their status
+(core/status.py), and every rank raises RingInputError naming the ranks that called otherwise. Before, such a
+call ran and its result followed neither call (found by randomized testing; docs/design.md)."""
+import pytest
+import torch
+
+from megatron_ring import RingInputError, ring_attention
+from megatron_ring.core.status import tag_value
+from megatron_ring.core.validation import call_tag
+from tests.helpers.launch import run_distributed
+
+pytestmark = pytest.mark.slow
+
+
+def _inputs(rank, s=16, h=4, d=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(1, s, h, d, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except RingInputError as exc:
+        return "RingInputError", str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return type(exc).__name__, str(exc)
+    return None, ""
+
+
+def _diverge_worker(rank, world, case):
+    """Both ranks make calls A and B once (both signatures checked and seen), then rank 0 makes A while the others
+    make B; then both make A again. Returns (outcome of the divergent call, whether the last call's output is
+    A's first output bit for bit: the ring is still in step)."""
+    q, k, v = _inputs(rank)
+    kw = dict(case.get("kw", {}))
+    a, b = {**kw, **case["a"]}, {**kw, **case["b"]}
+    first = ring_attention(q, k, v, **a)
+    ring_attention(q, k, v, **b)
+    got = _outcome(lambda: ring_attention(q, k, v, **(a if rank == 0 else b)))
+    return got, torch.equal(ring_attention(q, k, v, **a), first)
+
+
+CASES = {
+    "p2p causal": dict(a=dict(causal=True), b=dict(causal=False)),
+    "p2p softmax_scale": dict(a=dict(causal=True), b=dict(causal=True, softmax_scale=0.2)),
+    "all_gather": dict(kw=dict(comm_type="all_gather"), a=dict(causal=True), b=dict(causal=False)),
+    "a2a": dict(kw=dict(comm_type="a2a"), a=dict(causal=True), b=dict(causal=False)),
+    "fp8 wire": dict(kw=dict(comm_dtype="fp8"), a=dict(causal=True), b=dict(causal=False)),
+    "bf16 wire": dict(kw=dict(comm_dtype=torch.bfloat16), a=dict(causal=True), b=dict(causal=False)),
+    "dropout seed": dict(a=dict(causal=True, dropout_p=0.1, dropout_seed=7),
+                         b=dict(causal=True, dropout_p=0.1, dropout_seed=8)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_divergent_calls_raise_on_every_rank(name):
+    case = CASES[name]
+    results = run_distributed(_diverge_worker, 2, case, timeout=180)
+    for rank, ((kind, msg), in_step) in enumerate(results):
+        assert kind == "RingInputError", (name, rank, kind, msg)
+        assert "made different calls" in msg and f"global rank(s) {1 - rank} called it otherwise" in msg, msg
+        assert in_step, (name, rank)
+
+
+def _reference_worker(rank, world, case):
+    """Negative control: the same calls on every rank raise nothing (the tags agree) and the results are exact."""
+    q, k, v = _inputs(rank)
+    a = {**case.get("kw", {}), **case["a"]}
+    outs = [_outcome(lambda: ring_attention(q, k, v, **a)) for _ in range(2)]
+    return outs
+
+
+@pytest.mark.parametrize("name", ["p2p causal", "a2a", "fp8 wire"])
+def test_same_calls_raise_nothing(name):
+    for outs in run_distributed(_reference_worker, 2, CASES[name], timeout=180):
+        assert outs == [(None, "")] * 2, outs
+
+
+def _window_worker(rank, world):
+    """A window that shortens the ring (P=4: 2 of 4 steps), so the tags of the farther ranks travel by
+    RingStatus.spread; rank 2 diverges (another scale)."""
+    q, k, v = _inputs(rank, s=8)
+    a = dict(causal=True, window=(3, 0), layout="contiguous")
+    b = dict(a, softmax_scale=0.5)
+    ring_attention(q, k, v, **a)
+    ring_attention(q, k, v, **b)
+    return _outcome(lambda: ring_attention(q, k, v, **(b if rank == 2 else a)))
+
+
+def test_divergence_in_a_window_shortened_ring_reaches_every_rank():
+    results = run_distributed(_window_worker, 4, timeout=240)
+    for rank, (kind, msg) in enumerate(results):
+        assert kind == "RingInputError", (rank, kind, msg)
+        assert "made different calls" in msg, msg
+        if rank != 2:
+            assert "global rank(s) 2 called it otherwise" in msg, msg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8])
+def test_tag_values_are_exact_and_never_a_failure_code(dtype):
+    """The tag's value is representable in the status element (exact: it survives copies and the maximum merge)
+    and above the failure codes; 0 (no tag) stays OK."""
+    assert tag_value(0, dtype) == 0
+    for tag in [1, 2, 3, 255, 256, (1 << 63) - 1] + [call_tag((i, 7, 9)) for i in range(50)]:
+        value = tag_value(tag, dtype)
+        assert value >= 3
+        assert torch.tensor([value], dtype=dtype).tolist() == [value]
+    if dtype == torch.uint8:  # the FP8 wire's bytes: every value from 3 to 255 is some call's
+        assert {tag_value(call_tag((i,)), dtype) for i in range(5000)} == set(range(3, 256))
+    else:  # at least 14k values: 200 calls share a value with about 200**2 / (2 * 14336) = 1.4 others
+        assert len({tag_value(call_tag((i,)), dtype) for i in range(200)}) >= 190
+
+
+def _hierarchical_worker(rank, world):
+    """a2a+p2p at P=4 (2x2): rank 3 diverges (not causal); its outer ring and the end-of-forward status both see it."""
+    from megatron_ring.strategies import make_hierarchical_groups
+
+    hier = make_hierarchical_groups(2)
+    q, k, v = _inputs(rank, s=8)
+    a = dict(causal=True, comm_type="a2a+p2p", hierarchical_groups=hier)
+    b = dict(a, causal=False)
+    ring_attention(q, k, v, **a)
+    ring_attention(q, k, v, **b)
+    got = _outcome(lambda: ring_attention(q, k, v, **(b if rank == 3 else a)))
+    return got, torch.equal(ring_attention(q, k, v, **a), ring_attention(q, k, v, **a))
+
+
+def test_divergence_under_a2a_p2p_raises_on_every_rank():
+    for rank, ((kind, msg), in_step) in enumerate(run_distributed(_hierarchical_worker, 4, timeout=240)):
+        assert kind == "RingInputError", (rank, kind, msg)
+        assert "3" in msg, msg
+        assert in_step
