@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.helpers.fake_device import FakeCuda, HostReadCounter
-from megatron_ring import device, ring_attention
+from megatron_ring import RingInputError, device, ring_attention
 from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.wire.codecs import FP8Codec
 
@@ -395,6 +395,36 @@ def test_under_capture_a_refusal_stops_every_rank_at_the_device_assert():
     with device.use("cpu", FakeCuda(capturing=True)):
         results = run_threads(body, 3)
     assert all(isinstance(r, RuntimeError) and "refused its input" in str(r) for r in results), results
+
+
+@pytest.mark.parametrize("capturing", [True, False])
+def test_ranks_that_made_different_calls_stop_every_rank(monkeypatch, capturing):
+    """The call's tag (core/status.py) as a process group's check gives it, rank 1's another (it made another call):
+    under capture every rank's device-side assert fails (the replay would stop) and the pattern the graph reads is
+    kept for the process; eagerly every rank raises RingInputError naming rank 1 (before its backward ring's first
+    exchange)."""
+    from megatron_ring import call as call_mod
+    from megatron_ring.core import status
+    from tests.helpers.ring_fakes import run_threads
+
+    real = call_mod._agreed_codec
+    monkeypatch.setattr(call_mod, "_agreed_codec",
+                        lambda ring, *a, **kw: (real(ring, *a, **kw)[0], 8 if ring.rank == 1 else 7))
+    kept = len(status._CAPTURED)
+
+    def body(rank, ring):
+        k = torch.randn(1, 8, 2, 8, requires_grad=True)
+        ring_attention(k, k, k, ring=ring).sum().backward()  # eagerly on CUDA the codes are read by the backward
+
+    with device.use("cpu", FakeCuda(capturing=capturing)):
+        results = run_threads(body, 3)
+    if capturing:
+        assert all(isinstance(r, RuntimeError) and "different calls" in str(r) for r in results), results
+        assert len(status._CAPTURED) > kept
+    else:
+        assert all(isinstance(r, RingInputError) and "global rank(s) 1 called it otherwise" in str(r)
+                   for r in (results[0], results[2])), results
+        assert isinstance(results[1], RingInputError) and "global rank(s) 0, 2 called it otherwise" in str(results[1])
 
 
 def test_under_capture_the_exchange_deadline_is_not_watched(monkeypatch):

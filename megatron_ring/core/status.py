@@ -94,7 +94,15 @@ def status_pattern(value: float, rank: int, world: int, dtype: torch.dtype, devi
         t[world].fill_(value)
         return t
 
-    return cached_on(("status", value, rank, world, dtype), make, device)
+    t = cached_on(("status", value, rank, world, dtype), make, device)
+    if ops_for(device).capturing(device):  # a CUDA graph reads it at every replay: never freed under it
+        _CAPTURED[id(t)] = t
+    return t
+
+
+#: the patterns a CUDA graph captured a read of (:func:`status_pattern`): kept for the process, whatever the cache
+#: evicts (one small tensor per signature captured)
+_CAPTURED: dict[int, torch.Tensor] = {}
 
 
 
