@@ -147,13 +147,28 @@ def _turned_off_in_torch(backend: str) -> str | None:
             "torch.nn.attention.sdpa_kernel)")
 
 
-def _torch_switches() -> tuple[bool, bool]:
-    """What :func:`_turned_off_in_torch` reads (part of ``auto``'s cached choice)."""
-    return torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()
+def _torch_switches() -> tuple[bool, bool, bool]:
+    """What :func:`_turned_off_in_torch` and :func:`_deterministic_refusal` read of torch's state (part of
+    ``auto``'s cached choice)."""
+    return (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
+            _torch_deterministic())
 
 
-def _deterministic_refusal(kernel: BlockKernel) -> str | None:
-    return "it has no deterministic backward and deterministic mode is on" if kernel.is_deterministic() else None
+def _torch_deterministic() -> bool:
+    """torch's deterministic mode, strict (``torch.use_deterministic_algorithms(True)``, not ``warn_only``): where
+    torch's flash backward runs its deterministic algorithm (``_flash_attention_backward`` reads it)."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _deterministic_refusal(kernel: BlockKernel, torch_flash: bool = False) -> str | None:
+    """Why ``kernel`` cannot run a deterministic call. ``torch_flash``: the kernel's backward is torch's flash
+    backward, deterministic under torch's strict deterministic mode (Megatron's ``--deterministic-mode`` sets it)."""
+    if not kernel.is_deterministic() or (torch_flash and _torch_deterministic()):
+        return None
+    if torch_flash:
+        return ("its backward is deterministic only under torch.use_deterministic_algorithms(True) (not warn_only), "
+                "and deterministic mode is on without it")
+    return "it has no deterministic backward and deterministic mode is on"
 
 
 class _SquareCausal(BlockKernel):
@@ -415,7 +430,7 @@ class TorchFlashCudaKernel(_SquareCausal):
 
     def unsupported(self, q, head_dim):
         return (_fused_cuda_case(q, head_dim, 256) or _flash_backward_gap(q, head_dim)
-                or _turned_off_in_torch("flash") or _deterministic_refusal(self))
+                or _turned_off_in_torch("flash") or _deterministic_refusal(self, torch_flash=True))
 
     def _fwd(self, q, k, v, causal, scale):
         g = _kv_groups("flash", q, k, v, causal)

@@ -181,7 +181,7 @@ class VarlenFlashCudaKernel(_VarlenKernel):
 
     def unsupported(self, q, head_dim):
         return (_fused_cuda_case(q, head_dim, 256) or _flash_backward_gap(q, head_dim)
-                or _turned_off_in_torch("flash") or _deterministic_refusal(self))
+                or _turned_off_in_torch("flash") or _deterministic_refusal(self, torch_flash=True))
 
     @staticmethod
     def _args(call: VarlenCall, scale: float) -> dict:

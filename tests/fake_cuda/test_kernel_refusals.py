@@ -92,6 +92,8 @@ def test_deterministic_mode_refuses_the_kernels_without_a_deterministic_backward
     K.set_deterministic(True)
     try:
         with pytest.raises(ValueError, match="no deterministic backward"):
+            _first_call("cudnn", (9, 0), torch.bfloat16, (64, 64), [])
+        with pytest.raises(ValueError, match=r"deterministic only under torch.use_deterministic_algorithms"):
             _first_call("flash_cuda", (9, 0), torch.bfloat16, (64, 64), [])
     finally:
         K.set_deterministic(None)
@@ -105,7 +107,7 @@ def test_determinism_is_a_property_of_the_call_not_of_the_process():
     before = K.deterministic()
     with device.use("cuda", FakeCuda(capability=(9, 0))), FakeTensorMode():
         q = torch.empty(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="no deterministic backward"):
+        with pytest.raises(ValueError, match="deterministic only under"):
             K.select_kernel(q, "flash_cuda", deterministic=True)
         free = K.select_kernel(q, "auto", deterministic=False)
         det = K.select_kernel(q, "auto", deterministic=True)
@@ -210,3 +212,30 @@ def test_auto_honours_torchs_sdpa_switches(off, name):
             torch.backends.cuda.enable_flash_sdp(before[0])
             torch.backends.cuda.enable_cudnn_sdp(before[1])
         assert K.select_kernel(q).name == "cudnn"
+
+
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_deterministic_calls_run_flash_under_torchs_strict_deterministic_mode(warn_only):
+    """torch's flash backward (dense and variable-length) runs its deterministic algorithm under
+    ``torch.use_deterministic_algorithms(True)`` (what Megatron's --deterministic-mode sets): a deterministic call
+    runs on it there, not on the materialising math kernel; under ``warn_only`` torch's flash backward is not
+    deterministic, and the call stays off it. Asked for by name without torch's mode: refused, naming it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from megatron_ring.kernels.varlen import VarlenFlashCudaKernel
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    with device.use("cuda", FakeCuda(capability=(9, 0))), FakeTensorMode():
+        q = torch.empty(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"deterministic only under torch.use_deterministic_algorithms\(True\)"):
+            K.select_kernel(q, "flash_cuda", deterministic=True)
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        try:
+            chosen = K.select_kernel(q, "auto", deterministic=True)
+            varlen = VarlenFlashCudaKernel()
+            varlen.deterministic = True
+            assert (chosen.name == "flash_cuda") == (not warn_only), chosen.name
+            assert chosen.is_deterministic()
+            assert varlen.fits(q, 64) == (not warn_only)
+        finally:
+            torch.use_deterministic_algorithms(*before[:1], warn_only=before[1])
+        assert K.select_kernel(q, "auto", deterministic=True).name == "math"  # the cached choice keys on torch's mode

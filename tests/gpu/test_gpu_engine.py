@@ -108,3 +108,23 @@ def test_negative_control_dropout_with_another_seed_is_over_the_bound(device, mo
                         lambda *a, seed=None, **kw: real(*a, seed=None if seed is None else seed + 1, **kw))
     checks = engine_checks(device, *DROPOUT_CASES[0][0], dropout_p=DROPOUT_CASES[0][1])
     assert checks.worst() > 1, checks.rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["dense", "thd"])
+def test_deterministic_mode_runs_on_flash_and_matches_float64(device, case, monkeypatch):
+    """Under torch's strict deterministic mode (Megatron's --deterministic-mode sets it, with
+    CUBLAS_WORKSPACE_CONFIG) a deterministic call runs on torch's flash kernels (dense, and variable-length for the
+    packed documents), whose backward is deterministic there, and matches float64 as before."""
+    from megatron_ring.kernels.block import select_kernel
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        if device == "cuda":
+            q = torch.empty(1, 4, 64, 32, device=device, dtype=torch.bfloat16)
+            assert select_kernel(q, "auto", deterministic=True).name == "flash_cuda"
+        engine_checks(device, *case).check(min_rows=4)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
