@@ -62,13 +62,15 @@ def foreach_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], add:
 
     Pairs have equal shapes (at most 4 dims, any strides, any float dtypes); no two ``dst`` may overlap, and no
     ``dst`` may overlap a ``src`` (the pairs run in parallel on CUDA). The sum is computed in fp32 (the
-    accumulators are fp32)."""
+    accumulators are fp32); a float64 ``dst`` takes torch's ops (the kernel computes in fp32)."""
     if not dsts:
         return
     adds = add if isinstance(add, list) else [add] * len(dsts)
     flips = flip if isinstance(flip, list) else [flip] * len(dsts)
     modes = [ZERO if s is None else ADD if a else FLIP if f else COPY for s, a, f in zip(srcs, adds, flips)]
     how = route(*dsts, *(s for s in srcs if s is not None))
+    if how != REFERENCE and any(d.dtype == torch.float64 for d in dsts):  # the kernel's arithmetic is fp32
+        how = REFERENCE
     if how == REFERENCE:
         foreach_reference(dsts, srcs, modes)
     elif how == DIRECT:

@@ -80,9 +80,9 @@ def _mask_vectors(MPOS, DOC, idx, ok, pad, MASKED: tl.constexpr):
     of range); ``idx`` itself for both where the task has no explicit mask (unused then)."""
     pos = idx
     doc = idx
-    if MASKED:
-        pos = tl.load(MPOS + idx, mask=ok, other=0)
-        doc = tl.load(DOC + idx, mask=ok, other=pad)
+    if MASKED:  # int32 (positions and document ids of one stream): int64 [BM, BN] comparisons spill registers
+        pos = tl.load(MPOS + idx, mask=ok, other=0).to(tl.int32)
+        doc = tl.load(DOC + idx, mask=ok, other=pad).to(tl.int32)
     return pos, doc
 
 
@@ -141,7 +141,7 @@ def _rows_hash(QPOS, seed, b, HEADS, HOFF, h, rows, row_ok):
     return _row_hash(seed, b * HEADS + HOFF + h, tl.load(QPOS + rows, mask=row_ok, other=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_int"])  # a folded seed of 1 would become a constexpr (no .to)
 def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
                 s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                 s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm,
@@ -181,7 +181,7 @@ def dropout_fwd(Q, K, V, O, L, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_
              tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i)), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_int"])  # a folded seed of 1 would become a constexpr (no .to)
 def dropout_bwd_kv(Q, K, V, DO, L, DELTA, DK, DVG, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
                    s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                    s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm,
@@ -233,7 +233,7 @@ def dropout_bwd_kv(Q, K, V, DO, L, DELTA, DK, DVG, QPOS, KPOS, MQPOS, MKPOS, QDO
              dv.to(DVG.dtype.element_ty), mask=col_ok[:, None] & (dv_[None, :] < DV))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_int"])  # a folded seed of 1 would become a constexpr (no .to)
 def dropout_bwd_q(Q, K, V, DO, L, DELTA, DQ, QPOS, KPOS, MQPOS, MKPOS, QDOC, KDOC, SEED, seed_int,
                   s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                   s_ob, s_oh, s_om, s_od, s_lb, s_lh, s_lm, s_gb, s_gh, s_gm, s_gd,

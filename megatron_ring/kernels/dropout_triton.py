@@ -40,6 +40,9 @@ def _kernels():
     return mod.dropout_fwd, mod.dropout_bwd_kv, mod.dropout_bwd_q, mod.dropout_delta
 
 
+_WARPS = 8
+
+
 def _tiles(d: int) -> int:
     """Rows of a tile: 64, or 32 for head dims over 128 (registers)."""
     return 64 if d <= 128 else 32
@@ -89,7 +92,8 @@ def dropout_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bm = _tiles(max(q.shape[-1], v.shape[-1]))
     fwd = _kernels()[0]
     fwd[(-(-m // bm), b * h)](q, k, v, out, lse, *ptrs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                              *lse.stride(), h, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, **flags)
+                              *lse.stride(), h, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, num_warps=_WARPS,
+                              **flags)
     return out, lse
 
 
@@ -117,9 +121,9 @@ def dropout_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                               BDV=flags["BDV"])
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
     bwd_kv[(-(-n // bm), b * hk)](q, k, v, dout, lse, delta, dk, dv, *ptrs, *common, *dk.stride(), *dv.stride(),
-                                  hk, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, **flags)
+                                  hk, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, num_warps=_WARPS, **flags)
     bwd_q[(-(-m // bm), b * h)](q, k, v, dout, lse, delta, dq, *ptrs, *common, *dq.stride(),
-                                h, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, **flags)
+                                h, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, num_warps=_WARPS, **flags)
     return dq, dk, dv
 
 

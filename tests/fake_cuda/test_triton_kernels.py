@@ -236,3 +236,84 @@ def test_dropout_kernels_in_the_interpreter(monkeypatch):
                     break  # (the shifted seed is an int: the device-seed case has no negative control of its own)
 
     run_interpreted(monkeypatch, dropout_triton._kernels, check)
+
+
+def _compiled_mode_kernels(monkeypatch, tmp_path) -> tuple:
+    """The dropout kernels made afresh for the compiler (an interpreted test of this process may have left
+    interpreter functions behind: kernels/dropout_triton.py ``_kernels`` reloads their module), forgotten after."""
+    from megatron_ring.kernels import dropout_triton
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dropout_triton._kernels.cache_clear()
+    got = dropout_triton._kernels()
+    dropout_triton._kernels.cache_clear()
+    return got
+
+
+@pytest.mark.parametrize("seed", [1, 2 ** 32, 5 * 2 ** 32 + 4, 2, -7], ids=lambda s: f"seed{s}")
+def test_the_dropout_launchers_compile_as_a_launch_specialises_them(seed, tmp_path, monkeypatch):
+    """Through the real launchers (forward and backward, causal and masked), compiled for sm_90 with the argument
+    specialisation a GPU launch makes (tests/helpers/triton_launch.py). A seed whose 32-bit fold is 1 (seed 1,
+    2**32, ...) reached the kernels as a constexpr int, and its ``.to`` failed to compile: every such seed failed
+    on a GPU until the seed argument was kept unspecialised."""
+    from megatron_ring.kernels import dropout_triton
+    from megatron_ring.kernels.dropout import DropoutSpec, FusedDropoutKernel
+    from megatron_ring.schedules.masks import AttentionMask, BlockMask
+    from tests.helpers.triton_launch import CompilingKernel
+
+    compiled: list = []
+    kernels = tuple(CompilingKernel(f, 90, compiled) for f in _compiled_mode_kernels(monkeypatch, tmp_path))
+    monkeypatch.setattr(dropout_triton, "_kernels", lambda: kernels)
+    q = k = v = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 64)
+    kern = FusedDropoutKernel(DropoutSpec(p=0.1, seed=seed, heads=2, seq_len=64))
+    pos = torch.arange(64)
+    rule = AttentionMask(True, (0, 20, 64), (16, 0))
+    mask = BlockMask(rule, pos, rule.doc_ids(pos), pos, rule.doc_ids(pos))
+    for causal, m in ((True, None), (False, mask)):
+        args = kern._args(q, causal, 0.125, m, pos, pos)
+        dropout_triton.dropout_attention_forward(q, k, v, *args)
+        dropout_triton.dropout_attention_backward(q, q, k, v, q, lse, *args)
+    names = [name for name, got in compiled if got.asm["cubin"]]
+    assert sorted(set(names)) == ["dropout_bwd_kv", "dropout_bwd_q", "dropout_delta", "dropout_fwd"], names
+
+
+def test_the_launch_compile_check_is_not_vacuous(tmp_path, monkeypatch):
+    """Negative control: the forward kernel jitted again WITH the seed specialised fails to compile for seed 1,
+    as it did on a GPU."""
+    from triton.runtime.jit import JITFunction
+
+    from megatron_ring.kernels import dropout_triton
+    from megatron_ring.kernels.dropout import DropoutSpec, FusedDropoutKernel
+    from tests.helpers.triton_launch import CompilingKernel
+
+    specialised = JITFunction(_compiled_mode_kernels(monkeypatch, tmp_path)[0].fn)
+    kernels = (CompilingKernel(specialised, 90, []),)
+    monkeypatch.setattr(dropout_triton, "_kernels", lambda: kernels)
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    kern = FusedDropoutKernel(DropoutSpec(p=0.1, seed=1, heads=2, seq_len=64))
+    with pytest.raises(Exception, match=r"_seed\(SEED, seed_int"):
+        dropout_triton.dropout_attention_forward(q, q, q, *kern._args(q, True, 0.125, None, torch.arange(64),
+                                                                       torch.arange(64)))
+
+
+def test_a_float64_list_takes_torchs_ops_not_the_fp32_kernel(monkeypatch):
+    """The list kernel computes in fp32 (core/_foreach_kernels.py): a float64 destination on CUDA (fp64 inputs run
+    on the math kernel there) takes torch's ops, so a copy or add keeps fp64's precision; fp32/bf16 lists keep the
+    kernel (the negative control)."""
+    from megatron_ring import device
+    from megatron_ring.core import foreach
+    from tests.helpers.fake_device import FakeCuda
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    took: list = []
+    real = foreach.foreach_reference
+    monkeypatch.setattr(foreach, "foreach_reference", lambda d, s, m: (took.append(d[0].dtype), real(d, s, m)))
+    monkeypatch.setattr(foreach, "foreach_triton", lambda d, s, m: took.append("kernel"))
+    monkeypatch.setattr(foreach, "route", lambda *t: foreach.DIRECT)
+    with device.use("cuda", FakeCuda()), FakeTensorMode():
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+            dst, src = (torch.empty(4, 8, device="cuda", dtype=dtype) for _ in range(2))
+            foreach.foreach_into([dst], [src], add=True)
+    assert took == [torch.float64, "kernel", "kernel"], took
