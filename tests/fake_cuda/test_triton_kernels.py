@@ -317,3 +317,37 @@ def test_a_float64_list_takes_torchs_ops_not_the_fp32_kernel(monkeypatch):
             dst, src = (torch.empty(4, 8, device="cuda", dtype=dtype) for _ in range(2))
             foreach.foreach_into([dst], [src], add=True)
     assert took == [torch.float64, "kernel", "kernel"], took
+
+
+def test_the_merge_and_list_launchers_compile_as_a_launch_specialises_them(tmp_path, monkeypatch):
+    """The merge and the list op through their launchers, compiled for sm_80 and sm_90 with a launch's argument
+    specialisation (sizes and strides of 1 become constants): one row, one head, head dim 1, fresh and not, the
+    status rider, +inf lse; the list op's four modes over mixed dtypes and size-1 dims."""
+    from megatron_ring.core import foreach_triton as F
+    from megatron_ring.core import merge_triton as M
+    from tests.helpers.triton_launch import CompilingKernel
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    M._kernel.cache_clear()
+    F._kernel.cache_clear()
+    merge, lists = M._kernel(), F._kernel()
+    M._kernel.cache_clear()
+    F._kernel.cache_clear()
+    for arch in (80, 90):
+        compiled: list = []
+        monkeypatch.setattr(M, "_kernel", lambda: CompilingKernel(merge, arch, compiled))
+        monkeypatch.setattr(F, "_kernel", lambda: CompilingKernel(lists, arch, compiled))
+        for shape, fresh, posinf in (((1, 1, 1, 1), True, False), ((1, 1, 1, 8), False, True),
+                                     ((2, 4, 16, 64), False, False), ((1, 3, 5, 128), True, True)):
+            acc, blk = torch.zeros(shape), torch.zeros(shape, dtype=torch.bfloat16)
+            lse, blk_lse = torch.zeros(shape[:3]), torch.zeros(shape[:3])
+            st = (torch.zeros(1, dtype=torch.bfloat16), torch.ones(1, dtype=torch.bfloat16))
+            M.merge_triton(acc, lse, blk.transpose(1, 2).contiguous().transpose(1, 2), blk_lse, fresh, status=st,
+                           posinf_empty=posinf)
+        for dims in ((1, 1, 1, 1), (2, 1, 3, 8), (1, 4, 16, 64)):
+            dsts = [torch.zeros(dims), torch.zeros(dims, dtype=torch.bfloat16), torch.zeros(dims),
+                    torch.zeros(dims)]
+            srcs = [torch.zeros(dims, dtype=torch.bfloat16), torch.zeros(dims), None, torch.zeros(dims)]
+            F.foreach_triton(dsts, srcs, [F.ADD, F.COPY, F.ZERO, F.FLIP])
+        assert len(compiled) == 7 and all(got.asm["cubin"] for _, got in compiled), (arch, len(compiled))
