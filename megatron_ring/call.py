@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from megatron_ring.core.launch import direct_launch_ok, has_triton
 from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, HeadDimPadKernel
 from megatron_ring.kernels.dropout import DropoutSpec
 from megatron_ring.wire.codecs import KVCodec, make_codec
@@ -223,6 +224,7 @@ def _codec(comm_dtype: Any, dtype: torch.dtype) -> KVCodec:
         return make_codec(comm_dtype, dtype)
     if codec is None:
         codec = _codecs[comm_dtype, dtype] = make_codec(comm_dtype, dtype)
+        codec.launch_rule = direct_launch_ok if has_triton() else None  # its fused kernels where Triton is
     return codec
 
 

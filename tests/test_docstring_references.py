@@ -54,7 +54,8 @@ def _resolve_dotted(name: str):
 
 
 #: modules that import an optional dependency at their top (checked where it is installed)
-NEEDS = {"megatron_ring.core._foreach_kernels": "triton", "megatron_ring.kernels._dropout_kernels": "triton"}
+NEEDS = {"megatron_ring.core._foreach_kernels": "triton", "megatron_ring.kernels._dropout_kernels": "triton",
+         "megatron_ring.wire._fp8_kernels": "triton"}
 
 
 def _resolves(ref: str, module: str, is_package: bool) -> bool:

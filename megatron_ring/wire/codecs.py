@@ -16,9 +16,11 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from megatron_ring.errors import WireFiniteError
+from megatron_ring.wire.fp8_triton import fp8_scales
 
 __all__ = [
     "KVSpec",
@@ -57,6 +59,9 @@ class KVCodec(abc.ABC):
     name: str = "abstract"
     #: whether the codec checks values (:meth:`encode` raises; :meth:`encode_flagged` returns a device verdict)
     checks_values: bool = False
+    #: where Triton is (set by the call that makes the codec, call.py): ``rule(*tensors)`` says whether a fused
+    #: kernel may be launched directly (else its registered op runs); None: torch's ops only
+    launch_rule: Callable[..., bool] | None = None
 
     @abc.abstractmethod
     def new_buffer(self, spec: KVSpec) -> torch.Tensor:
@@ -232,6 +237,8 @@ class FP8Codec(KVCodec):
         self.group_tokens = group_tokens
         self.check_finite = self.checks_values = check_finite
         self.fp8_max = float(torch.finfo(fp8_dtype).max)
+        self._emax = round(math.log2(self.fp8_max / 1.75))  # fp8_max = 1.75 * 2**emax (the scale kernel's form)
+        assert 1.75 * 2.0 ** self._emax == self.fp8_max
         self.name = "fp8_e4m3" if fp8_dtype == torch.float8_e4m3fn else "fp8_e5m2"
         self._luts: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -320,12 +327,24 @@ class FP8Codec(KVCodec):
         if x.numel() == 0:
             scale_out.fill_(1.0)
             return None
+        if self._fused(x) and (on_device or not self.check_finite):
+            # the scales as one kernel (.fp8_triton); NaN for a group with inf/NaN, as below
+            rows = x.abs().amax(dim=-1)
+            args = (rows, scale_out, self.group_tokens or x.shape[2], self._emax)
+            inv, bad = (fp8_scales(*args) if self.launch_rule(rows, scale_out)
+                        else torch.ops.megatron_ring.fp8_scales(*args))
+            payload_out.copy_(torch.mul(x, inv.unsqueeze(-1)))
+            return bad.any() if on_device else None
         scale, finite = self._scales(x, what, on_device)
         scale_out.copy_(scale)
         inv = self._row_scale(scale.reciprocal(), x.shape[2])  # exact: powers of two
         # x (any strides, any float dtype) * 2^-e is exact in fp32; the fp8 cast is the only rounding.
         payload_out.copy_(torch.mul(x, inv))
         return ~finite.all() if on_device else None
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s scales are made by the scale kernel (CUDA, where Triton is: ``launch_rule``)."""
+        return self.launch_rule is not None and x.device.type == "cuda"
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         ks, vs, kp, vp = self._views(out, tuple(k.shape), tuple(v.shape))
@@ -369,7 +388,7 @@ class FP8Codec(KVCodec):
             x = self._lut(work, payload.device).index_select(0, codes).view(payload.shape)
         else:
             x = payload.to(work)
-        x.mul_(row.to(work))
+        x.mul_(row)  # fp32 powers of two: exact in `work` (one op: no cast of the scales first)
         return x if work == dtype else x.to(dtype)
 
     def decode(self, buf: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -351,3 +351,104 @@ def test_the_merge_and_list_launchers_compile_as_a_launch_specialises_them(tmp_p
             srcs = [torch.zeros(dims, dtype=torch.bfloat16), torch.zeros(dims), None, torch.zeros(dims)]
             F.foreach_triton(dsts, srcs, [F.ADD, F.COPY, F.ZERO, F.FLIP])
         assert len(compiled) == 7 and all(got.asm["cubin"] for _, got in compiled), (arch, len(compiled))
+
+
+def _fp8_rows(g: torch.Generator, b: int, h: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Token rows' max |x| with the cases the scale rule has: zeros, fp32 subnormals, tiny and huge values, values at
+    and around 1.75 * 2**k (where the exponent steps), inf and NaN."""
+    base = torch.rand(b, h, n, generator=g) * 10.0 ** torch.randint(-30, 30, (b, h, n), generator=g).float()
+    special = torch.tensor([0.0, 1e-40, 3e-39, 1.1754942e-38, 448.0, 448.00003, 447.99997, 0.875, 1.75, 3.5, 3e38,
+                            float("inf"), float("nan")])
+    pick = torch.rand(b, h, n, generator=g) < 0.3
+    base[pick] = special[torch.randint(0, len(special), (int(pick.sum()),), generator=g)]
+    if dtype != torch.float32:
+        base = base.to(dtype)
+    return base
+
+
+@pytest.mark.skipif(not loops_interpreted(), reason="this Triton's interpreter runs no loop with a runtime bound")
+def test_fp8_scale_kernel_in_the_interpreter_is_the_codecs_rule(monkeypatch):
+    """The FP8 wire's scale kernel (wire/fp8_triton.py) against the codec's rule (``fp8_scales_reference``, the
+    float64 frexp/ldexp chain): scales, per-token reciprocals and verdicts bit for bit (NaN where they are), for fp32,
+    bf16 and fp16 row maxima, groups of 1, 7, 64 and longer than the block, e4m3 and e5m2, a strided scale view."""
+    from megatron_ring.wire import fp8_triton
+    from tests.helpers.triton_interp import run_interpreted
+
+    g = torch.Generator().manual_seed(5)
+
+    def check():
+        for case in range(24):
+            dtype = (torch.float32, torch.bfloat16, torch.float16)[case % 3]
+            b, h, n = 1 + case % 2, 1 + case % 3, int(torch.randint(1, 150, (1,), generator=g))
+            group = (1, 7, 64, 200)[case % 4]
+            emax = (8, 15)[case % 2]
+            rows = _fp8_rows(g, b, h, n, dtype)
+            gs = max(1, -(-n // group))
+            want_s, got_s = torch.zeros(b, h, gs), torch.zeros(b, h, 2 * gs)[..., ::2]  # a strided view
+            want_inv, want_bad = fp8_triton.fp8_scales_reference(rows, want_s, group, emax)
+            got_inv, got_bad = fp8_triton.fp8_scales(rows, got_s, group, emax)
+            bits = lambda t: t.view(torch.int32)  # noqa: E731 - NaN payloads compare too
+            assert torch.equal(bits(got_s.contiguous()), bits(want_s)), (case, got_s, want_s)
+            assert torch.equal(bits(got_inv), bits(want_inv)), case
+            assert torch.equal(got_bad, want_bad), case
+
+    run_interpreted(monkeypatch, fp8_triton._kernel, check)
+
+
+@pytest.mark.skipif(not loops_interpreted(), reason="this Triton's interpreter runs no loop with a runtime bound")
+@pytest.mark.parametrize("wire, group", [("fp8", 64), ("fp8", None), ("fp8_e5m2", 1)])
+def test_fp8_wire_bytes_with_the_scale_kernel_are_the_torch_paths(monkeypatch, wire, group):
+    """The whole FP8 encode (``encode_flagged``: the device check's path) with the scale kernel (interpreted, on CPU
+    tensors) writes the same wire bytes and verdict as the codec's torch ops; a K with inf is refused by both.
+    Negative control: a scale rule off by one power differs."""
+    from megatron_ring.wire import codecs, fp8_triton
+    from megatron_ring.wire.codecs import FP8Codec, KVSpec
+    from tests.helpers.triton_interp import run_interpreted
+
+    g = torch.Generator().manual_seed(7)
+    dtype = torch.float8_e4m3fn if wire == "fp8" else torch.float8_e5m2
+    plain, fused = FP8Codec(dtype, group_tokens=group), FP8Codec(dtype, group_tokens=group)
+    fused.launch_rule = lambda *t: True
+    monkeypatch.setattr(FP8Codec, "_fused", lambda self, x: self.launch_rule is not None)
+
+    def encode(codec, k, v):
+        buf = codec.new_buffer(KVSpec(tuple(k.shape), tuple(v.shape), k.dtype, k.device))
+        verdict = codec.encode_flagged(k, v, buf)
+        return buf, verdict
+
+    def check():
+        for bad in (False, True):
+            k = torch.randn(2, 3, 100, 64, generator=g).to(torch.bfloat16) * 30
+            v = torch.randn(2, 3, 100, 48, generator=g).to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+            if bad:
+                k[1, 2, 77, 5] = float("inf")
+            (want, w_flag), (got, g_flag) = encode(plain, k, v), encode(fused, k, v)
+            assert bool(w_flag) == bool(g_flag) == bad
+            assert torch.equal(got, want), (bad, (got != want).sum())
+        real = fp8_triton.fp8_scales_reference
+        monkeypatch.setattr(codecs, "fp8_scales", lambda r, s, gr, e: real(r, s, gr, e + 1))
+        k = torch.randn(1, 2, 64, 32, generator=g).to(torch.bfloat16)
+        assert not torch.equal(encode(fused, k, k)[0], encode(plain, k, k)[0])
+
+    run_interpreted(monkeypatch, fp8_triton._kernel, check)
+
+
+def test_the_fp8_scale_launcher_compiles_as_a_launch_specialises_it(tmp_path, monkeypatch):
+    """The FP8 scale kernel through its launcher for sm_80 and sm_90 with a launch's specialisation: fp32, bf16 and
+    fp16 row maxima (three load modes), one token, one head, a group of 1 and one longer than the block."""
+    from megatron_ring.wire import fp8_triton
+    from tests.helpers.triton_launch import CompilingKernel
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fp8_triton._kernel.cache_clear()
+    kernel = fp8_triton._kernel()
+    fp8_triton._kernel.cache_clear()
+    for arch in (80, 90):
+        compiled: list = []
+        monkeypatch.setattr(fp8_triton, "_kernel", lambda: CompilingKernel(kernel, arch, compiled))
+        for dtype, (b, h, n), group in ((torch.float32, (1, 1, 1), 1), (torch.bfloat16, (2, 3, 100), 64),
+                                        (torch.float16, (1, 2, 300), 200)):
+            g = -(-n // group)
+            fp8_triton.fp8_scales(torch.zeros(b, h, n, dtype=dtype), torch.zeros(b, h, g), group, 8)
+        assert len(compiled) == 3 and all(got.asm["cubin"] for _, got in compiled)
