@@ -65,11 +65,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             like a sequence, e.g. ``shard_sequence(x, dim=0, layout=...)``).
         comm_dtype: wire dtype for K/V (None sends them as they are).
         kernel: local block kernel: "auto", "flash_cpu", "math", "flash_attn", "flash_cuda", "cudnn",
-            "te_fused" (``auto``: the fastest one that supports the case; fp32 on CUDA: "math"). A kernel
-            named that cannot run the case (device, dtype, head dim, GPU architecture) is refused with a
-            ValueError giving the reason; "sdpa_cuda" is refused until verified on a GPU.
-        check_consistency: verify (once per new shape signature) that every rank passes the same
-            shapes/dtypes/options, raising on every rank otherwise.
+            "te_fused" (``auto``: the first that supports the case in a fixed order, cudnn, flash_attn,
+            te_fused, flash_cuda, flash_cpu, math; fp32 on CUDA: "math"). A kernel named that cannot run the
+            case (device, dtype, head dim, GPU architecture, deterministic mode, a backend turned off in torch's
+            SDPA switches) is refused with a ValueError giving the reason; "sdpa_cuda" is refused until verified
+            on a GPU.
+        check_consistency: verify (once per new shape signature, one all-gather) that every rank passes the
+            same shapes/dtypes/options, and compare every call in-band (the call's tag in the ring's status),
+            raising on every rank otherwise.
         timeout_s: seconds to wait for a ring peer before raising RingPeerError naming it (default:
             the ``MEGATRON_RING_TIMEOUT_S`` environment variable, else the timeout of ``group``; note
             that Megatron creates its CP groups with ``distributed_timeout_minutes``, not the default
@@ -93,7 +96,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             ``1/(1-p)``). The keep/drop decision of (query, key, head, batch row) is a counter-based
             hash of ``(dropout_seed, batch row * h + head, GLOBAL query position, GLOBAL key position)``:
             the same in forward and backward (and any recompute with the same seed), and independent
-            of the CP size and layout. Uses an fp32 matmul block kernel (slower than flash).
+            of the CP size and layout. On CUDA (fp16/bf16, Triton installed) fused Triton kernels; an fp32
+            matmul block kernel on CPU and for fp32.
         dropout_seed: int, or a one-element integer tensor (a device seed, e.g. drawn on the GPU: never
             read on the host, so no sync and a CUDA graph replays with the tensor's current value),
             required when ``dropout_p > 0``; the same on every rank of the group (an int seed is

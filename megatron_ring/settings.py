@@ -13,9 +13,10 @@ variable                             meaning (default)                          
                                      (automatic)
 ``MEGATRON_RING_COMM_DTYPE``         K/V wire format: a key of ``COMM_DTYPE_ALIASES``      Megatron glue
                                      (``none``)
-``MEGATRON_RING_CP_COMM_TYPE``       comm type, one or one per layer, comma separated;     Megatron glue
-                                     ``allgather`` reads as ``all_gather`` (Megatron's
-                                     ``--cp-comm-type``)
+``MEGATRON_RING_CP_COMM_TYPE``       comm type, one or one per layer, comma or space       Megatron glue
+                                     separated; ``allgather`` reads as ``all_gather``; for
+                                     model configs without one (stock Megatron-LM: pass
+                                     ``--cp-comm-type``) (``p2p``)
 ``MEGATRON_RING_LAYOUT``             ``zigzag`` only with a stock script, whose batch      Megatron glue
                                      split is Megatron's (``zigzag``)
 ``MEGATRON_RING_MTP_CP_INVARIANT``   ``1``: MTP loss weighted at CP > 1 as at CP=1 (``0``) Megatron glue
@@ -23,6 +24,11 @@ variable                             meaning (default)                          
                                      (``MACHINE_VARIABLES``; probed)
 ``MEGATRON_RING_AUTO_*``             ``auto``'s measured tie-break (``AUTO_MEASURE=0``:    auto
                                      off; ``BAND``, ``MEASURE_MIN_S``, ...)
+``MEGATRON_RING_GPUS_PER_NODE``      ranks per node in ``auto``'s machine model, a         auto
+                                     positive int (unset)
+``MEGATRON_RING_OVERLAP``            the fraction of a transfer ``auto`` counts as hidden  auto
+                                     behind compute, 0 to 1 (unset: none on CPU, full on
+                                     GPUs)
 ``MEGATRON_RING_START_METHOD``       the lab's launcher: ``forkserver`` or ``spawn``       the lab
 ``MEGATRON_RING_PRELOAD``            modules the launcher's fork server imports once       the lab
 ``MEGATRON_RING_DOCTOR_OUT``         the folder a doctor run writes its record to (set by  the lab
