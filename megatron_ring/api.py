@@ -181,9 +181,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         qh = call.bhsd(q)
         # head dim: with MLA head dims the kernel's operands are padded to the larger one (kernels.head_dim)
         block_kernel = call.refusing(select_kernel, qh, kernel, max(qh.shape[-1], v.shape[-1]), deterministic)
-        dropout = dropout_spec(dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world)
+        # values the cross-rank check does not compare (a device seed's dtype, an offset tensor's dtype): refused on
+        # every rank (this rank takes part in the forward's exchanges first, the others raise naming it)
+        dropout = call.refusing(dropout_spec, dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world)
+        sink = call.refusing(sink_logits, softmax_offset, qh)
         plan = call.plan(scale, block_kernel, qh, dropout)
-        out = call.repack(_dispatch(call, q, k, v, qh, plan, sink_logits(softmax_offset, qh)))
+        out = call.repack(_dispatch(call, q, k, v, qh, plan, sink))
         if not return_max_logit:
             return out
         return out, _max_logit(plan.row_max, max_logit_rows)

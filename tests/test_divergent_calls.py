@@ -113,7 +113,8 @@ def test_tag_values_are_exact_and_never_a_failure_code(dtype):
 
 
 def _hierarchical_worker(rank, world):
-    """a2a+p2p at P=4 (2x2): rank 3 diverges (not causal); its outer ring and the end-of-forward status both see it."""
+    """a2a+p2p at P=4 (2x2): rank 3 diverges (not causal); the end-of-forward status all-gather sees it (the outer
+    ring's plan carries no tag)."""
     from megatron_ring.strategies import make_hierarchical_groups
 
     hier = make_hierarchical_groups(2)
@@ -131,3 +132,25 @@ def test_divergence_under_a2a_p2p_raises_on_every_rank():
         assert kind == "RingInputError", (rank, kind, msg)
         assert "3" in msg, msg
         assert in_step
+
+
+def _local_refusal_worker(rank, world, what):
+    """Rank 1 alone passes a value the cross-rank check does not compare and the call refuses (a float device seed;
+    an integer offset tensor); then a call made alike everywhere."""
+    q, k, v = _inputs(rank)
+    if what == "seed":
+        kw = dict(dropout_p=0.1, dropout_seed=torch.tensor([5.0]) if rank == 1 else torch.tensor([5]))
+    else:
+        kw = dict(softmax_offset=torch.ones(4, dtype=torch.int64) if rank == 1 else torch.ones(4))
+    got = _outcome(lambda: ring_attention(q, k, v, timeout_s=60, **kw))
+    return got, _outcome(lambda: ring_attention(q, k, v, causal=True, timeout_s=60))
+
+
+@pytest.mark.parametrize("what", ["seed", "sink"])
+def test_a_rank_local_refusal_after_the_check_is_raised_on_every_rank_at_once(what):
+    """Before, rank 1 raised its ValueError at once and rank 0 waited out its timeout in the ring (then every later
+    call failed): the seed's and the offset's own checks now refuse through ``Call.refusing``, as the others."""
+    (mine0, after0), (mine1, after1) = run_distributed(_local_refusal_worker, 2, what, timeout=120)
+    assert mine0[0] == "RingInputError" and "rank(s) 1 rejected their input" in mine0[1], mine0
+    assert mine1[0] == "ValueError", mine1
+    assert after0 == after1 == (None, ""), (after0, after1)
