@@ -154,3 +154,23 @@ def test_a_rank_local_refusal_after_the_check_is_raised_on_every_rank_at_once(wh
     assert mine0[0] == "RingInputError" and "rank(s) 1 rejected their input" in mine0[1], mine0
     assert mine1[0] == "ValueError", mine1
     assert after0 == after1 == (None, ""), (after0, after1)
+
+
+def _short_message_worker(rank, world):
+    """kv_pieces 1 and 2 both seen; then rank 1 streams 2 pieces where rank 0 streams 1: rank 0 receives messages
+    half as long as its buffers (gloo takes a shorter message; rank 1 receives a longer one, which gloo aborts).
+    Rank 0 must not return: its status element, first in the buffer, is the sender's, not an older call's."""
+    q, k, v = _inputs(rank)
+    kw = dict(causal=True, timeout_s=15)
+    ring_attention(q, k, v, kv_pieces=1, **kw)
+    ring_attention(q, k, v, kv_pieces=2, **kw)
+    ring_attention(q, k, v, kv_pieces=1, **kw)  # rank 0's buffers now end as its own call's left them
+    return _outcome(lambda: ring_attention(q, k, v, kv_pieces=2 if rank == 1 else 1, **kw))
+
+
+def test_a_shorter_message_is_not_read_with_an_older_status():
+    """Found by randomized testing: rank 0 returned garbage (4.6e23 against 3.4) while rank 1 aborted in gloo; the
+    status element sat at the buffer's end, so a shorter message left the previous call's status there. Now rank 0
+    raises (rank 1's abort is gloo's, on a message longer than its buffer: docs/design.md)."""
+    got = run_distributed(_short_message_worker, 2, timeout=120, pg_timeout=25, return_exceptions=True)
+    assert isinstance(got[0], tuple) and got[0][0] == "RingInputError", got[0]

@@ -80,5 +80,5 @@ def test_loopback_ring_counts_bytes_like_the_real_one():
     ring = LoopbackRing(4, 1, torch.device("cpu"))
     q = torch.randn(1, 8, 2, 16)
     ring_attention(q, q, q, causal=True, ring=ring, kv_pieces=2)
-    # K, V and one status element per piece (2 K/V heads: 2 pieces)
-    assert ring.bytes_sent["fwd_kv"] == 3 * (2 * q.numel() + 2) * 4
+    # K, V and, per piece, the status element and its padding: 16 bytes before the payload (2 K/V heads: 2 pieces)
+    assert ring.bytes_sent["fwd_kv"] == 3 * (2 * q.numel() + 2 * 4) * 4

@@ -15,7 +15,7 @@ from megatron_ring.core.foreach import foreach_into
 from megatron_ring.core.heads import head_groups
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.core.rotation import Rotation
-from megatron_ring.core.status import RingStatus, status_buffers
+from megatron_ring.core.status import RingStatus, payload_of, status_buffers, status_elem
 from megatron_ring.core.views import covers
 from megatron_ring.wire.codecs import KVCodec, KVSpec
 
@@ -77,7 +77,7 @@ class KVStream:
                 self.flipped = fused and bool(flips)
                 for (kj, vj), raw, w in zip(self.local, raws, writes):
                     if w is None:
-                        plan.codec.encode_flagged(kj, vj, raw[:-1])  # checked by the forward: verdict unused
+                        plan.codec.encode_flagged(kj, vj, payload_of(raw))  # checked by the forward: verdict unused
                     else:
                         w(kj, vj)
 
@@ -99,11 +99,11 @@ class KVStream:
         return [write_all] + [_write_nothing] * (len(cur) - 1)
 
     def _elem(self, slot: int) -> torch.Tensor:
-        """The status element of ``slot`` (its last element; a view made once per set)."""
+        """The status element of ``slot`` (its first element; a view made once per set)."""
         key = ("status", slot)
         got = self._views.get(key)
         if got is None:
-            got = self._views[key] = self.rot.slots[slot][-1:]
+            got = self._views[key] = status_elem(self.rot.slots[slot])
         return got
 
     def block(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +139,7 @@ class KVStream:
             return got
         buf = self.rot.slots[slot]
         with breakdown.section(step, "decode"):
-            got = self.plan.codec.decode(buf[:-1], self.spec)
+            got = self.plan.codec.decode(payload_of(buf), self.spec)
         if self._exact:
             self._views[slot] = got
         return got

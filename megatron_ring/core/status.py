@@ -1,8 +1,10 @@
 """In-band status of the K/V blocks on the ring: a rank whose input fails after the cross-rank check
 makes EVERY rank raise, without a per-step host synchronisation.
 
-Each K/V wire buffer carries one trailing element (in the wire's own dtype) holding its sender's status
-code: 1 = K/V the wire codec refuses (:class:`~megatron_ring.wire.codecs.WireFiniteError`: inf/NaN,
+Each K/V wire buffer carries, FIRST, one element (in the wire's own dtype; the payload starts 16 bytes in, so it
+keeps the buffer's alignment) holding its sender's status code. First, not last: a message shorter than the
+receiver's buffer (ranks whose calls diverged onto another size gloo does not refuse) overwrites the element with
+its sender's status instead of leaving an older call's behind. The codes: 1 = K/V the wire codec refuses (:class:`~megatron_ring.wire.codecs.WireFiniteError`: inf/NaN,
 or beyond the fp16 range), 2 = any other input error this rank detected (after the cross-rank check, e.g.
 a kernel that does not run on this rank's device), else fine: the call's tag as a value of the element's dtype
 (:func:`tag_value`: a hash of the call's signature and dropout seed, :func:`~.validation.call_tag`; 0 where the
@@ -64,7 +66,7 @@ from megatron_ring.errors import WireFiniteError
 from megatron_ring.errors import RingInputError
 
 __all__ = ["RingInputError", "RingStatus", "PendingChecks", "StatusRecorder", "status_buffers", "raise_for",
-           "tag_value", "status_pattern"]
+           "tag_value", "status_pattern", "status_elem", "payload_of"]
 
 OK, BAD_VALUES, BAD_INPUT = 0, 1, 2
 
@@ -107,11 +109,27 @@ _CAPTURED: dict[int, torch.Tensor] = {}
 
 
 def status_buffers(codec: KVCodec, spec: KVSpec, count: int) -> SlotSet:
-    """``count`` wire buffers with one status element after the codec's payload, as one set from the pool
-    (give it back with ``POOL.give_set``; keyed by ``(codec, spec)``, so views derived from a slot stay
-    valid for as long as the set lives)."""
+    """``count`` wire buffers with the status element before the codec's payload (:func:`status_elem`,
+    :func:`payload_of`), as one set from the pool (give it back with ``POOL.give_set``; keyed by ``(codec, spec)``,
+    so views derived from a slot stay valid for as long as the set lives)."""
     numel, dtype = _wire_layout(codec, spec)
-    return POOL.take_set((codec, spec), count, numel + 1, dtype, spec.device)
+    return POOL.take_set((codec, spec), count, _lead(dtype) + numel, dtype, spec.device)
+
+
+def _lead(dtype: torch.dtype) -> int:
+    """Elements before a wire buffer's payload: 16 bytes (the status element and padding), so the payload keeps
+    the buffer's alignment (the attention kernels read K/V decoded in place)."""
+    return max(1, 16 // dtype.itemsize)
+
+
+def status_elem(raw: torch.Tensor) -> torch.Tensor:
+    """The status element of the wire buffer ``raw`` (its first element; a view)."""
+    return raw[:1]
+
+
+def payload_of(raw: torch.Tensor) -> torch.Tensor:
+    """The codec's part of the wire buffer ``raw`` (after the status element and padding; a view)."""
+    return raw[_lead(raw.dtype):]
 
 
 @functools.lru_cache(maxsize=64)
@@ -192,7 +210,7 @@ class RingStatus:
         Returns the status code and the codec's device verdict on the values (None: not checked)."""
         code, flag = (OK if self.refusal is None else BAD_INPUT), None
         try:
-            flag = self.codec.encode_flagged(k, v, raw[:-1]) if write is None else write(k, v)
+            flag = self.codec.encode_flagged(k, v, payload_of(raw)) if write is None else write(k, v)
         except WireFiniteError as exc:
             self.local_error, code = exc, BAD_VALUES
         except (ValueError, RuntimeError) as exc:
@@ -207,7 +225,7 @@ class RingStatus:
         """Encode the local block's pieces; every piece carries the worst code of them all. A value the
         codec refuses on the device makes the code :data:`BAD_VALUES` there, without a host read.
         ``writes``: per piece, a writer for :meth:`encode`; ``elems``: per piece, its status element
-        (``raw[-1:]``, a view made once by the caller); ``zeroed``: the writers zeroed the elements and the
+        (:func:`status_elem`, a view made once by the caller); ``zeroed``: the writers zeroed the elements and the
         codes (nothing more to write where every code is OK)."""
         writes = writes or [None] * len(raws)
         results = [self.encode(k, v, raw, w) for (k, v), raw, w in zip(blocks, raws, writes)]
@@ -216,7 +234,7 @@ class RingStatus:
         bad = None
         if flags and worst == OK:
             bad = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-        elems = elems or [raw[-1:] for raw in raws]
+        elems = elems or [status_elem(raw) for raw in raws]
         if worst == OK and bad is None:
             if not zeroed:  # one launch on CUDA (one dtype, dense: torch's fast route)
                 if self.pattern is None:
@@ -236,7 +254,7 @@ class RingStatus:
 
     def mark(self, elem: torch.Tensor, code: int, bad: torch.Tensor | None = None) -> None:
         """Write ``code`` (``fine`` for :data:`OK`; :data:`BAD_VALUES` where the device verdict ``bad`` is
-        true) into the status element ``elem`` (a wire buffer's ``raw[-1:]``) and as this rank's."""
+        true) into the status element ``elem`` (a wire buffer's :func:`status_elem`) and as this rank's."""
         value = self.fine if code == OK else code
         elem.fill_(value)
         mine = self._mine
@@ -246,7 +264,7 @@ class RingStatus:
             mine.masked_fill_(bad, BAD_VALUES)
 
     def receipt(self, src: int, elem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What records the status element ``elem`` (``raw[-1:]``) of the block that came from group rank
+        """What records the status element ``elem`` (:func:`status_elem`) of the block that came from group rank
         ``src``: ``(dst, elem)``, for ``dst.copy_(elem)`` (a device copy, no sync; on CUDA done by the step's
         first merge: :func:`~megatron_ring.core.merge.merge_into`)."""
         return self.codes[src:src + 1], elem
