@@ -15,8 +15,9 @@ def test_rows_have_paired_ratios_and_the_ideal_split():
     for r in rows:
         assert r["split_fwd_bwd_s"] > 0 and r["split_efficiency"] > 0
         assert r["overlap_overhead_fwd_bwd"] > -1 and "ring_peak_mib_per_rank" in r
-    # 2 pieces send one status element more per step than 1 (auto here: tiny, whole blocks)
-    assert rows[1]["bytes_fwd_per_rank"] == rows[0]["bytes_fwd_per_rank"] + 4
+    # 2 pieces send one status lead more per step than 1 (16 bytes: the status element and padding; auto here:
+    # tiny, whole blocks)
+    assert rows[1]["bytes_fwd_per_rank"] == rows[0]["bytes_fwd_per_rank"] + 16
 
 
 def test_interleaved_rotates_the_order():

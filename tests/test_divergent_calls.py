@@ -171,6 +171,7 @@ def _short_message_worker(rank, world):
 def test_a_shorter_message_is_not_read_with_an_older_status():
     """Found by randomized testing: rank 0 returned garbage (4.6e23 against 3.4) while rank 1 aborted in gloo; the
     status element sat at the buffer's end, so a shorter message left the previous call's status there. Now rank 0
-    raises (rank 1's abort is gloo's, on a message longer than its buffer: docs/design.md)."""
+    raises (rank 1's abort is gloo's, on a message longer than its buffer: docs/design.md): RingInputError where the
+    short message arrives first, RingPeerError where rank 1's connection closed first (a race of the two)."""
     got = run_distributed(_short_message_worker, 2, timeout=120, pg_timeout=25, return_exceptions=True)
-    assert isinstance(got[0], tuple) and got[0][0] == "RingInputError", got[0]
+    assert isinstance(got[0], tuple) and got[0][0] in ("RingInputError", "RingPeerError"), got[0]
