@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 from megatron_ring.errors import WireFiniteError
-from megatron_ring.wire.fp8_triton import fp8_scales
+from megatron_ring.wire.fp8_triton import fp8_scales, pow2_scales
 
 __all__ = [
     "KVSpec",
@@ -196,8 +196,6 @@ class CastCodec(_FlatCodec):
         return (x.abs() <= torch.finfo(torch.float16).max) | ~torch.isfinite(x)
 
 
-# Scale exponents are clamped to [-_EXP_LIMIT, _EXP_LIMIT]: 2^±120 and its reciprocal stay normal fp32.
-_EXP_LIMIT = 120
 
 
 class FP8Codec(KVCodec):
@@ -311,13 +309,7 @@ class FP8Codec(KVCodec):
                 f"{self.name} wire: {what} contains inf/NaN at [b, h, group]={_first_bad(finite)} "
                 f"(group = {gt or s} tokens); refusing to quantize (pass check_finite=False to get NaN)"
             )
-        # scale = 2^ceil(log2(amax / fp8_max)), in float64 so fp32-subnormal amax does not underflow
-        mant, exp = torch.frexp(amax.double() / self.fp8_max)  # amax/fp8_max = mant * 2^exp, mant in [0.5, 1)
-        exp = (exp - (mant == 0.5).int()).clamp_(-_EXP_LIMIT, _EXP_LIMIT)  # exact powers of two: no bump
-        scale = torch.ldexp(torch.ones_like(amax), exp)  # amax == 0 -> 2^0 = 1
-        if not self.check_finite or on_device:
-            scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
-        return scale, finite
+        return pow2_scales(amax, self._emax, nan_where_not_finite=not self.check_finite or on_device), finite
 
     # ----- codec --------------------------------------------------------------------------
     def _quantize(self, x: torch.Tensor, scale_out: torch.Tensor, payload_out: torch.Tensor, what: str,

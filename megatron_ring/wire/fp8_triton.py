@@ -14,9 +14,25 @@ import functools
 
 import torch
 
-__all__ = ["fp8_scales", "fp8_scales_reference"]
+__all__ = ["fp8_scales", "fp8_scales_reference", "pow2_scales", "EXP_LIMIT"]
 
 _BLOCK = 64
+#: scale exponents are clamped to [-EXP_LIMIT, EXP_LIMIT]: 2^±120 and its reciprocal stay normal fp32 (the kernel's
+#: clamp is the same number)
+EXP_LIMIT = 120
+
+
+def pow2_scales(amax: torch.Tensor, emax: int, nan_where_not_finite: bool) -> torch.Tensor:
+    """THE scale rule of the FP8 wire, in torch: ``2^ceil(log2(amax / fp8_max))`` with ``fp8_max = 1.75 * 2**emax``,
+    clamped to ``2^[-EXP_LIMIT, EXP_LIMIT]``, 1 where ``amax == 0``, computed in float64 so that fp32-subnormal
+    maxima do not underflow; NaN where ``amax`` is not finite if asked. The codec's CPU path and the kernel's
+    reference (the kernel computes the same in integer arithmetic)."""
+    mant, exp = torch.frexp(amax.double() / (1.75 * 2.0 ** emax))  # amax/fp8_max = mant * 2^exp, mant in [0.5, 1)
+    exp = (exp - (mant == 0.5).int()).clamp_(-EXP_LIMIT, EXP_LIMIT)  # exact powers of two: no bump
+    scale = torch.ldexp(torch.ones_like(amax), exp)
+    if nan_where_not_finite:
+        scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    return scale
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,13 +81,10 @@ def fp8_scales_reference(rows: torch.Tensor, scale: torch.Tensor, group: int,
     if g * group != n:
         r = torch.nn.functional.pad(r, (0, g * group - n))
     amax = r.view(b, h, g, group).amax(dim=-1)
-    finite = torch.isfinite(amax)
-    mant, exp = torch.frexp(amax.double() / (1.75 * 2.0 ** emax))
-    exp = (exp - (mant == 0.5).int()).clamp_(-120, 120)
-    got = torch.where(finite, torch.ldexp(torch.ones_like(amax), exp), torch.full_like(amax, float("nan")))
+    got = pow2_scales(amax, emax, nan_where_not_finite=True)
     scale.copy_(got)
     inv = got.reciprocal().repeat_interleave(group, dim=-1)[..., :n]
-    return inv.contiguous(), (~finite).to(torch.int8).reshape(-1)
+    return inv.contiguous(), (~torch.isfinite(amax)).to(torch.int8).reshape(-1)
 
 
 @torch.library.custom_op("megatron_ring::fp8_scales", mutates_args=("scale",))
