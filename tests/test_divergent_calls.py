@@ -112,6 +112,21 @@ def test_tag_values_are_exact_and_never_a_failure_code(dtype):
         assert len({tag_value(call_tag((i,)), dtype) for i in range(200)}) >= 190
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8])
+def test_backward_values_on_the_device_are_the_hosts(dtype):
+    """The backward ring's status values (core/status.py: BackwardTag): the device pattern, made by integer
+    arithmetic, holds exactly the values the host compares with; they are distinct, finite and above the failure
+    codes, for small tags and tags near the range's end (the pattern wraps)."""
+    from megatron_ring.core.status import BACKWARD_CYCLE, backward_pattern, backward_values
+
+    for tag in (1, 7, 252, 253, 16000, (1 << 63) - 1, call_tag((3, 4))):
+        values = backward_values(tag, dtype)
+        device = backward_pattern(tag, dtype, torch.device("cpu"))
+        assert device.dtype == dtype and device.tolist() == list(values), (tag, dtype)
+        assert len(set(values)) == BACKWARD_CYCLE and min(values) >= 3
+        assert all(torch.isfinite(torch.tensor(x, dtype=torch.float64)) for x in values)
+
+
 def _hierarchical_worker(rank, world):
     """a2a+p2p at P=4 (2x2): rank 3 diverges (not causal); the end-of-forward status all-gather sees it (the outer
     ring's plan carries no tag)."""
@@ -175,3 +190,58 @@ def test_a_shorter_message_is_not_read_with_an_older_status():
     short message arrives first, RingPeerError where rank 1's connection closed first (a race of the two)."""
     got = run_distributed(_short_message_worker, 2, timeout=120, pg_timeout=25, return_exceptions=True)
     assert isinstance(got[0], tuple) and got[0][0] in ("RingInputError", "RingPeerError"), got[0]
+
+
+def _backward_order_worker(rank, world, swap, check):
+    """Two calls of one signature (two alike layers), their forwards alike on every rank; each rank backpropagates
+    them one after the other, rank 0 in the other order where ``swap``. Returns the outcome of each backward and the
+    gradients' max abs difference from the same calls backpropagated in order on every rank first (the reference),
+    so the negative control (``check`` False: the backward status not compared) shows what the check prevents."""
+    from megatron_ring.core import kv_stream
+
+    if not check:  # the backward rings' status not compared
+        class Unchecked(kv_stream.BackwardTag):
+            def settle(self):
+                pass
+
+        kv_stream.BackwardTag = Unchecked
+
+    def run(order):
+        calls = []
+        for i in range(2):
+            q, k, v = (t.requires_grad_() for t in _inputs(rank + 10 * i))
+            calls.append(((q, k, v), ring_attention(q, k, v, causal=True)))
+        outcomes = []
+        for i in order:
+            out = calls[i][1]
+            outcomes.append(_outcome(lambda: out.backward(torch.ones_like(out))))
+        return outcomes, [[t.grad for t in leaves] for leaves, _ in calls]
+
+    _, ref = run([0, 1])
+    outcomes, got = run([1, 0] if swap and rank == 0 else [0, 1])
+    if any(kind for kind, _ in outcomes):
+        return outcomes, None
+    return outcomes, max(float((a - b).abs().max()) for x, y in zip(got, ref) for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_diverging_backward_order_raises_on_every_rank(world):
+    """Found by randomized testing: forwards alike, rank 0 backpropagating call A while rank 1 backpropagates B
+    (one signature) gave wrong gradients silently. The backward ring's status now says which call's backward each
+    rank runs (core/status.py: BackwardTag); on CPU every rank raises at the end of that backward ring."""
+    for rank, (outcomes, _) in enumerate(run_distributed(_backward_order_worker, world, True, True, timeout=180)):
+        kind, msg = outcomes[0]
+        assert kind == "RingInputError", (rank, outcomes)
+        assert "ran the backward of different calls" in msg, msg
+        assert ("global rank(s) 0 " in msg) if rank else all(f"{r}" in msg for r in range(1, world)), msg
+
+
+def test_a_diverging_backward_order_unchecked_gives_wrong_gradients():
+    """Negative control: without the comparison the same backward passes raise nothing and their gradients are
+    wrong; in order they raise nothing either, and equal the reference bit for bit."""
+    swapped = run_distributed(_backward_order_worker, 2, True, False, timeout=180)
+    assert all(all(kind is None for kind, _ in outcomes) for outcomes, _ in swapped), swapped
+    assert max(err for _, err in swapped) > 1e-2, swapped
+    in_order = run_distributed(_backward_order_worker, 2, False, True, timeout=180)
+    assert all(all(kind is None for kind, _ in outcomes) for outcomes, _ in in_order), in_order
+    assert max(err for _, err in in_order) == 0.0, in_order

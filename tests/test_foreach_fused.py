@@ -108,6 +108,17 @@ def check_triton_against_torch() -> None:
     assert torch.equal(mixed[0], want[0]) and not mixed[1].any() and torch.equal(mixed[2], srcs[2])
     assert mixed[3][0, :3].tolist() == [0.5, float("inf"), float("inf")] and mixed[3][0, 3].isnan()
     assert mixed[3][0, 4] == -3.0
+    # a step's adds with a backward ring's status receipt (core/status.py: BackwardTag): every value a status element
+    # of the FP8 wire (uint8) or of a bf16 wire holds is copied exactly
+    from megatron_ring.core.status import backward_values, tag_value
+    for dtype in (torch.uint8, torch.bfloat16):
+        values = [tag_value(t, dtype) for t in (1, 2, 252, 253, 123456789)]
+        values += list(backward_values(987654321, dtype)[:8])
+        for value in values + [0, 1, 2]:
+            src, dst = torch.full((1,), value, dtype=dtype), torch.zeros(1, dtype=dtype)
+            adds = [a.clone() for a in accs[:3]]
+            foreach_triton(adds + [dst], srcs[:3] + [src], [ADD] * 3 + [COPY])
+            assert torch.equal(dst, src) and all(torch.equal(x, w) for x, w in zip(adds, want[:3])), (dtype, value)
     # shapes it does not take are refused by name, before any launch
     with pytest.raises(ValueError, match="at most 4 dims"):
         foreach_triton([torch.empty(1, 1, 1, 1, 2)], [torch.empty(1, 1, 1, 1, 2)], [COPY])

@@ -503,3 +503,45 @@ def test_a_device_dropout_seed_is_never_read_on_the_host():
     with_int = count_syncs(SyncCase(P=4, dropout=0.1), calls=2)
     with_tensor = count_syncs(SyncCase(P=4, dropout=0.1, device_seed=True), calls=2)
     assert with_tensor == with_int, (with_tensor, with_int)
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_a_diverging_backward_order_is_raised_by_every_rank_at_the_next_backward(monkeypatch, swap):
+    """On the CUDA path the backward ring's status (which call's backward each rank runs, core/status.py:
+    BackwardTag) is not read at its end (that would synchronise): its host copy is read with the next call's
+    forward codes, at that call's backward ring's start, where every rank raises RingInputError naming the others;
+    with no host sync of its own (no host wait: the copy is complete by then). Negative control: in order, nothing
+    raises."""
+    from megatron_ring import call as call_mod
+    from tests.helpers.ring_fakes import run_threads
+
+    real = call_mod._agreed_codec
+    monkeypatch.setattr(call_mod, "_agreed_codec", lambda ring, *a, **kw: (real(ring, *a, **kw)[0], 7))
+    dev = FakeCuda()
+
+    def body(rank, ring):
+        def call(i):
+            g = torch.Generator().manual_seed(10 * i + rank)
+            k = torch.randn(1, 8, 2, 8, generator=g, requires_grad=True)
+            return ring_attention(k, k, k, ring=ring)
+
+        outs = [call(0), call(1)]
+        for i in ([1, 0] if swap and rank == 0 else [0, 1]):
+            outs[i].sum().backward()  # not raised here: read with the next call's forward codes
+        after = call(2)
+        try:
+            after.sum().backward()
+        except RingInputError as exc:
+            return exc
+        return None
+
+    with device.use("cpu", dev):
+        results = run_threads(body, 3)
+    assert dev.host_waits == 0, dev.host_waits
+    if not swap:
+        assert results == [None] * 3, results
+        return
+    assert all(isinstance(r, RingInputError) and "ran the backward of different calls" in str(r) for r in results), \
+        results
+    assert "global rank(s) 1, 2 backpropagated another call" in str(results[0]), results[0]
+    assert all("global rank(s) 0 backpropagated another call" in str(r) for r in results[1:]), results

@@ -172,12 +172,23 @@ def test_fused_adds_keep_each_accumulators_order_and_split_only_on_overlap(monke
     for (name, sl), blk in zip(plan, blocks):
         (want_q if name == "dq" else want_k)[:, :, sl].add_(blk)
     accumulators.add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk) for (name, sl), blk in zip(plan, blocks)])
-    assert calls == [(3, True), (1, True)]
+    assert calls == [(3, [True] * 3), (1, [True])]
     assert torch.equal(dq, want_q) and torch.equal(dk, want_k)
     calls.clear()
     accumulators.add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk)
                      for (name, sl), blk in zip(plan[:3], blocks)])
-    assert calls == [(3, True)]  # no overlap: one call
+    assert calls == [(3, [True] * 3)]  # no overlap: one call
+    # a copy (a backward ring's status receipt) joins a call with room for it: no call (no launch) of its own
+    calls.clear()
+    dst, src = torch.zeros(1), torch.full((1,), 7.0)
+    accumulators.add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk)
+                          for (name, sl), blk in zip(plan[:3], blocks)], copies=[(dst, src)])
+    assert calls == [(4, [True] * 3 + [False])] and dst.item() == 7.0
+    calls.clear()
+    four = [("dq", slice(0, 4)), ("dq", slice(4, 8)), ("dk", slice(0, 4)), ("dk", slice(4, 8))]  # no overlap
+    accumulators.add_all([(name, sl, (dq if name == "dq" else dk)[:, :, sl], blk)
+                          for (name, sl), blk in zip(four, blocks)], add=False, copies=[(dst, src)])
+    assert calls == [(4, [False] * 4), (1, [False])]  # the first call full: the copy in one of its own
 
 
 def test_the_direct_launch_is_taken_only_where_nothing_would_see_the_op():

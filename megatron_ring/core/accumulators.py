@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ring.core.foreach import foreach_into
+from megatron_ring.core.foreach_triton import ENTRIES
 from megatron_ring.core.rotation import Rotation, start_for
 from megatron_ring.transport.ring import Transport
 
@@ -66,17 +67,27 @@ class Accumulators:
         return whole[..., :self.dk], whole[..., self.dk:]
 
 
-def add_all(adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]], add: bool = True) -> None:
+def add_all(adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]], add: bool = True,
+            copies: list[tuple[torch.Tensor, torch.Tensor]] | tuple = ()) -> None:
     """``view.add_(block)`` (``view.copy_(block)`` where not ``add``) for each entry, in as few
     :func:`foreach_into` calls as can be: one, unless two entries overlap in the same accumulator (the pairs of
     one call are updated in parallel, so overlapping ones go to the next call, which keeps each accumulator's
-    additions in their order: the same result)."""
+    additions in their order: the same result). ``copies``: ``(dst, src)`` pairs copied too (a backward ring's
+    status receipt), in a call with room for them (a launch takes ``ENTRIES`` pairs), else in one of their own."""
+    batches: list[list[tuple[torch.Tensor, torch.Tensor, bool]]] = []
     batch: list[tuple[str, slice, torch.Tensor, torch.Tensor]] = []
     for entry in adds:
         name, sl = entry[0], entry[1]
         if any(n == name and sl.start < o.stop and o.start < sl.stop for n, o, _, _ in batch):
-            foreach_into([e[2] for e in batch], [e[3] for e in batch], add=add)
+            batches.append([(e[2], e[3], add) for e in batch])
             batch = []
         batch.append(entry)
     if batch:
-        foreach_into([e[2] for e in batch], [e[3] for e in batch], add=add)
+        batches.append([(e[2], e[3], add) for e in batch])
+    for dst, src in copies:
+        room = next((b for b in batches if len(b) % ENTRIES), None)
+        if room is None:
+            batches.append(room := [])
+        room.append((dst, src, False))
+    for b in batches:
+        foreach_into([d for d, _, _ in b], [x for _, x, _ in b], add=[a for _, _, a in b])

@@ -70,6 +70,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     breakdown.set_phase("fwd")
     b, h, s, _ = q.shape
     steps = plan.steps(s)
+    if plan.ring.world > 1:  # numbered alike on every rank in step: the backward ring's status says which call
+        plan.number = plan.ring.forward_rings
+        plan.ring.forward_rings += 1
     with one_ring(plan.ring, "forward"):
         with breakdown.section(0, "copies"):
             kv = KVStream(plan, k, v, "fwd_kv", _pieces(plan, k), steps, refusal)
@@ -154,7 +157,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     with one_ring(plan.ring, "backward"):
         with breakdown.section(0, "copies"):
             kv = KVStream(plan, k, v, "bwd_kv", n, steps, status=False,
-                           flips=((lse_own, lse),) if lse_own is not None else ())
+                           flips=((lse_own, lse),) if lse_own is not None else (), backward=True)
             if lse_own is not None and not kv.flipped:
                 foreach_into([lse_own], [lse], flip=True)
             dkv = Accumulators(plan.ring, k, v, n)
@@ -185,7 +188,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                 dout_j, q_j, out_j, lse_j, dq_j = views[j]
                 _backward_step(dout_j, q_j, kt, vt, out_j, lse_j, piece_plan, step, dq_j,
                                lambda: dkv.arrived(j, step), *dkv.views(j), tasks, lse_rows[j],
-                               fresh and step == 0, owns[j])
+                               fresh and step == 0, owns[j], kv.take_receipt(j))
                 dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
             kv.advance()
             dkv.advance()
@@ -195,7 +198,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                 dkv.pass_on(j, step)
             dkv.advance()
         kv.release(world)
-    return (dq, *dkv.result(world))
+        dk, dv = dkv.result(world)  # the last hop home waited for: the ring is complete
+    if kv.backward is not None:  # which call's backward each rank ran (core/status.py): an error here leaves the
+        kv.backward.settle()     # ring in step
+    return dq, dk, dv
 
 
 @contextlib.contextmanager
@@ -218,7 +224,8 @@ def one_ring(ring, which: str) -> Iterator[None]:
 def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, plan: RingPlan, step: int, dq: torch.Tensor,
                    wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks, lse_rows: dict,
-                   fresh: bool = False, lse_own: torch.Tensor | None = None) -> None:
+                   fresh: bool = False, lse_own: torch.Tensor | None = None,
+                   receipt: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``tasks`` of one visiting block: dQ into ``dq``; dK/dV into the travelling accumulator, after
     ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute).
 
@@ -228,7 +235,8 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     can, :meth:`RingPlan.rows_may_see_nothing`; ``lse`` itself); row slices made once per call (:func:`_lse_rows`).
     On CUDA every add of the step (dQ, dK, dV of each task) is ONE :func:`foreach_into` after the wait
     (one launch for up to 4 adds, where torch's ``_foreach_add_`` would loop: fp32 accumulators, bf16 blocks);
-    on CPU each dQ is added as soon as its task is done (its block freed at once)."""
+    on CPU each dQ is added as soon as its task is done (its block freed at once). ``receipt``: the visiting
+    block's backward status to record (``dst.copy_(src)``; on CUDA by the same list op)."""
     fused = gathers_adds(dq)
     partial: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
     adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]] = []  # CUDA: (accumulator, its rows, view, block)
@@ -262,7 +270,9 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
             else:
                 dk_view.add_(dk_b)
                 dv_view.add_(dv_b)
-        add_all(adds, add=not fresh)
+        if receipt is not None and not fused:
+            receipt[0].copy_(receipt[1])
+        add_all(adds, add=not fresh, copies=[receipt] if receipt is not None and fused else [])
 
 
 def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict, lse_own: torch.Tensor | None = None,

@@ -60,7 +60,8 @@ def foreach_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor | None], add:
     flag for all pairs, or one per pair), else ``dst.copy_(src)``, with -inf made +inf where ``flip`` (an lse in a
     variable-length kernel's convention).
 
-    Pairs have equal shapes (at most 4 dims, any strides, any float dtypes); no two ``dst`` may overlap, and no
+    Pairs have equal shapes (at most 4 dims, any strides, any float dtypes; uint8 for a copy, the FP8 wire's status
+    elements); no two ``dst`` may overlap, and no
     ``dst`` may overlap a ``src`` (the pairs run in parallel on CUDA). The sum is computed in fp32 (the
     accumulators are fp32); a float64 ``dst`` takes torch's ops (the kernel computes in fp32)."""
     if not dsts:

@@ -15,7 +15,7 @@ from megatron_ring.core.foreach import foreach_into
 from megatron_ring.core.heads import head_groups
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.core.rotation import Rotation
-from megatron_ring.core.status import RingStatus, payload_of, status_buffers, status_elem
+from megatron_ring.core.status import BackwardTag, RingStatus, payload_of, status_buffers, status_elem
 from megatron_ring.core.views import covers
 from megatron_ring.wire.codecs import KVCodec, KVSpec
 
@@ -29,15 +29,17 @@ class KVStream:
     ``refusal``: this rank's input was refused; its pieces go out marked with a failing status
     (:class:`~megatron_ring.core.status.RingStatus`), the same messages in the same order.
     ``status``: whether this stream carries the ranks' status codes (the forward ring); the backward
-    ring's K/V are the ones its forward ring checked, so it sends them without (its status elements are
-    never read).
+    ring's K/V are the ones its forward ring checked, so it sends them without; ``backward``: this is a backward
+    ring, whose first piece's status element says which call's backward it is (``backward``, a
+    :class:`~megatron_ring.core.status.BackwardTag`, where the call is checked across ranks), recorded from every
+    visiting block.
 
     The slots are one :class:`~megatron_ring.core.buffers.SlotSet` from the pool: the views made of a slot
     (decoded K, V where decoding makes views; the status element) are made once per set, not per ring."""
 
     def __init__(self, plan: RingPlan, k: torch.Tensor, v: torch.Tensor, channel: str, n: int,
                  steps: int, refusal: BaseException | None = None, status: bool = True,
-                 flips: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> None:
+                 flips: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (), backward: bool = False) -> None:
         """``flips``: ``(dst, src)`` pairs also copied, -inf made +inf, by the launch that writes the K/V into the
         wire (a variable-length kernel's lse); ``flipped`` says whether it did (else the caller copies them)."""
         self.plan, self.k, self.v, self.steps = plan, k, v, steps
@@ -50,6 +52,9 @@ class KVStream:
         self.local = [(k, v) if covers(hs, h_kv) else (k[:, hs], v[:, hs]) for hs in self.heads]
         self.rot: Rotation | None = None
         self.status: RingStatus | None = None
+        #: the backward ring's check of which call each rank backpropagates (``backward``: a backward ring; a call
+        #: checked across ranks, numbered by its forward)
+        self.backward: BackwardTag | None = None
         self._receipts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._exact = False
         if plan.ring.world > 1:
@@ -73,13 +78,19 @@ class KVStream:
                 # an error is raised after the ring, on every rank
                 self.status.encode_pieces(self.local, raws, writes, elems, zeroed=fused)
             else:
-                writes = self._writes(cur, flips=flips) if fused else [None] * n
+                # the first piece's status element says which call's backward this is (written with the K/V)
+                if backward and plan.tag and plan.number >= 0:
+                    self.backward = BackwardTag(plan.ring, plan.tag, plan.number, raws[0].dtype, k.device)
+                tagged = [(self._elem(cur[0]), self.backward.source)] if self.backward is not None else []
+                writes = self._writes(cur, tagged, flips=flips) if fused else [None] * n
                 self.flipped = fused and bool(flips)
                 for (kj, vj), raw, w in zip(self.local, raws, writes):
                     if w is None:
                         plan.codec.encode_flagged(kj, vj, payload_of(raw))  # checked by the forward: verdict unused
                     else:
                         w(kj, vj)
+                if tagged and not fused:
+                    tagged[0][0].copy_(tagged[0][1])
 
     def _writes(self, cur: list[int], status: tuple | list = (), flips: tuple = ()
                 ) -> list[Callable[[torch.Tensor, torch.Tensor], None]]:
@@ -121,14 +132,17 @@ class KVStream:
             return self.local[j]
         self.rot.arrived(j, step)
         slot = self.rot.cur[j]
+        src = (self.plan.ring.rank - step) % self.plan.ring.world
         if self.status is not None:  # recorded by the step's first merge (:meth:`take_receipt`)
-            self._receipts[j] = self.status.receipt((self.plan.ring.rank - step) % self.plan.ring.world,
-                                                    self._elem(slot))
+            self._receipts[j] = self.status.receipt(src, self._elem(slot))
+        elif self.backward is not None and j == 0:  # recorded by the step's gradient adds
+            self._receipts[j] = self.backward.receipt(src, self._elem(slot))
         return self._decoded(step, slot)
 
     def take_receipt(self, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The status of piece ``j``'s visiting block still to record, ``(codes element, status element)``
-        (see :meth:`RingStatus.receipt`): the caller copies it, in its first merge where it has one."""
+        (see :meth:`RingStatus.receipt`, :meth:`BackwardTag.receipt`): the caller copies it, in its first merge (or
+        its gradient adds) where it has one."""
         return self._receipts.pop(j, None)
 
     def _decoded(self, step: int, slot: int):

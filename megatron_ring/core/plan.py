@@ -45,6 +45,9 @@ class RingPlan:
     #: the call's tag (core/validation.py: call_tag): what the status this rank's K/V carry says when all is well,
     #: compared with every other rank's on every call (core/status.py); 0: not compared
     tag: int = 0
+    #: this call's forward ring's number on its transport (``Transport.forward_rings``, set by the forward; -1: not
+    #: run): with the tag, what the backward ring's status says (core/status.py: BackwardTag)
+    number: int = field(default=-1, compare=False)
 
     def runs_whole_blocks(self, q: torch.Tensor) -> bool:
         """Whether this call's masked tasks run as whole blocks, not tiles: on a variable-length kernel that

@@ -255,7 +255,11 @@ def test_a_call_checked_across_ranks_makes_the_same_ops(monkeypatch):
     """A call on a process group carries its tag in the status (core/status.py: ranks that made different calls
     are named): the fine status is COPIED from a pattern made once per signature where the untagged call zeroes it,
     in the same launch. The loopback ring has no group (no tag): the tag is given here as a group's check gives it.
-    A warm call makes exactly the ops of the untagged one; the first call makes the pattern (3 ops)."""
+    The backward ring carries which call's backward it is (core/status.py: BackwardTag) the same way: copied from a
+    pattern of its own, by the launch that writes the K/V into the wire, and recorded by the step's gradient adds.
+    A warm call makes exactly the ops of the untagged one, but on a wire that encodes (FP8 here), whose K/V are not
+    written by a list op: there the backward's status element is one copy more; the first call makes the patterns
+    (3 + 4 ops)."""
     from megatron_ring import call as call_mod
 
     cases = [_case("causal", 4), _case("thd", 4), dataclasses.replace(_case("causal", 2), wire="fp8")]
@@ -264,9 +268,10 @@ def test_a_call_checked_across_ranks_makes_the_same_ops(monkeypatch):
     monkeypatch.setattr(call_mod, "_agreed_codec", lambda *a, **kw: (real(*a, **kw)[0], 123456789))
     for case, (first0, warm0) in zip(cases, plain):
         first, warm = count(case)
-        assert (warm.attention, sum(warm.other.values())) == (warm0.attention, sum(warm0.other.values())), (
+        more = 1 if case.wire == "fp8" else 0
+        assert (warm.attention, sum(warm.other.values())) == (warm0.attention, sum(warm0.other.values()) + more), (
             case.id, dict(warm.other), dict(warm0.other))
-        assert sum(first.other.values()) <= sum(first0.other.values()) + 3, (case.id, dict(first.other))
+        assert sum(first.other.values()) <= sum(first0.other.values()) + 3 + 4 + more, (case.id, dict(first.other))
 
 
 @pytest.mark.parametrize("P, ceiling", [(2, 49), (4, 76), (8, 128)])

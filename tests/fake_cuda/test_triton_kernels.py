@@ -350,7 +350,12 @@ def test_the_merge_and_list_launchers_compile_as_a_launch_specialises_them(tmp_p
                     torch.zeros(dims)]
             srcs = [torch.zeros(dims, dtype=torch.bfloat16), torch.zeros(dims), None, torch.zeros(dims)]
             F.foreach_triton(dsts, srcs, [F.ADD, F.COPY, F.ZERO, F.FLIP])
-        assert len(compiled) == 7 and all(got.asm["cubin"] for _, got in compiled), (arch, len(compiled))
+        for status in (torch.uint8, torch.bfloat16):  # a backward step's adds with its status receipt (one element)
+            accs = [torch.zeros(2, 4, 16, 64) for _ in range(3)]
+            blocks = [torch.zeros(2, 4, 16, 64, dtype=torch.bfloat16) for _ in range(3)]
+            F.foreach_triton(accs + [torch.zeros(1, dtype=status)], blocks + [torch.ones(1, dtype=status)],
+                             [F.ADD] * 3 + [F.COPY])
+        assert len(compiled) == 9 and all(got.asm["cubin"] for _, got in compiled), (arch, len(compiled))
 
 
 def _fp8_rows(g: torch.Generator, b: int, h: int, n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -128,3 +128,41 @@ def test_deterministic_mode_runs_on_flash_and_matches_float64(device, case, monk
         engine_checks(device, *case).check(min_rows=4)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("swap", [True, False], ids=["swapped", "in-order"])
+def test_a_diverging_backward_order_raises_on_every_rank(device, swap, monkeypatch):
+    """Two alike calls (one signature), their forwards alike; rank 0 backpropagates them in the other order. The
+    backward ring's status (core/status.py: BackwardTag) makes every rank raise RingInputError: on CPU at the end
+    of that backward ring, on CUDA at the next call's backward ring (its host copy read with that call's forward
+    codes). The call's tag is given as a process group's check gives it (the replay ring has no group).
+    Negative control: in order, nothing raises."""
+    from megatron_ring import RingInputError
+    from megatron_ring import call as call_mod
+
+    real = call_mod._agreed_codec
+    monkeypatch.setattr(call_mod, "_agreed_codec", lambda ring, *a, **kw: (real(ring, *a, **kw)[0], 7))
+
+    def rank(r, ring):
+        def call(i):
+            g = torch.Generator().manual_seed(10 * i + r)
+            k = torch.randn(1, 16, 2, 32, generator=g).to(device, torch.bfloat16).requires_grad_()
+            return ring_attention(k, k, k, ring=ring, causal=True)
+
+        try:
+            outs = [call(0), call(1)]
+            for i in ([1, 0] if swap and r == 0 else [0, 1]):
+                outs[i].float().sum().backward()
+            call(2).float().sum().backward()
+        except RingInputError as exc:
+            return str(exc)
+        return None
+
+    results, _ = run_replayed(rank, 2, device)
+    if not swap:
+        assert results == [None, None], results
+        return
+    for r, got in enumerate(results):
+        assert isinstance(got, str) and "ran the backward of different calls" in got, (r, got)
+        assert f"global rank(s) {1 - r} backpropagated another call" in got, got
