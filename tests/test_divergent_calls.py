@@ -114,10 +114,10 @@ def test_tag_values_are_exact_and_never_a_failure_code(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8])
 def test_backward_values_on_the_device_are_the_hosts(dtype):
-    """The backward ring's status values (core/status.py: BackwardTag): the device pattern, made by integer
+    """The backward ring's status values (core/backward_check.py: BackwardTag): the device pattern, made by integer
     arithmetic, holds exactly the values the host compares with; they are distinct, finite and above the failure
     codes, for small tags and tags near the range's end (the pattern wraps)."""
-    from megatron_ring.core.status import BACKWARD_CYCLE, backward_pattern, backward_values
+    from megatron_ring.core.backward_check import BACKWARD_CYCLE, backward_pattern, backward_values
 
     for tag in (1, 7, 252, 253, 16000, (1 << 63) - 1, call_tag((3, 4))):
         values = backward_values(tag, dtype)
@@ -228,7 +228,7 @@ def _backward_order_worker(rank, world, swap, check):
 def test_a_diverging_backward_order_raises_on_every_rank(world):
     """Found by randomized testing: forwards alike, rank 0 backpropagating call A while rank 1 backpropagates B
     (one signature) gave wrong gradients silently. The backward ring's status now says which call's backward each
-    rank runs (core/status.py: BackwardTag); on CPU every rank raises at the end of that backward ring."""
+    rank runs (core/backward_check.py: BackwardTag); on CPU every rank raises at the end of that backward ring."""
     for rank, (outcomes, _) in enumerate(run_distributed(_backward_order_worker, world, True, True, timeout=180)):
         kind, msg = outcomes[0]
         assert kind == "RingInputError", (rank, outcomes)

@@ -108,9 +108,10 @@ def check_triton_against_torch() -> None:
     assert torch.equal(mixed[0], want[0]) and not mixed[1].any() and torch.equal(mixed[2], srcs[2])
     assert mixed[3][0, :3].tolist() == [0.5, float("inf"), float("inf")] and mixed[3][0, 3].isnan()
     assert mixed[3][0, 4] == -3.0
-    # a step's adds with a backward ring's status receipt (core/status.py: BackwardTag): every value a status element
-    # of the FP8 wire (uint8) or of a bf16 wire holds is copied exactly
-    from megatron_ring.core.status import backward_values, tag_value
+    # a step's adds with a backward ring's status receipt (core/backward_check.py: BackwardTag): every value a status
+    # element of the FP8 wire (uint8) or of a bf16 wire holds is copied exactly
+    from megatron_ring.core.backward_check import backward_values
+    from megatron_ring.core.status import tag_value
     for dtype in (torch.uint8, torch.bfloat16):
         values = [tag_value(t, dtype) for t in (1, 2, 252, 253, 123456789)]
         values += list(backward_values(987654321, dtype)[:8])

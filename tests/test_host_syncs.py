@@ -410,7 +410,7 @@ def test_ranks_that_made_different_calls_stop_every_rank(monkeypatch, capturing)
     real = call_mod._agreed_codec
     monkeypatch.setattr(call_mod, "_agreed_codec",
                         lambda ring, *a, **kw: (real(ring, *a, **kw)[0], 8 if ring.rank == 1 else 7))
-    kept = len(status._CAPTURED)
+    kept = len(status.CAPTURED)
 
     def body(rank, ring):
         k = torch.randn(1, 8, 2, 8, requires_grad=True)
@@ -420,7 +420,7 @@ def test_ranks_that_made_different_calls_stop_every_rank(monkeypatch, capturing)
         results = run_threads(body, 3)
     if capturing:
         assert all(isinstance(r, RuntimeError) and "different calls" in str(r) for r in results), results
-        assert len(status._CAPTURED) > kept
+        assert len(status.CAPTURED) > kept
     else:
         assert all(isinstance(r, RingInputError) and "global rank(s) 1 called it otherwise" in str(r)
                    for r in (results[0], results[2])), results
@@ -507,11 +507,10 @@ def test_a_device_dropout_seed_is_never_read_on_the_host():
 
 @pytest.mark.parametrize("swap", [True, False])
 def test_a_diverging_backward_order_is_raised_by_every_rank_at_the_next_backward(monkeypatch, swap):
-    """On the CUDA path the backward ring's status (which call's backward each rank runs, core/status.py:
-    BackwardTag) is not read at its end (that would synchronise): its host copy is read with the next call's
-    forward codes, at that call's backward ring's start, where every rank raises RingInputError naming the others;
-    with no host sync of its own (no host wait: the copy is complete by then). Negative control: in order, nothing
-    raises."""
+    """On the CUDA path the backward ring's status (which call's backward each rank runs, core/backward_check.py:
+    BackwardTag) is not read at its end (that would synchronise): its host copy is read with the next call's forward
+    codes, at that call's backward ring's start, where every rank raises RingInputError naming the others; with no
+    host sync of its own (no host wait: the copy is complete by then). Negative control: in order, nothing raises."""
     from megatron_ring import call as call_mod
     from tests.helpers.ring_fakes import run_threads
 

@@ -15,7 +15,8 @@ from megatron_ring.core.foreach import foreach_into
 from megatron_ring.core.heads import head_groups
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.core.rotation import Rotation
-from megatron_ring.core.status import BackwardTag, RingStatus, payload_of, status_buffers, status_elem
+from megatron_ring.core.backward_check import BackwardTag
+from megatron_ring.core.status import RingStatus, payload_of, status_buffers, status_elem
 from megatron_ring.core.views import covers
 from megatron_ring.wire.codecs import KVCodec, KVSpec
 
@@ -31,8 +32,8 @@ class KVStream:
     ``status``: whether this stream carries the ranks' status codes (the forward ring); the backward
     ring's K/V are the ones its forward ring checked, so it sends them without; ``backward``: this is a backward
     ring, whose first piece's status element says which call's backward it is (``backward``, a
-    :class:`~megatron_ring.core.status.BackwardTag`, where the call is checked across ranks), recorded from every
-    visiting block.
+    :class:`~megatron_ring.core.backward_check.BackwardTag`, where the call is checked across ranks), recorded
+    from every visiting block.
 
     The slots are one :class:`~megatron_ring.core.buffers.SlotSet` from the pool: the views made of a slot
     (decoded K, V where decoding makes views; the status element) are made once per set, not per ring."""

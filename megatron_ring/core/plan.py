@@ -46,7 +46,7 @@ class RingPlan:
     #: compared with every other rank's on every call (core/status.py); 0: not compared
     tag: int = 0
     #: this call's forward ring's number on its transport (``Transport.forward_rings``, set by the forward; -1: not
-    #: run): with the tag, what the backward ring's status says (core/status.py: BackwardTag)
+    #: run): with the tag, what the backward ring's status says (core/backward_check.py: BackwardTag)
     number: int = field(default=-1, compare=False)
 
     def runs_whole_blocks(self, q: torch.Tensor) -> bool:

@@ -117,9 +117,9 @@ class Transport(abc.ABC):
         self.failure: RingPeerError | None = None  # set by the watchdog; raised by the next launch/wait
         self.bytes_sent: Counter[str] = Counter()
         #: forward rings run on this transport (alike on every rank whose calls are in step): the number a
-        #: backward ring's status is keyed on (core/status.py: BackwardTag)
+        #: backward ring's status is keyed on (core/backward_check.py: BackwardTag)
         self.forward_rings = 0
-        #: checks of backward rings left for the next forward ring's (core/status.py: BackwardTag.settle)
+        #: checks of backward rings left for the next forward ring's (core/backward_check.py: BackwardTag.settle)
         self.unchecked: list = []
 
     @abc.abstractmethod

@@ -255,8 +255,9 @@ def test_a_call_checked_across_ranks_makes_the_same_ops(monkeypatch):
     """A call on a process group carries its tag in the status (core/status.py: ranks that made different calls
     are named): the fine status is COPIED from a pattern made once per signature where the untagged call zeroes it,
     in the same launch. The loopback ring has no group (no tag): the tag is given here as a group's check gives it.
-    The backward ring carries which call's backward it is (core/status.py: BackwardTag) the same way: copied from a
-    pattern of its own, by the launch that writes the K/V into the wire, and recorded by the step's gradient adds.
+    The backward ring carries which call's backward it is (core/backward_check.py: BackwardTag) the same way: copied
+    from a pattern of its own, by the launch that writes the K/V into the wire, and recorded by the step's gradient
+    adds.
     A warm call makes exactly the ops of the untagged one, but on a wire that encodes (FP8 here), whose K/V are not
     written by a list op: there the backward's status element is one copy more; the first call makes the patterns
     (3 + 4 ops)."""

@@ -134,8 +134,8 @@ def test_deterministic_mode_runs_on_flash_and_matches_float64(device, case, monk
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "in-order"])
 def test_a_diverging_backward_order_raises_on_every_rank(device, swap, monkeypatch):
     """Two alike calls (one signature), their forwards alike; rank 0 backpropagates them in the other order. The
-    backward ring's status (core/status.py: BackwardTag) makes every rank raise RingInputError: on CPU at the end
-    of that backward ring, on CUDA at the next call's backward ring (its host copy read with that call's forward
+    backward ring's status (core/backward_check.py: BackwardTag) makes every rank raise RingInputError: on CPU at the
+    end of that backward ring, on CUDA at the next call's backward ring (its host copy read with that call's forward
     codes). The call's tag is given as a process group's check gives it (the replay ring has no group).
     Negative control: in order, nothing raises."""
     from megatron_ring import RingInputError
