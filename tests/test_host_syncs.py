@@ -544,3 +544,54 @@ def test_a_diverging_backward_order_is_raised_by_every_rank_at_the_next_backward
         results
     assert "global rank(s) 1, 2 backpropagated another call" in str(results[0]), results[0]
     assert all("global rank(s) 0 backpropagated another call" in str(r) for r in results[1:]), results
+
+
+@pytest.mark.parametrize("then", ["inference", "training", "alike"])
+def test_calls_without_backward_are_judged_at_a_later_call(monkeypatch, then):
+    """On the CUDA path a call without a backward, on a wire that checks no values, leaves its status codes' host
+    copy on the ring (core/status.py: defer): ranks that made different calls (rank 1's tag another) return, and
+    every rank raises RingInputError at a later call, naming rank 1 and saying an earlier call's results were not
+    valid: in an inference loop once LATE_CHECKS more such calls are left (2 here), in training at the next call's
+    backward. No host sync (no host wait: the copies are complete by then). Negative control: alike calls never
+    raise."""
+    from megatron_ring import call as call_mod
+    from megatron_ring.core import status
+    from tests.helpers.ring_fakes import run_threads
+
+    monkeypatch.setattr(status, "LATE_CHECKS", 2)
+    real = call_mod._agreed_codec
+    monkeypatch.setattr(call_mod, "_agreed_codec", lambda ring, *a, **kw: (
+        real(ring, *a, **kw)[0], 8 if ring.rank == 1 and then != "alike" and not ring.later else 7))
+    dev = FakeCuda()
+
+    def body(rank, ring):
+        ring.later = False
+        k = torch.randn(1, 8, 2, 8, requires_grad=True)
+        with torch.no_grad():
+            ring_attention(k, k, k, ring=ring)  # the divergent call: returns
+        ring.later = True
+        got = []
+        for _ in range(3):
+            try:
+                if then == "training":
+                    ring_attention(k, k, k, ring=ring).sum().backward()
+                else:
+                    with torch.no_grad():
+                        ring_attention(k, k, k, ring=ring)
+                got.append(None)
+            except RingInputError as exc:
+                got.append(str(exc))
+        return got
+
+    with device.use("cpu", dev):
+        results = run_threads(body, 3)
+    assert dev.host_waits == 0, dev.host_waits
+    if then == "alike":
+        assert results == [[None] * 3] * 3, results
+        return
+    at = 0 if then == "training" else 1  # the 3rd no-backward call leaves a 3rd check: the oldest is read then
+    for rank, got in enumerate(results):
+        assert all(g is None for i, g in enumerate(got) if i != at), (rank, got)
+        msg = got[at]
+        assert msg and "made different calls" in msg and "EARLIER call" in msg, (rank, got)
+        assert ("global rank(s) 1 called it otherwise" in msg) if rank != 1 else ("0, 2 called it otherwise" in msg)

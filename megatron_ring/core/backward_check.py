@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_ring.core.status import CAPTURED, OK, tag_value, values_of
+from megatron_ring.core.status import CAPTURED, OK, defer, tag_value, values_of
 from megatron_ring.device import ops_for
 from megatron_ring.errors import RingInputError
 from megatron_ring.schedules.on_device import cached_on
@@ -94,7 +94,7 @@ class BackwardTag:
             judge(self.codes.tolist())
             return
         host, event = ops.to_host(self.codes)
-        self.ring.unchecked.append((host, event, ops, judge))
+        defer(self.ring, (host, event, ops, judge))
 
 
 def raise_for_backward(codes: list[float], ring: Any, received: tuple[int, ...], fine: float) -> None:

@@ -41,9 +41,13 @@ is refused before its K/V could be encoded runs the same K/V stream with zeros a
   it (one device-to-host synchronisation, on a copy of P codes). In training the backward of a layer starts after the forward of every
   later layer and the loss, so the copy is long complete: steady state makes no host sync;
 * a call with no backward (``torch.no_grad``, inference) and a value-checking wire (fp8 with
-  ``check_finite``, fp16): at the end of the forward ring, one synchronisation per call (without a
-  value-checking wire such a call leaves the codes unread: a refusal on another rank surfaces as that
-  rank's error and, here, at the next ring that rank misses).
+  ``check_finite``, fp16): at the end of the forward ring, one synchronisation per call;
+* a call with no backward on CUDA and a wire that checks no values: its host copy is left on the ring
+  (:func:`defer`) and read with a later call's codes: the next call followed by a backward (at the start of its
+  backward ring), or one that reads in its forward, or at the latest :data:`LATE_CHECKS` such calls later (in
+  an inference loop), when its call is long complete on the device. So a refusal, or ranks that made different
+  calls, raises on every rank, late: the error says that an earlier call's results were not valid. No
+  synchronisation of its own.
 
 Value checks of the wire (inf/NaN for FP8, the fp16 range) run ON THE DEVICE
 (:meth:`~megatron_ring.wire.codecs.KVCodec.encode_flagged`): the verdict goes straight into the status
@@ -69,9 +73,11 @@ from megatron_ring.errors import WireFiniteError
 from megatron_ring.errors import RingInputError
 
 __all__ = ["RingInputError", "RingStatus", "PendingChecks", "StatusRecorder", "status_buffers", "raise_for",
-           "tag_value", "status_pattern", "status_elem", "payload_of", "values_of", "CAPTURED"]
+           "tag_value", "status_pattern", "status_elem", "payload_of", "values_of", "CAPTURED", "defer", "LATE_CHECKS"]
 
 OK, BAD_VALUES, BAD_INPUT = 0, 1, 2
+#: checks a ring leaves for later calls (:func:`defer`) that may wait there; the oldest beyond are read at once
+LATE_CHECKS = 64
 
 
 @functools.lru_cache(maxsize=256)
@@ -181,8 +187,8 @@ class PendingChecks:
                                                                  fine=fine)))
 
     def adopt(self, ring: Any) -> None:
-        """Take the checks earlier backward rings on ``ring`` left (:meth:`~.backward_check.BackwardTag.settle`),
-        checked before this plan's own."""
+        """Take the checks earlier calls on ``ring`` left (:func:`defer`: backward rings', and on CUDA forward rings'
+        without a backward), checked before this plan's own."""
         if ring.unchecked:
             self._items[:0] = ring.unchecked
             ring.unchecked = []
@@ -339,16 +345,47 @@ class RingStatus:
             return
         host, event = self.ops.to_host(self.codes)
         if checks.backward_follows:
-            checks.adopt(self.ring)  # earlier backward rings' checks (CUDA), read with this ring's
-        checks.add(host, event, self.ops, self.ring, self.codec, explain, self.fine)
+            checks.adopt(self.ring)  # earlier calls' checks (CUDA), read with this ring's
+            checks.add(host, event, self.ops, self.ring, self.codec, explain, self.fine)
+            return
+        # no backward (CUDA, a wire that checks no values): read with a later call's, or LATE_CHECKS calls later
+        defer(self.ring, (host, event, self.ops, functools.partial(raise_for, ring=self.ring, codec=self.codec,
+                                                                   fine=self.fine, late=True)))
+
+
+def defer(ring: Any, item: tuple) -> None:
+    """Leave the check ``item`` (``(host copy, event, ops, judge)``, as :class:`PendingChecks` holds them) on
+    ``ring`` for a later call (:meth:`PendingChecks.adopt`: the next forward ring followed by a backward, or read in
+    the forward). At most :data:`LATE_CHECKS` wait there: the oldest beyond are read now, their calls long complete
+    on the device (no wait in practice). Every rank in step leaves the same checks, so every rank reads them at the
+    same call."""
+    ring.unchecked.append(item)
+    if len(ring.unchecked) > LATE_CHECKS:
+        oldest = PendingChecks()
+        oldest.adopt(ring)
+        ring.unchecked, oldest._items = oldest._items[-LATE_CHECKS:], oldest._items[:-LATE_CHECKS]
+        oldest.check()
 
 
 def raise_for(codes: list[float], ring: Any, codec: KVCodec, explain: Callable[[], None] | None = None,
-              fine: float = OK) -> None:
+              fine: float = OK, late: bool = False) -> None:
     """Raise if any code is bad, or differs from ``fine`` (this rank's call's tag value): a rank that made
     another call. ``explain``: raises this rank's own detailed error when its own code is :data:`BAD_VALUES`
     (called only then). A code 0 where ``fine`` is not is a rank whose call was not checked across ranks
-    (``check_consistency=False``): not compared."""
+    (``check_consistency=False``): not compared. ``late``: the codes are an earlier call's (one without a
+    backward, on CUDA: :func:`defer`), read at a later call: the message says so."""
+    try:
+        _raise_for(codes, ring, codec, explain, fine)
+    except ValueError as exc:
+        if not late:
+            raise
+        raise type(exc)(f"{exc} (Found in the status of an EARLIER call on this group, one without a backward, "
+                        "read now: the results that call returned on every rank are not valid.)") from None
+
+
+def _raise_for(codes: list[float], ring: Any, codec: KVCodec, explain: Callable[[], None] | None,
+               fine: float) -> None:
+    """:func:`raise_for`'s checks."""
     failed = {code: [ring.members[i] for i, x in enumerate(codes) if x == code] for code in (BAD_VALUES, BAD_INPUT)}
     me = ring.my_global
     if explain is not None and codes[ring.rank] == BAD_VALUES:
