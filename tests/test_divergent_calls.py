@@ -192,13 +192,15 @@ def test_a_shorter_message_is_not_read_with_an_older_status():
     assert isinstance(got[0], tuple) and got[0][0] in ("RingInputError", "RingPeerError"), got[0]
 
 
-def _backward_order_worker(rank, world, swap, check):
+def _backward_order_worker(rank, world, swap, check, kw=None, diverging=0):
     """Two calls of one signature (two alike layers), their forwards alike on every rank; each rank backpropagates
     them one after the other, rank 0 in the other order where ``swap``. Returns the outcome of each backward and the
     gradients' max abs difference from the same calls backpropagated in order on every rank first (the reference),
     so the negative control (``check`` False: the backward status not compared) shows what the check prevents."""
     from megatron_ring.core import kv_stream
 
+    kw = {"causal": True, **(kw or {})}
+    s = kw.pop("s", 16)
     if not check:  # the backward rings' status not compared
         class Unchecked(kv_stream.BackwardTag):
             def settle(self):
@@ -209,8 +211,8 @@ def _backward_order_worker(rank, world, swap, check):
     def run(order):
         calls = []
         for i in range(2):
-            q, k, v = (t.requires_grad_() for t in _inputs(rank + 10 * i))
-            calls.append(((q, k, v), ring_attention(q, k, v, causal=True)))
+            q, k, v = (t.requires_grad_() for t in _inputs(rank + 10 * i, s=s))
+            calls.append(((q, k, v), ring_attention(q, k, v, **kw)))
         outcomes = []
         for i in order:
             out = calls[i][1]
@@ -218,7 +220,7 @@ def _backward_order_worker(rank, world, swap, check):
         return outcomes, [[t.grad for t in leaves] for leaves, _ in calls]
 
     _, ref = run([0, 1])
-    outcomes, got = run([1, 0] if swap and rank == 0 else [0, 1])
+    outcomes, got = run([1, 0] if swap and rank == diverging else [0, 1])
     if any(kind for kind, _ in outcomes):
         return outcomes, None
     return outcomes, max(float((a - b).abs().max()) for x, y in zip(got, ref) for a, b in zip(x, y))
@@ -234,6 +236,21 @@ def test_a_diverging_backward_order_raises_on_every_rank(world):
         assert kind == "RingInputError", (rank, outcomes)
         assert "ran the backward of different calls" in msg, msg
         assert ("global rank(s) 0 " in msg) if rank else all(f"{r}" in msg for r in range(1, world)), msg
+
+
+@pytest.mark.parametrize("world,diverging", [(3, 1), (3, 2), (4, 0), (4, 2)])
+def test_a_diverging_backward_order_in_a_window_shortened_ring_raises_on_every_rank(world, diverging):
+    """A window that shortens the ring (contiguous, causal, window 3, 8 rows per rank: 2 of P steps): a rank out of
+    the diverged rank's reach received no block of its, yet got its dK/dV back from it: wrong gradients, silently
+    (found by randomized testing). The values now travel the remaining hops (BackwardTag.spread): every rank
+    raises. Negative control: in order, nothing raises and the gradients are the reference's bit for bit."""
+    kw = dict(layout="contiguous", window=(3, 0), s=8)
+    got = run_distributed(_backward_order_worker, world, True, True, kw, diverging, timeout=180)
+    for rank, (outcomes, _) in enumerate(got):
+        assert outcomes[0][0] == "RingInputError" and "ran the backward of different calls" in outcomes[0][1], (
+            rank, outcomes)
+    for outcomes, err in run_distributed(_backward_order_worker, world, False, True, kw, timeout=180):
+        assert all(kind is None for kind, _ in outcomes) and err == 0.0, (outcomes, err)
 
 
 def test_a_diverging_backward_order_unchecked_gives_wrong_gradients():

@@ -11,9 +11,11 @@ visits it (by the step's gradient adds, on CUDA in the same launch) and compares
 end of the backward ring where host reads are free (every rank raises there), else (CUDA) by a host copy read with
 the NEXT forward ring's codes (at the start of its backward; no synchronisation of its own), so every rank raises
 there, one step late (the wrong gradients may have been applied by then: the error says so). Not compared: a
-backward captured in a CUDA graph, calls whose forward numbers differ by a multiple of :data:`BACKWARD_CYCLE`
-(and agree in tag), and in a window-shortened backward ring the ranks out of a rank's reach (those raise at their
-next exchange with a rank that stopped, or at its time-out).
+backward captured in a CUDA graph, and calls whose forward numbers differ by a multiple of :data:`BACKWARD_CYCLE`
+(and agree in tag). A ring that a window shortens carries the values the remaining hops (:meth:`BackwardTag.spread`,
+one small exchange per dropped step, as the forward's codes). Not caught: reentrant activation checkpointing, whose
+backward recomputes the forward in a NEW forward ring (numbered alike on every rank), so ranks recomputing
+different calls agree in number and tag (docs/design.md, "Cross-rank consistency").
 """
 from __future__ import annotations
 
@@ -66,24 +68,43 @@ class BackwardTag:
     made once per signature); :meth:`receipt` records a visiting block's; :meth:`settle` judges them after the
     ring."""
 
-    def __init__(self, ring: Any, tag: int, number: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, ring: Any, tag: int, number: int, dtype: torch.dtype, device: torch.device,
+                 shortened: bool = False) -> None:
+        """``shortened``: a window shortens the ring (fewer steps than ranks): the values are carried the remaining
+        hops after it (:meth:`spread`), so the vector starts as zeros (unknown) with this rank's own value."""
         self.ring = ring
         i = number % BACKWARD_CYCLE
         self.fine = backward_values(tag, dtype)[i]
         self.source = backward_pattern(tag, dtype, device)[i:i + 1]
         self.codes = torch.empty(ring.world, dtype=dtype, device=device)
         self.received: list[int] = []
+        if shortened:
+            self.codes.zero_()
+            self.codes[ring.rank:ring.rank + 1].copy_(self.source)
 
     def receipt(self, src: int, elem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(dst, elem)`` to copy (:meth:`~.status.RingStatus.receipt`): the status element ``elem`` of the block of group
-        rank ``src``; on CUDA copied by the step's gradient adds (core/accumulators.py: ``add_all``)."""
+        """``(dst, elem)`` to copy (:meth:`~.status.RingStatus.receipt`): the status element ``elem`` of the block
+        of group rank ``src``; on CUDA copied by the step's gradient adds (core/accumulators.py: ``add_all``)."""
         self.received.append(src)
         return self.codes[src:src + 1], elem
 
+    def spread(self, steps: int) -> None:
+        """After a backward ring of ``steps < P`` steps (a window dropped the others): carry the values the
+        ``P - steps`` hops the K/V did not travel, as :meth:`~.status.RingStatus.spread` does the forward's
+        codes (channel ``bwd_status``; each entry is one rank's own value or 0, so the maximum merges what two
+        ranks know), so every rank compares every rank's. Without it a rank out of a diverged rank's reach got
+        that rank's wrong dK/dV back, silently (found by randomized testing)."""
+        world = self.ring.world
+        for hop in range(steps, world):
+            got = torch.empty_like(self.codes)
+            self.ring.exchange(self.codes.clone(), got, "bwd_status", hop).wait()
+            torch.maximum(self.codes, got, out=self.codes)
+        self.received = [r for r in range(world) if r != self.ring.rank]
+
     def settle(self) -> None:
         """After the backward ring (complete: an error here leaves it in step): raise where host reads are free;
-        on CUDA leave a host copy to the next forward ring's check (:meth:`~.status.PendingChecks.adopt`). A backward
-        captured in a CUDA graph is not checked (a host decision would not replay)."""
+        on CUDA leave a host copy to the next forward ring's check (:meth:`~.status.PendingChecks.adopt`). A
+        backward captured in a CUDA graph is not checked (a host decision would not replay)."""
         if not self.received:
             return
         ops = ops_for(self.codes.device)

@@ -199,6 +199,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             dkv.advance()
         kv.release(world)
         dk, dv = dkv.result(world)  # the last hop home waited for: the ring is complete
+        if kv.backward is not None and steps < world:
+            kv.backward.spread(steps)  # a window-shortened ring: the values travel the remaining hops
     if kv.backward is not None:  # which call's backward each rank ran (core/status.py): an error here leaves the
         kv.backward.settle()     # ring in step
     return dq, dk, dv

@@ -81,7 +81,8 @@ class KVStream:
             else:
                 # the first piece's status element says which call's backward this is (written with the K/V)
                 if backward and plan.tag and plan.number >= 0:
-                    self.backward = BackwardTag(plan.ring, plan.tag, plan.number, raws[0].dtype, k.device)
+                    self.backward = BackwardTag(plan.ring, plan.tag, plan.number, raws[0].dtype, k.device,
+                                                shortened=steps < plan.ring.world)
                 tagged = [(self._elem(cur[0]), self.backward.source)] if self.backward is not None else []
                 writes = self._writes(cur, tagged, flips=flips) if fused else [None] * n
                 self.flipped = fused and bool(flips)

@@ -38,8 +38,9 @@ from megatron_ring.errors import RingOutOfStepError, RingPeerError
 
 __all__ = ["Transport", "Ring", "LoopbackRing", "Exchange", "RingPeerError", "CHANNEL_TAGS", "looks_like_timeout"]
 
-# Distinct tags keep the K/V ring, the dK/dV ring and the status hops of a shortened ring apart on backends that match by tag (gloo).
-CHANNEL_TAGS = {"fwd_kv": 11, "bwd_kv": 12, "bwd_dkv": 13, "fwd_status": 14}
+# Distinct tags keep the K/V ring, the dK/dV ring and the status hops of a shortened ring (forward, backward) apart on
+# backends that match by tag (gloo).
+CHANNEL_TAGS = {"fwd_kv": 11, "bwd_kv": 12, "bwd_dkv": 13, "fwd_status": 14, "bwd_status": 15}
 
 Role = tuple[str, int]  # ("sending to" | "receiving from", peer global rank)
 
