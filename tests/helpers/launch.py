@@ -6,6 +6,7 @@ starts processes is marked ``slow`` (tests/conftest.py checks it).
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -26,10 +27,33 @@ def run_distributed(fn, world_size, *args, timeout=300.0, **kwargs):
 
 
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 now (the OS's choice)."""
-    with socket.socket() as s:
+    """A TCP port that is free on 127.0.0.1 now, BELOW the kernel's ephemeral range: a job's rank 0 binds its
+    rendezvous store there a second or more later, and a port the OS hands out (any socket bound to port 0: gloo's
+    listeners and connections of the other tests running beside it) can no longer take it in between. Before, the
+    OS chose one from that range and a concurrent test's gloo socket took it now and then: rank 0 failed to bind, the
+    others' store clients were reset by that socket (seen once in CI: a refusal test missed its message)."""
+    lo = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 20000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free below the range: the OS's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: /proc; elsewhere the IANA range's 49152)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 
