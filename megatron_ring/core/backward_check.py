@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_ring.core.status import CAPTURED, OK, defer, tag_value, values_of
+from megatron_ring.core.status import CAPTURED, OK, defer, spread_codes, tag_value, values_of
 from megatron_ring.device import ops_for
 from megatron_ring.errors import RingInputError
 from megatron_ring.schedules.on_device import cached_on
@@ -94,12 +94,8 @@ class BackwardTag:
         codes (channel ``bwd_status``; each entry is one rank's own value or 0, so the maximum merges what two
         ranks know), so every rank compares every rank's. Without it a rank out of a diverged rank's reach got
         that rank's wrong dK/dV back, silently (found by randomized testing)."""
-        world = self.ring.world
-        for hop in range(steps, world):
-            got = torch.empty_like(self.codes)
-            self.ring.exchange(self.codes.clone(), got, "bwd_status", hop).wait()
-            torch.maximum(self.codes, got, out=self.codes)
-        self.received = [r for r in range(world) if r != self.ring.rank]
+        spread_codes(self.ring, self.codes, steps, "bwd_status")
+        self.received = [r for r in range(self.ring.world) if r != self.ring.rank]
 
     def settle(self) -> None:
         """After the backward ring (complete: an error here leaves it in step): raise where host reads are free;

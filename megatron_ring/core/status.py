@@ -73,7 +73,8 @@ from megatron_ring.errors import WireFiniteError
 from megatron_ring.errors import RingInputError
 
 __all__ = ["RingInputError", "RingStatus", "PendingChecks", "StatusRecorder", "status_buffers", "raise_for",
-           "tag_value", "status_pattern", "status_elem", "payload_of", "values_of", "CAPTURED", "defer", "LATE_CHECKS"]
+           "tag_value", "status_pattern", "status_elem", "payload_of", "values_of", "CAPTURED", "defer", "LATE_CHECKS",
+           "spread_codes", "read_left"]
 
 OK, BAD_VALUES, BAD_INPUT = 0, 1, 2
 #: checks a ring leaves for later calls (:func:`defer`) that may wait there; the oldest beyond are read at once
@@ -309,14 +310,8 @@ class RingStatus:
         """After a forward ring of ``steps`` steps: carry the codes the ``P - steps`` hops the K/V blocks
         did not travel (a window dropped those steps), so that every rank has every rank's code.
 
-        Each hop sends this rank's whole code vector to the next rank and merges (maximum) the previous
-        rank's into it: after the K/V stream rank r knows ranks r, r-1, .., r-steps+1; every hop adds one.
         Every rank, the refusing one included, runs the same hops (same messages, same order)."""
-        world = self.ring.world
-        for hop in range(steps, world):
-            got = torch.empty_like(self.codes)
-            self.ring.exchange(self.codes.clone(), got, "fwd_status", hop).wait()
-            torch.maximum(self.codes, got, out=self.codes)
+        spread_codes(self.ring, self.codes, steps, "fwd_status")
 
     def settle(self, checks: PendingChecks) -> None:
         """After the forward ring: raise here, or leave the check for the backward ring (see module doc).
@@ -337,10 +332,7 @@ class RingStatus:
                                 "eagerly to get the named error")
             return
         if self.read_in_forward:
-            if self.ring.unchecked:  # CUDA, no backward, a value-checking wire: this read waits for the device anyway
-                earlier = PendingChecks()
-                earlier.adopt(self.ring)
-                earlier.check()
+            read_left(self.ring)  # CUDA, no backward, a value-checking wire: this read waits for the device anyway
             raise_for(self.codes.tolist(), self.ring, self.codec, explain, self.fine)
             return
         host, event = self.ops.to_host(self.codes)
@@ -353,6 +345,29 @@ class RingStatus:
                                                                    fine=self.fine, late=True)))
 
 
+def spread_codes(ring: Any, codes: torch.Tensor, steps: int, channel: str) -> None:
+    """The hops of a ring that a window shortened to ``steps`` steps, for the per-rank ``codes`` (entry i: rank i's
+    value, or 0 where not known yet): each hop sends this rank's whole vector to the next rank on ``channel`` and
+    merges (maximum) the previous rank's into it. After the K/V stream rank r knows ranks r, r-1, .., r-steps+1;
+    every hop adds one, so after ``P - steps`` hops every rank knows every rank's. The forward's codes
+    (:meth:`RingStatus.spread`) and the backward's values (:meth:`~.backward_check.BackwardTag.spread`)."""
+    for hop in range(steps, ring.world):
+        got = torch.empty_like(codes)
+        ring.exchange(codes.clone(), got, channel, hop).wait()
+        torch.maximum(codes, got, out=codes)
+
+
+def read_left(ring: Any, keep: int = 0) -> None:
+    """Read the checks earlier calls left on ``ring`` (:func:`defer`), all but the newest ``keep``; raise if one
+    fails. Waits for a copy only if the device has not completed it."""
+    if len(ring.unchecked) <= keep:
+        return
+    cut = len(ring.unchecked) - keep
+    checks = PendingChecks()
+    checks._items, ring.unchecked = ring.unchecked[:cut], ring.unchecked[cut:]
+    checks.check()
+
+
 def defer(ring: Any, item: tuple) -> None:
     """Leave the check ``item`` (``(host copy, event, ops, judge)``, as :class:`PendingChecks` holds them) on
     ``ring`` for a later call (:meth:`PendingChecks.adopt`: the next forward ring followed by a backward, or read in
@@ -360,11 +375,7 @@ def defer(ring: Any, item: tuple) -> None:
     on the device (no wait in practice). Every rank in step leaves the same checks, so every rank reads them at the
     same call."""
     ring.unchecked.append(item)
-    if len(ring.unchecked) > LATE_CHECKS:
-        oldest = PendingChecks()
-        oldest.adopt(ring)
-        ring.unchecked, oldest._items = oldest._items[-LATE_CHECKS:], oldest._items[:-LATE_CHECKS]
-        oldest.check()
+    read_left(ring, keep=LATE_CHECKS)
 
 
 def raise_for(codes: list[float], ring: Any, codec: KVCodec, explain: Callable[[], None] | None = None,

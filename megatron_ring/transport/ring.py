@@ -120,7 +120,8 @@ class Transport(abc.ABC):
         #: forward rings run on this transport (alike on every rank whose calls are in step): the number a
         #: backward ring's status is keyed on (core/backward_check.py: BackwardTag)
         self.forward_rings = 0
-        #: checks of backward rings left for the next forward ring's (core/backward_check.py: BackwardTag.settle)
+        #: status checks earlier calls left for a later call's (CUDA: backward rings', forward rings' without a
+        #: backward; core/status.py: defer)
         self.unchecked: list = []
 
     @abc.abstractmethod
