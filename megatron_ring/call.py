@@ -18,7 +18,7 @@ from megatron_ring.kernels.dropout import DropoutSpec
 from megatron_ring.wire.codecs import KVCodec, make_codec
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.core.max_logit import new_row_max
-from megatron_ring.kernels.block import BlockKernel, MathKernel, select_kernel
+from megatron_ring.kernels.block import BlockKernel, MathKernel, operand_head_dim, select_kernel
 from megatron_ring.schedules.layouts import Layout, get_layout
 from megatron_ring.schedules.masks import AttentionMask
 from megatron_ring.strategies import Refusal, refuse
@@ -137,11 +137,18 @@ class Call:
         """``return_max_logit``: the fp32 ``[h, s]`` per-row max accumulator of the BHSD ``qh`` (-inf)."""
         return new_row_max(qh.shape[1], qh.shape[2], qh.device) if self.max_logit and qh is not None else None
 
+    def padded(self, kernel: BlockKernel) -> BlockKernel:
+        """``kernel``, zero-padding its operands (exact, kernels/head_dim.py) when v's head dim differs from q's
+        (MLA) or the head dim is not a multiple of what the kernel takes (8 for the fused CUDA ones)."""
+        dqk, dv = self.tensors[0].shape[-1], self.tensors[2].shape[-1]
+        d = operand_head_dim(kernel, max(dqk, dv))
+        if (dqk != d or dv != d) and kernel.name not in NATIVE_HEAD_DIM_KERNELS:
+            return HeadDimPadKernel(kernel, d)
+        return kernel
+
     def plan(self, scale: float, kernel: BlockKernel, qh: torch.Tensor, dropout: DropoutSpec | None) -> RingPlan:
-        """The call's plan (MLA: the kernel zero-pads its operands when v's head dim differs from q's)."""
-        if self.tensors[2].shape[-1] != qh.shape[-1] and kernel.name not in NATIVE_HEAD_DIM_KERNELS:
-            kernel = HeadDimPadKernel(kernel)  # MLA: exact zero padding of the kernel's operands
-        plan = self.ring_plan(kernel, scale, dropout, self._row_max(qh))
+        """The call's plan, its kernel :meth:`padded`."""
+        plan = self.ring_plan(self.padded(kernel), scale, dropout, self._row_max(qh))
         if not (isinstance(self.head_chunks, int) and self.head_chunks >= 1):
             raise ValueError(f"head_chunks must be a positive integer, got {self.head_chunks!r}")
         return plan
@@ -167,7 +174,8 @@ class Call:
         except ValueError:  # every rank raises that before any exchange
             raise exc from None
         qh = self.bhsd(q) if q.ndim == 4 else None
-        kernel = select_kernel(qh, "auto") if collective else MathKernel()  # the ring alone computes nothing
+        # the ring alone computes nothing; the collective strategies run their forward on zeros
+        kernel = self.padded(select_kernel(qh, "auto", max(q.shape[-1], v.shape[-1]))) if collective else MathKernel()
         plan = self.ring_plan(kernel, k.shape[-1] ** -0.5,
                               row_max=self._row_max(qh) if collective else None)  # a2a: its max-logit exchange too
         refuse(Refusal(error=exc, comm_type=self.comm_type, plan=plan, q=qh, k=self.bhsd(k), v=self.bhsd(v),

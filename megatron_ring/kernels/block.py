@@ -38,14 +38,17 @@ import torch
 
 from megatron_ring.device import ops_for
 
-__all__ = ["BlockKernel", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel", "TorchFlashCudaKernel",
-           "CudnnKernel", "TEFusedKernel", "select_kernel", "KERNELS", "causal_sub_blocks", "set_deterministic",
-           "ReversedKernel"]
+__all__ = ["BlockKernel", "operand_head_dim", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel",
+           "TorchFlashCudaKernel", "CudnnKernel", "TEFusedKernel", "select_kernel", "KERNELS", "causal_sub_blocks",
+           "set_deterministic", "ReversedKernel"]
 
 
 class BlockKernel(abc.ABC):
     name: str = "abstract"
     supports_mask: bool = False  # True: forward/backward accept mask= (a masks.BlockMask)
+    #: the head dims it takes are multiples of this: a call's operands are zero-padded up to one
+    #: (:func:`operand_head_dim`, ``kernels/head_dim.py``; exact), as torch's SDPA pads them for its flash kernel
+    head_dim_multiple: int = 1
     #: deterministic backward: True/False as the call asked (select_kernel), None: the process default
     deterministic: bool | None = None
 
@@ -101,6 +104,13 @@ def causal_sub_blocks(sq: int, sk: int, causal: bool) -> list[tuple[slice, slice
     return [(slice(0, sk), slice(0, sk), True), (slice(sk, sq), slice(0, sk), False)]
 
 
+def operand_head_dim(kernel: BlockKernel, head_dim: int) -> int:
+    """The head dim ``kernel``'s operands have for a call of ``head_dim`` (the larger of Q/K's and V's): rounded up
+    to the kernel's :attr:`~BlockKernel.head_dim_multiple` (the fused CUDA kernels take multiples of 8)."""
+    m = kernel.head_dim_multiple
+    return -(-head_dim // m) * m
+
+
 def _cuda_arch(q: torch.Tensor) -> tuple[int, int]:
     """The GPU architecture of ``q``'s device, through the device seam ((0, 0): not a GPU)."""
     return ops_for(q.device).capability(q.device) or (0, 0)
@@ -111,8 +121,9 @@ def _cuda_only(q: torch.Tensor) -> str | None:
 
 
 def _fused_cuda_case(q: torch.Tensor, d: int, max_head_dim: int) -> str | None:
-    """What the fused CUDA attention kernels share: sm80+, fp16/bf16, head dim ``d`` a multiple of 8 and at
-    most ``max_head_dim``. Returns why not (None: the case fits)."""
+    """What the fused CUDA attention kernels share: sm80+, fp16/bf16, head dim ``d`` a multiple of 8 (their
+    :attr:`~BlockKernel.head_dim_multiple`: a call's operands are padded to one) and at most ``max_head_dim``.
+    Returns why not (None: the case fits)."""
     if why := _cuda_only(q):
         return why
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -338,6 +349,7 @@ class CudaSDPAKernel(_SquareCausal):
     """
 
     name = "sdpa_cuda"
+    head_dim_multiple = 8
 
     def unsupported(self, q, d):
         if why := _cuda_only(q):
@@ -384,6 +396,7 @@ class FlashAttnKernel(_SquareCausal):
     top-left contract. Needs sm80+, fp16/bf16, head dim <= 256 and a multiple of 8."""
 
     name = "flash_attn"
+    head_dim_multiple = 8
 
     def __init__(self) -> None:
         self._mod = None
@@ -427,6 +440,7 @@ class TorchFlashCudaKernel(_SquareCausal):
     (:func:`_kv_groups`), else expanded locally only."""
 
     name = "flash_cuda"
+    head_dim_multiple = 8
 
     def unsupported(self, q, head_dim):
         return (_fused_cuda_case(q, head_dim, 256) or _flash_backward_gap(q, head_dim)
@@ -456,6 +470,7 @@ class CudnnKernel(_SquareCausal):
     pass them (:func:`_kv_groups`: torch releases whose cuDNN path takes GQA), else expanded locally only."""
 
     name = "cudnn"
+    head_dim_multiple = 8
 
     def unsupported(self, q, head_dim):
         why = _fused_cuda_case(q, head_dim, 128) or _turned_off_in_torch("cudnn") or _deterministic_refusal(self)
@@ -510,6 +525,7 @@ class TEFusedKernel(_SquareCausal):
     runs)."""
 
     name = "te_fused"
+    head_dim_multiple = 8
 
     def __init__(self) -> None:
         self._fa = None
@@ -605,10 +621,12 @@ def _instance(name: str, det: bool) -> BlockKernel:
 def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim: int | None = None,
                   deterministic: bool | None = None) -> BlockKernel:
     """The kernel for ``q``: ``"auto"`` picks the first kernel of ``_AUTO_ORDER`` that supports the case,
-    once per (device, dtype, head dim, determinism, torch's flash / cuDNN SDPA switches), and caches it. ``head_dim``: the head dim the
-    kernel's operands will have (default q's; with MLA head dims, the larger of Q/K's and V's: they are
-    padded to it). ``deterministic``: the call's determinism (None: the process default, :func:`deterministic`);
-    the kernel returned carries it. A kernel named that cannot run the case is refused here, with the reason.
+    once per (device, dtype, head dim, determinism, torch's flash / cuDNN SDPA switches), and caches it.
+    ``head_dim``: the call's head dim (default q's; with MLA head dims, the larger of Q/K's and V's: the operands
+    are padded to it), which each kernel is asked about rounded up as :func:`operand_head_dim` pads it (a head dim
+    that is not a multiple of 8 runs on the fused CUDA kernels zero-padded, as torch's SDPA runs it on flash).
+    ``deterministic``: the call's determinism (None: the process default, :func:`deterministic`); the kernel
+    returned carries it. A kernel named that cannot run the case is refused here, with the reason.
     A kernel object is returned as it is (its own ``deterministic`` applies)."""
     if isinstance(kernel, BlockKernel):
         return kernel
@@ -621,13 +639,16 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim:
             raise ValueError(f"kernel {kernel!r} ({UNVERIFIED[kernel]}) is not verified on a GPU yet and is "
                              "refused; use kernel='auto', 'cudnn' or 'flash_cuda' (fp16/bf16, sm80+) or "
                              "kernel='math' (any dtype, fp32 included)")
-        why = _instance(kernel, det).unsupported(q, d)
+        dk = operand_head_dim(_instance(kernel, det), d)
+        why = _instance(kernel, det).unsupported(q, dk)
         if why:
-            raise ValueError(f"kernel {kernel!r} does not support {q.dtype} tensors with head dim {d} on "
+            padded = f" (padded to {dk})" if dk != d else ""
+            raise ValueError(f"kernel {kernel!r} does not support {q.dtype} tensors with head dim {d}{padded} on "
                              f"{q.device.type}: {why}; use kernel='auto' (it picks a kernel that can) or "
                              "kernel='math'")
         return _instance(kernel, det)
     key = (q.device, q.dtype, d, det, _torch_switches())
     if key not in _auto_choice:
-        _auto_choice[key] = next(k for k in (_instance(n, det) for n in _AUTO_ORDER) if k.unsupported(q, d) is None)
+        _auto_choice[key] = next(k for k in (_instance(n, det) for n in _AUTO_ORDER)
+                                 if k.unsupported(q, operand_head_dim(k, d)) is None)
     return _auto_choice[key]

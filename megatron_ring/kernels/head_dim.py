@@ -1,9 +1,17 @@
-""":class:`HeadDimPadKernel` — V's head dim ``d_v`` differs from Q/K's ``d_qk`` (multi-latent
-attention). torch's CPU flash op (and flash-attn 2) require equal head dims, so the wrapped kernel
-sees zero-padded operands: V (and dO, O in backward) padded to ``d_qk`` when ``d_v < d_qk``, Q and K
-padded to ``d_v`` otherwise. Zero columns change neither the scores nor the other output columns,
-so the result is exact; the padded columns are sliced off. Only the kernel's operands are padded:
-K and V travel the ring unpadded, as one packed buffer (the codecs pack K and V with separate shapes).
+""":class:`HeadDimPadKernel` — a kernel's operands zero-padded to one head dim ``d``, in two cases:
+
+* V's head dim ``d_v`` differs from Q/K's ``d_qk`` (multi-latent attention). torch's CPU flash op (and
+  flash-attn 2) require equal head dims, so V (and dO, O in backward) are padded to ``d_qk`` when
+  ``d_v < d_qk``, Q and K to ``d_v`` otherwise;
+* the head dim is not a multiple of what the kernel takes (the fused CUDA kernels: 8,
+  :attr:`~megatron_ring.kernels.block.BlockKernel.head_dim_multiple`): every operand is padded up to the next
+  multiple (``operand_head_dim``), as torch's SDPA pads them for its flash kernel.
+
+Zero columns of Q and K add nothing to a score; zero columns of V give zero output columns and change no other
+column. The softmax scale is the call's (its head dim's, not the padded one's: the kernels take it as given),
+so the result is exact; the padded columns are sliced off the output and the gradients. Only the kernel's
+operands are padded: K and V travel the ring unpadded, as one packed buffer (the codecs pack K and V with
+separate shapes).
 """
 from __future__ import annotations
 
@@ -25,12 +33,15 @@ def _pad_last(x: torch.Tensor, d: int) -> torch.Tensor:
 
 
 class HeadDimPadKernel(BlockKernel):
-    """Runs ``base`` on operands zero-padded to one head dim (exact; see the module docstring)."""
+    """Runs ``base`` on operands zero-padded to head dim ``d`` (None: the larger of Q/K's and V's; exact, see the
+    module docstring)."""
 
-    def __init__(self, base: BlockKernel) -> None:
+    def __init__(self, base: BlockKernel, d: int | None = None) -> None:
         self.base = base
+        self.d = d
         self.name = f"{base.name}+pad"
         self.supports_mask = base.supports_mask
+        self.head_dim_multiple = base.head_dim_multiple
 
     def unsupported(self, q, head_dim):
         return self.base.unsupported(q, head_dim)
@@ -40,15 +51,19 @@ class HeadDimPadKernel(BlockKernel):
         """As the base kernel (kernels/varlen.py: the lse in the kernel's own convention, passed through)."""
         return getattr(self.base, "takes_kernel_lse", False)
 
+    def padded_dim(self, dqk: int, dv: int) -> int:
+        """The head dim the base kernel's operands have for Q/K of ``dqk`` and V of ``dv``."""
+        return max(dqk, dv) if self.d is None else self.d
+
     def forward(self, q, k, v, causal, scale, **kw):
-        dqk, dv = q.shape[-1], v.shape[-1]
-        d = max(dqk, dv)
+        dv = v.shape[-1]
+        d = self.padded_dim(q.shape[-1], dv)
         out, lse = self.base.forward(_pad_last(q, d), _pad_last(k, d), _pad_last(v, d), causal, scale, **kw)
         return out[..., :dv], lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, **kw):
         dqk, dv_dim = q.shape[-1], v.shape[-1]
-        d = max(dqk, dv_dim)
+        d = self.padded_dim(dqk, dv_dim)
         dq, dk, dv = self.base.backward(_pad_last(dout, d), _pad_last(q, d), _pad_last(k, d), _pad_last(v, d),
                                         _pad_last(out, d), lse, causal, scale, **kw)
         return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]

@@ -178,6 +178,7 @@ class VarlenFlashCudaKernel(_VarlenKernel):
     """torch's variable-length CUDA flash kernel (see the module doc)."""
 
     name = "varlen_cuda"
+    head_dim_multiple = 8
 
     def unsupported(self, q, head_dim):
         return (_fused_cuda_case(q, head_dim, 256) or _flash_backward_gap(q, head_dim)
@@ -291,7 +292,7 @@ def masked_kernel(kernel: BlockKernel) -> BlockKernel:
         return chosen
     got = _chosen.get(kernel)
     if got is None or got.base is not chosen:
-        got = _chosen[kernel] = HeadDimPadKernel(chosen)
+        got = _chosen[kernel] = HeadDimPadKernel(chosen, kernel.d)
     return got
 
 
@@ -303,5 +304,8 @@ def whole_blocks(kernel: BlockKernel, q: torch.Tensor) -> bool:
     packed block of documents became dozens of small calls, each with its merge: on an H200 (2026-11-27) 1,015
     to 8,240 launches per call and 1-2% of one-GPU variable-length flash, host-bound."""
     chosen = masked_kernel(kernel)
-    base = chosen.base if isinstance(chosen, HeadDimPadKernel) else chosen
-    return isinstance(base, _VarlenKernel) and base.fits(q, q.shape[-1])
+    if not isinstance(chosen, HeadDimPadKernel):
+        return isinstance(chosen, _VarlenKernel) and chosen.fits(q, q.shape[-1])
+    # the head dim the kernel is handed (kernels/head_dim.py): V's is not known here, so with MLA head dims and no
+    # set dim this asks about Q's; the kernel itself asks again about the operands it gets (_plan)
+    return isinstance(chosen.base, _VarlenKernel) and chosen.base.fits(q, chosen.padded_dim(q.shape[-1], 0))

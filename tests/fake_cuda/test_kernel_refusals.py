@@ -1,7 +1,8 @@
 """A kernel asked for by name that cannot run the case is refused at the first call with a ValueError that
 names the reason and the fix, before any kernel runs -- never a crash inside a CUDA op. On fake CUDA with
 a faked GPU architecture (the device seam's ``capability``): a pre-sm80 GPU for the fused kernels, head dims
-a kernel does not take (cuDNN's 128, flash's 256, multiples of 8; MLA head dims count as the padded one),
+a kernel does not take (cuDNN's 128, flash's 256; MLA head dims, and head dims that are not a multiple of 8,
+count as the padded one: those run, padded),
 dtypes, deterministic mode, and ``sdpa_cuda`` (refused until verified on a GPU). fp32 on CUDA runs on the
 math kernel under ``auto``.
 """
@@ -27,7 +28,8 @@ REFUSED = [
     ("cudnn", (9, 0), torch.bfloat16, (192, 192), "at most 128, not 192"),
     ("cudnn", (9, 0), torch.bfloat16, (128, 192), "at most 128, not 192"),  # MLA: V's head dim, padded to
     ("flash_cuda", (9, 0), torch.bfloat16, (288, 288), "at most 256, not 288"),
-    ("cudnn", (9, 0), torch.bfloat16, (100, 100), "multiple of 8"),
+    ("cudnn", (9, 0), torch.bfloat16, (130, 130), r"head dim 130 \(padded to 136\).*at most 128, not 136"),
+    ("flash_cuda", (9, 0), torch.bfloat16, (250, 258), r"at most 256, not 264"),
     ("flash_cuda", (9, 0), torch.float32, (64, 64), "fp16 or bf16, not torch.float32"),
     ("sdpa_cuda", (9, 0), torch.bfloat16, (64, 64), "not verified on a GPU"),
     # torch's dispatcher refuses its flash backward there (sdp_utils: ..._head_dim_gt192_..._on_sm86_89_or_120)
@@ -37,7 +39,10 @@ REFUSED = [
 ]
 ALLOWED = [("flash_cuda", (8, 0), torch.float16, (64, 64)), ("cudnn", (9, 0), torch.bfloat16, (128, 64)),
            ("flash_cuda", (9, 0), torch.bfloat16, (256, 256)), ("flash_cuda", (9, 0), torch.bfloat16, (224, 224)),
-           ("flash_cuda", (8, 9), torch.bfloat16, (192, 192)), ("flash_cuda", (8, 9), torch.bfloat16, (256, 256))]
+           ("flash_cuda", (8, 9), torch.bfloat16, (192, 192)), ("flash_cuda", (8, 9), torch.bfloat16, (256, 256)),
+           # head dims that are not a multiple of 8: the operands zero-padded to one (kernels/head_dim.py)
+           ("cudnn", (9, 0), torch.bfloat16, (100, 100)), ("cudnn", (9, 0), torch.bfloat16, (121, 100)),
+           ("flash_cuda", (9, 0), torch.bfloat16, (250, 250))]
 
 
 def _first_call(kernel, cap, dtype, dims, calls):
@@ -239,3 +244,42 @@ def test_deterministic_calls_run_flash_under_torchs_strict_deterministic_mode(wa
         finally:
             torch.use_deterministic_algorithms(*before[:1], warn_only=before[1])
         assert K.select_kernel(q, "auto", deterministic=True).name == "math"  # the cached choice keys on torch's mode
+
+
+class _AttentionCalls(TorchDispatchMode):
+    """(op, head dims of q, k, v, scale) of every fused attention op called, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if "attention" in name and name.startswith("_"):
+            qkv = args[1:4] if "backward" in name else args[0:3]
+            self.calls.append((name, tuple(t.shape[-1] for t in qkv), (kwargs or {}).get("scale")))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_a_head_dim_that_is_not_a_multiple_of_8_runs_fused_and_padded(fmt):
+    """Head dim 100 under ``auto`` on an sm90: cuDNN (for packed documents, torch's variable-length flash kernel)
+    runs it, forward and backward, with every operand zero-padded to 104 and the call's softmax scale
+    (1/sqrt(100)), as torch's SDPA runs it on flash; before, it ran on the math kernel. The numbers of that
+    padding are checked on CPU (tests/test_head_dim_padding.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from tests.fake_cuda.test_fake_cuda import _inputs, _plan_on_host
+
+    case = Case(kernel="auto", fmt=fmt, layout="striped", dims=(100, 100))
+    _plan_on_host(case, 1)
+    with device.use("cuda", FakeCuda(capability=(9, 0))), FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v, kw, leaves = _inputs(case)
+        with _AttentionCalls() as seen:
+            out = ring_attention(q, k, v, ring=LoopbackRing(case.P, 1, q.device), **kw)
+            fake_backward(out, torch.ones_like(out), leaves)
+    assert out.shape == q.shape
+    names = {name for name, _, _ in seen.calls}
+    want = {"_flash_attention_forward", "_flash_attention_backward"} if fmt == "thd" else \
+        {"_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"}
+    assert want <= names, names  # (this rank's blocks of documents are all masked: the variable-length kernel)
+    assert {(dims, scale) for _, dims, scale in seen.calls} == {((104, 104, 104), 100 ** -0.5)}, seen.calls

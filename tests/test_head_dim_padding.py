@@ -1,0 +1,153 @@
+"""Head dims a kernel does not take run on it zero-padded (kernels/head_dim.py), exactly.
+
+The fused CUDA kernels (cuDNN, torch's flash, the variable-length flash kernel, flash_attn, TransformerEngine)
+take head dims that are multiples of 8 (``BlockKernel.head_dim_multiple``). A call whose head dim is not one
+(100, say) used to run on the math kernel, which materialises every block's scores in fp32. It now runs on
+the fused kernel with Q, K and V zero-padded to the next multiple of 8, as torch's SDPA pads them for its flash
+kernel, at the call's own softmax scale (``1/sqrt(d)``, not the padded dim's).
+
+On CPU the fused kernels cannot run, so a kernel that takes only multiples of 8 stands in: torch's CPU flash
+kernel that asserts the head dim of every operand it is handed. Through the whole ring (P threads, P = 1, 2,
+4; every layout, causal and not, GQA, MLA head dims both ways, packed documents with a window on the masked
+tasks' variable-length stand-in, bf16), outputs and dq/dk/dv are compared with the float64 reference at the
+call's head dim, within the derived bound of tests/helpers/numerics.py. Negative control: the padded head
+dim's softmax scale fails that bound. A rank refusing its input on the collective comm types runs its forward on
+zeros on the padded kernel too (with MLA head dims it crashed in the CPU flash kernel). The choice itself (which kernel ``auto`` picks, what a named kernel
+refuses) is checked on fake CUDA in tests/fake_cuda/test_kernel_refusals.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ring import ring_attention
+from megatron_ring.kernels import varlen
+from megatron_ring.kernels.block import FlashCPUKernel, operand_head_dim
+from megatron_ring.schedules.layouts import get_layout
+from tests.helpers.numerics import max_err, score_bound, tol
+from tests.helpers.reference import doc_attention_reference, outputs_and_grads
+from tests.helpers.ring_fakes import run_threads
+
+
+class MultipleOf8(FlashCPUKernel):
+    """torch's CPU flash kernel, taking head dims that are multiples of 8 only, as the fused CUDA kernels do
+    (``name`` stays ``flash_cpu``: the masked tasks then run on the variable-length CPU stand-in)."""
+
+    head_dim_multiple = 8
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def _check(self, q, k, v):
+        dims = (q.shape[-1], k.shape[-1], v.shape[-1])
+        self.seen.append(dims)
+        assert all(d % 8 == 0 for d in dims), f"handed head dims {dims}"
+
+    def forward(self, q, k, v, causal, scale, mask=None):
+        self._check(q, k, v)
+        return super().forward(q, k, v, causal, scale, mask=mask)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+        self._check(q, k, v)
+        return super().backward(dout, q, k, v, out, lse, causal, scale, mask=mask)
+
+
+def _ring(world, layout_name, causal, dims, *, dtype=torch.float32, cu=None, window=None, scale=None):
+    """(rows of (what, error, bound), the kernel): the ring over P threads vs the float64 reference."""
+    d, dv = dims
+    h, hk, T = 4, 2, 12 * world
+    layout = get_layout(layout_name)
+    g = torch.Generator().manual_seed(7 + d + 3 * dv)
+    q, k = torch.randn(T, h, d, generator=g).to(dtype), torch.randn(T, hk, d, generator=g).to(dtype)
+    v, dout = torch.randn(T, hk, dv, generator=g).to(dtype), torch.randn(T, h, dv, generator=g).to(dtype)
+    ref = outputs_and_grads(lambda *t: doc_attention_reference(*t, cu or [0, T], causal, window),
+                            q.double(), k.double(), v.double(), dout.double())
+    pos = [layout.positions(T, world, r) for r in range(world)]
+    kernel = MultipleOf8()
+
+    def rank(r, ring):
+        leaves = [t[pos[r]].detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*leaves, qkv_format="thd", causal=causal, layout=layout, ring=ring, kernel=kernel,
+                             cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32), window=window,
+                             softmax_scale=scale)
+        out.backward(dout[pos[r]])
+        return [out.detach()] + [t.grad for t in leaves]
+
+    res = run_threads(rank, world)
+    for x in res:
+        if isinstance(x, BaseException):
+            raise x
+    rows = []
+    for i, (what, want) in enumerate(zip(("out", "dq", "dk", "dv"), ref)):
+        got = torch.empty(want.shape, dtype=res[0][i].dtype)
+        for r in range(world):
+            got[pos[r]] = res[r][i]
+        rows.append((what, max_err(got, want), tol(want.abs().max().item(), dtype=dtype, n=max(T, d, dv),
+                                                    sigma=score_bound(q, k), blocks=2 * world)))
+    return rows, kernel
+
+
+CASES = [("zigzag", True, (12, 12), {}), ("striped", False, (20, 20), {}), ("contiguous", True, (12, 10), {}),
+         ("zigzag", False, (10, 12), {}), ("zigzag", True, (16, 12), {}),
+         ("striped", True, (12, 12), dict(cu=[0, 5, 6, 19, 30, 45], window=(7, 0))),
+         ("zigzag", True, (12, 12), dict(dtype=torch.bfloat16))]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout, causal, dims, kw", CASES, ids=lambda x: str(x).replace(" ", ""))
+def test_padded_head_dims_match_float64(world, layout, causal, dims, kw, monkeypatch):
+    if kw.get("cu"):  # the documents that fit the stream of 12 * P tokens
+        kw = dict(kw, cu=[c for c in kw["cu"] if c <= 12 * world])
+    stand_in, stand_in_saw = varlen._VARLEN_CPU, []
+
+    def spy(q, k, v, *a, **kws):
+        stand_in_saw.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return type(stand_in).forward(stand_in, q, k, v, *a, **kws)
+    monkeypatch.setattr(stand_in, "forward", spy)
+    varlen.COUNTS.clear()
+    with varlen.cpu_stand_in():
+        rows, kernel = _ring(world, layout, causal, dims, **kw)
+    bad = [row for row in rows if not row[1] <= row[2]]
+    assert not bad, bad
+    padded = {(operand_head_dim(kernel, max(dims)),) * 3}
+    assert set(kernel.seen) <= padded and set(stand_in_saw) <= padded, (kernel.seen, stand_in_saw)
+    if kw.get("cu"):  # documents and a window: the masked tasks ran on the variable-length stand-in
+        assert stand_in_saw and varlen.COUNTS["varlen_cpu"] > 0 and varlen.COUNTS["math"] == 0, varlen.COUNTS
+    else:
+        assert kernel.seen
+
+
+def test_the_padded_dims_softmax_scale_fails_the_bound():
+    """Not vacuous: the scale of the padded head dim (16) instead of the call's (12) fails the bound."""
+    rows, _ = _ring(2, "zigzag", True, (12, 12), scale=16 ** -0.5)
+    assert any(not err <= bound for _, err, bound in rows), rows
+
+
+def _refusal_worker(rank, world):
+    """A rank that refuses its kernel after the cross-rank check, on the collective comm types with MLA head dims:
+    its forward on zeros (which the others' collectives wait for) runs on the padded kernel too. Last, the
+    negative control: without the padding there, torch's CPU flash kernel rejects the unequal head dims."""
+    from megatron_ring import call as call_mod
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 8, 4, 16, generator=g), torch.randn(1, 8, 4, 16, generator=g), torch.randn(1, 8, 4, 8,
+                                                                                                      generator=g)
+    got = []
+    for comm_type, unpadded in (("a2a", False), ("all_gather", False), ("a2a", True)):
+        if unpadded:
+            call_mod.Call.padded = lambda self, kernel: kernel
+        try:
+            ring_attention(q, k, v, causal=True, comm_type=comm_type, timeout_s=20,
+                           kernel="cudnn" if rank == 1 else "auto")  # cudnn: not on a CPU, refused on rank 1 only
+            got.append("returned")
+        except Exception as exc:  # noqa: BLE001 - the outcome is the test
+            got.append(type(exc).__name__)
+    return got
+
+
+@pytest.mark.slow
+def test_a_refusal_on_the_collective_comm_types_runs_the_padded_kernel():
+    from tests.helpers.launch import run_distributed
+
+    got = run_distributed(_refusal_worker, 2, timeout=120)
+    assert [r[:2] for r in got] == [["RingInputError"] * 2, ["ValueError"] * 2], got
+    assert got[1][2] == "RuntimeError", got  # the control: the refusing rank crashed in the CPU flash kernel
