@@ -25,11 +25,16 @@ NATIVE_HEAD_DIM_KERNELS = ("math", "dropout")  # kernels that take d_v != d_qk w
 
 
 def _pad_last(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x`` zero-padded to head dim ``d``, in ``x``'s memory order (its dims ordered by stride, the head dim
+    innermost): a padded ``out`` keeps the layout the kernel's forward gave it (q's), as an unpadded one does, and
+    cuDNN keys its cached backward plans on q, k and v only (docs/design.md, "cuDNN's graph cache")."""
     if x.shape[-1] == d:
         return x
-    out = x.new_zeros(*x.shape[:-1], d)
-    out[..., : x.shape[-1]].copy_(x)
-    return out
+    outer = sorted(range(x.dim() - 1), key=lambda i: -x.stride(i))  # stable: ties (size-1 dims) keep their order
+    order = [*outer, x.dim() - 1]
+    buf = x.new_zeros([x.shape[i] for i in outer] + [d]).permute(*(order.index(i) for i in range(x.dim())))
+    buf[..., : x.shape[-1]].copy_(x)
+    return buf
 
 
 class HeadDimPadKernel(BlockKernel):

@@ -42,16 +42,16 @@ SCALE = 0.125
 #: kernel name -> (its class, torch's forward op called as torch's SDPA calls it, torch's backward op)
 OPS = {
     "flash_cuda": (K.TorchFlashCudaKernel,
-                   lambda q, k, v, c: torch.ops.aten._scaled_dot_product_flash_attention(
-                       q, k, v, 0.0, c, False, scale=SCALE),
+                   lambda q, k, v, c, scale=SCALE: torch.ops.aten._scaled_dot_product_flash_attention(
+                       q, k, v, 0.0, c, False, scale=scale),
                    "aten::_scaled_dot_product_flash_attention_backward"),
     "cudnn": (K.CudnnKernel,
-              lambda q, k, v, c: torch.ops.aten._scaled_dot_product_cudnn_attention(
-                  q, k, v, None, True, 0.0, c, False, scale=SCALE),
+              lambda q, k, v, c, scale=SCALE: torch.ops.aten._scaled_dot_product_cudnn_attention(
+                  q, k, v, None, True, 0.0, c, False, scale=scale),
               "aten::_scaled_dot_product_cudnn_attention_backward"),
     "sdpa_cuda": (K.CudaSDPAKernel,
-                  lambda q, k, v, c: torch.ops.aten._scaled_dot_product_efficient_attention(
-                      q, k, v, None, True, 0.0, c, scale=SCALE),
+                  lambda q, k, v, c, scale=SCALE: torch.ops.aten._scaled_dot_product_efficient_attention(
+                      q, k, v, None, True, 0.0, c, scale=scale),
                   "aten::_scaled_dot_product_efficient_attention_backward"),
 }
 
@@ -209,13 +209,13 @@ def test_the_comparison_flags_the_calls_found_wrong_on_a_gpu(name, before, flagg
 # --- in the engine: every backward call a ring makes, against torch's call on the same q, k, v, dout --------
 
 def _torch_call_on(name: str, call):
-    """torch's own backward call for the q, k, v and dout of one of our recorded calls."""
+    """torch's own backward call for the q, k, v, dout and softmax scale of one of our recorded calls."""
     func, args, kwargs = call
     values = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
     causal = values.get("is_causal", False)  # a trailing default is left out of the recorded call
     with torch.enable_grad():
         q, k, v = (values[n].detach().requires_grad_() for n in ("query", "key", "value"))
-        out = OPS[name][1](q, k, v, causal)[0]
+        out = OPS[name][1](q, k, v, causal, values["scale"])[0]
     dout = args[0]
     with torch.no_grad(), BackwardRecorder(OPS[name][2]) as rec:
         out.grad_fn(torch.empty_like(out).copy_(dout))
@@ -231,14 +231,20 @@ def _same_layout_view(diff) -> bool:
     _, name, theirs, ours = diff
     if name not in ("grad_out", "out") or theirs[:3] != ours[:3] or theirs[4:] != ours[4:]:
         return False
-    order = lambda strides: sorted(range(len(strides)), key=lambda i: -strides[i])  # noqa: E731
-    return order(theirs[3]) == order(ours[3]) and all(o >= t for t, o in zip(theirs[3], ours[3]))
+    dims = [i for i, n in enumerate(theirs[2]) if n > 1]  # a dim of one element: its stride says nothing
+    order = lambda strides: sorted(dims, key=lambda i: -strides[i])  # noqa: E731
+    return order(theirs[3]) == order(ours[3]) and all(ours[3][i] >= theirs[3][i] for i in dims)
 
 
 ENGINE_CASES = [dict(P=2), dict(P=2, fmt="sbhd", causal=False), dict(P=4, heads=(8, 2)),
                 dict(P=2, dtype=torch.float16, layout="striped"), dict(P=4, window=(40, 0)),
                 dict(P=2, heads=(8, 4), head_chunks=2), dict(P=4, heads=(8, 4), kv_pieces=2),
-                dict(P=2, fmt="sbhd", heads=(8, 4), head_chunks=2)]
+                dict(P=2, fmt="sbhd", heads=(8, 4), head_chunks=2),
+                # head dims the kernels do not take, zero-padded (kernels/head_dim.py): both sides, or one side
+                # (MLA), whose padded operand keeps its memory order (a BHSD ``out`` once, for BSHD q); K/V pieces
+                # of one head
+                dict(P=2, dims=(100, 100)), dict(P=2, dims=(128, 64)), dict(P=4, fmt="sbhd", dims=(120, 128)),
+                dict(P=2, heads=(2, 2), kv_pieces=2)]
 
 
 def engine_differences(name: str, case: dict) -> list:
