@@ -26,7 +26,7 @@ from megatron_ring.kernels.block import FlashCPUKernel, operand_head_dim
 from megatron_ring.schedules.layouts import get_layout
 from tests.helpers.numerics import max_err, score_bound, tol
 from tests.helpers.reference import doc_attention_reference, outputs_and_grads
-from tests.helpers.ring_fakes import run_threads
+from tests.helpers.ring_fakes import thd_ring_in_global_order
 
 
 class MultipleOf8(FlashCPUKernel):
@@ -62,28 +62,13 @@ def _ring(world, layout_name, causal, dims, *, dtype=torch.float32, cu=None, win
     v, dout = torch.randn(T, hk, dv, generator=g).to(dtype), torch.randn(T, h, dv, generator=g).to(dtype)
     ref = outputs_and_grads(lambda *t: doc_attention_reference(*t, cu or [0, T], causal, window),
                             q.double(), k.double(), v.double(), dout.double())
-    pos = [layout.positions(T, world, r) for r in range(world)]
     kernel = MultipleOf8()
-
-    def rank(r, ring):
-        leaves = [t[pos[r]].detach().clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*leaves, qkv_format="thd", causal=causal, layout=layout, ring=ring, kernel=kernel,
-                             cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32), window=window,
-                             softmax_scale=scale)
-        out.backward(dout[pos[r]])
-        return [out.detach()] + [t.grad for t in leaves]
-
-    res = run_threads(rank, world)
-    for x in res:
-        if isinstance(x, BaseException):
-            raise x
-    rows = []
-    for i, (what, want) in enumerate(zip(("out", "dq", "dk", "dv"), ref)):
-        got = torch.empty(want.shape, dtype=res[0][i].dtype)
-        for r in range(world):
-            got[pos[r]] = res[r][i]
-        rows.append((what, max_err(got, want), tol(want.abs().max().item(), dtype=dtype, n=max(T, d, dv),
-                                                    sigma=score_bound(q, k), blocks=2 * world)))
+    got = thd_ring_in_global_order(world, layout, q, k, v, dout, causal=causal, kernel=kernel, window=window,
+                                   cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32),
+                                   softmax_scale=scale)
+    rows = [(what, max_err(a, want), tol(want.abs().max().item(), dtype=dtype, n=max(T, d, dv),
+                                         sigma=score_bound(q, k), blocks=2 * world))
+            for what, a, want in zip(("out", "dq", "dk", "dv"), got, ref)]
     return rows, kernel
 
 

@@ -19,13 +19,12 @@ import random
 import pytest
 import torch
 
-from megatron_ring import ring_attention
 from megatron_ring.kernels import varlen, varlen_plan
 from megatron_ring.schedules.layouts import TaskKind, get_layout
 from megatron_ring.schedules.masks import AttentionMask, DocumentZigzag, schedule
 from tests.helpers.numerics import max_err, score_bound, tol
 from tests.helpers.reference import doc_attention_reference, outputs_and_grads
-from tests.helpers.ring_fakes import run_threads
+from tests.helpers.ring_fakes import thd_ring_in_global_order
 
 
 def _docs(T: int, seed: int) -> list[int]:
@@ -56,26 +55,8 @@ def _ring(world, layout, causal, cu, window, heads, dtype, seed, d_v=16, T=None)
     dout = dout[..., :d_v].contiguous()
     ref = outputs_and_grads(lambda *t: doc_attention_reference(*t, cu or [0, T], causal, window),
                             q.double(), k.double(), v.double(), dout.double())
-    pos = [layout.positions(T, world, r) for r in range(world)]
     cu_t = torch.tensor(cu, dtype=torch.int32) if cu is not None else None
-
-    def rank(r, ring):
-        leaves = [t[pos[r]].detach().clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*leaves, qkv_format="thd", cu_seqlens=cu_t, causal=causal, layout=layout,
-                             window=window, ring=ring)
-        out.backward(dout[pos[r]])
-        return [out.detach()] + [t.grad for t in leaves]
-
-    res = run_threads(rank, world)
-    for x in res:
-        if isinstance(x, BaseException):
-            raise x
-    got = []
-    for i in range(4):
-        full = torch.empty((T,) + res[0][i].shape[1:], dtype=res[0][i].dtype)
-        for r in range(world):
-            full[pos[r]] = res[r][i]
-        got.append(full)
+    got = thd_ring_in_global_order(world, layout, q, k, v, dout, cu_seqlens=cu_t, causal=causal, window=window)
     sigma = score_bound(q, k)
     return [(what, max_err(a, b), tol(b.abs().max().item(), dtype=dtype, n=max(T, d), sigma=sigma,
                                       blocks=2 * world))

@@ -129,3 +129,31 @@ def run_threads(fn, world):
     for t in threads:
         t.join(300)
     return results
+
+
+def thd_ring_in_global_order(world, layout, q, k, v, dout, **call_kw):
+    """``ring_attention`` on each rank's share (``layout``'s positions) of the packed ``q, k, v [T, h, d]``
+    (``qkv_format="thd"``, ``call_kw`` passed on), backward with its share of ``dout``, on ``world`` threads;
+    returns ``[out, dq, dk, dv]`` put back in the global token order (an exception of any rank is raised)."""
+    from megatron_ring import ring_attention
+
+    T = q.shape[0]
+    pos = [layout.positions(T, world, r) for r in range(world)]
+
+    def rank(r, ring):
+        leaves = [t[pos[r]].detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*leaves, qkv_format="thd", layout=layout, ring=ring, **call_kw)
+        out.backward(dout[pos[r]])
+        return [out.detach()] + [t.grad for t in leaves]
+
+    res = run_threads(rank, world)
+    for x in res:
+        if isinstance(x, BaseException):
+            raise x
+    got = []
+    for i in range(4):
+        full = torch.empty((T,) + res[0][i].shape[1:], dtype=res[0][i].dtype)
+        for r in range(world):
+            full[pos[r]] = res[r][i]
+        got.append(full)
+    return got
