@@ -17,7 +17,7 @@ import pytest
 import torch
 from tests.helpers.launch import run_distributed
 
-from megatron_ring.wire.codecs import CastCodec, FP8Codec, IdentityCodec, KVCodec, KVSpec, make_codec
+from megatron_ring.wire.codecs import CastCodec, FP8Codec, IdentityCodec, KVCodec, KVSpec, WIRE_ALIGN, make_codec
 from megatron_ring.errors import WireFiniteError
 
 torch.set_num_threads(1)
@@ -383,6 +383,28 @@ def test_wire_bytes_formula() -> None:
     assert FP8Codec(group_tokens=1).wire_bytes(spec) == nk + nv + 4 * 2 * (2 * 4 * 130)
     assert CastCodec(torch.bfloat16).wire_bytes(spec) == 2 * (nk + nv)
     assert IdentityCodec().wire_bytes(spec) == 2 * (nk + nv)
+    odd = KVSpec((1, 2, 3, 9), (1, 2, 3, 16), torch.bfloat16, CPU)  # 150 payload + 16 scale bytes: rounded up to 176
+    assert FP8Codec(group_tokens=64).wire_bytes(odd) == 176 == -(-(2 * 3 * 25 + 4 * 2 * 2) // WIRE_ALIGN) * WIRE_ALIGN
+
+
+def test_fp8_buffers_laid_back_to_back_decode():
+    """all_gather's chunks and a2a's splits lay one FP8 buffer per rank back to back in one tensor: with a payload
+    that is not a multiple of 4 bytes (head dims 9 and 16) the next buffer's fp32 scales started unaligned
+    ("storage_offset() must be divisible by 4"; a crash on one rank, the others waited out the timeout). Each
+    buffer is a multiple of WIRE_ALIGN bytes, and its alignment tail is zeroed by the encoder."""
+    g = torch.Generator().manual_seed(3)
+    c = FP8Codec()
+    blocks = [(torch.randn(1, 2, 3, 9, generator=g), torch.randn(1, 2, 3, 16, generator=g)) for _ in range(3)]
+    spec = spec_of(*blocks[0])
+    n = c.wire_bytes(spec)
+    assert n % WIRE_ALIGN == 0 and n > 2 * 3 * 25 + 16
+    flat = torch.full((3 * n,), 7, dtype=torch.uint8)
+    for (k, v), buf in zip(blocks, flat.chunk(3)):
+        c.encode(k, v, buf)
+    for (k, v), buf in zip(blocks, flat.chunk(3)):
+        assert torch.equal(buf[2 * 3 * 25 + 16:], torch.zeros(n - 2 * 3 * 25 - 16, dtype=torch.uint8))
+        kd, vd = c.decode(buf, spec)
+        assert (kd - k).abs().max() <= 2 ** -3 * k.abs().max() and (vd - v).abs().max() <= 2 ** -3 * v.abs().max()
 
 
 def test_fp8_decode_rejects_wrong_buffer() -> None:

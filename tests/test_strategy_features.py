@@ -196,3 +196,34 @@ def test_deferred_status_check_raises_at_the_start_of_backward():
             assert torch.equal(x.grad, torch.ones(3))
         assert waited
         waited.clear()
+
+
+def _odd_fp8_worker(rank, world):
+    """The FP8 wire on the collective comm types with head dims 9 / 16: one FP8 buffer of 150 payload bytes a rank,
+    laid back to back (all_gather's chunks, a2a's splits). The next rank's scales started at an unaligned offset:
+    a crash on the rank decoding it, the others waiting out the timeout. Outputs and gradients vs float64."""
+    g = torch.Generator().manual_seed(9)
+    S, layout = 6 * world, "zigzag"
+    q, k, v, dout = (torch.randn(1, S, n, d, generator=g) for n, d in ((4, 9), (2, 9), (2, 16), (4, 16)))
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = feature_reference(*ref_in, causal=True)
+    ref.backward(dout.double())
+    refs = [ref.detach()] + [t.grad for t in ref_in]
+    rows = []
+    for ct in ("all_gather", "a2a"):
+        local = [shard_sequence(t, 1, layout=layout).requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*local, causal=True, layout=layout, comm_type=ct, comm_dtype="fp8", timeout_s=TIMEOUT_S)
+        out.backward(shard_sequence(dout, 1, layout=layout))
+        for what, a, r in zip(("out", "dq", "dk", "dv"), [out.detach()] + [t.grad for t in local], refs):
+            rows.append(((ct, what), max_err(a, shard_sequence(r, 1, layout=layout)),
+                         tol(r.abs().max().item(), dtype=torch.float32, n=S, sigma=score_bound(q, k), wire="fp8",
+                             blocks=2 * world)))
+    return rows
+
+
+@pytest.mark.slow
+def test_fp8_wire_with_odd_head_dims_on_the_collective_comm_types():
+    checks = Checks("fp8 wire, head dims 9/16, all_gather and a2a, P=2")
+    for rows in run_distributed(_odd_fp8_worker, 2, timeout=300):
+        checks.extend(rows)
+    checks.check(min_rows=16)

@@ -198,6 +198,11 @@ class CastCodec(_FlatCodec):
 
 
 
+#: the FP8 wire buffer's size is a multiple of this many bytes (:class:`FP8Codec`: buffers laid back to back stay
+#: aligned for the fp32 view of their scales and for 16-byte vector access)
+WIRE_ALIGN = 16
+
+
 class FP8Codec(KVCodec):
     """Scaled FP8 wire: K/V quantized to ``fp8_dtype`` with one fp32 power-of-two scale per group.
 
@@ -211,9 +216,12 @@ class FP8Codec(KVCodec):
 
     Wire buffer: ONE 1-D ``uint8`` tensor (gloo collectives reject fp8; point-to-point does not care)::
 
-        [ K scales fp32 (b*h_k*gk) | V scales fp32 (b*h_v*gv) | K fp8 (b*h_k*s*d_k) | V fp8 (b*h_v*s*d_v) ]
+        [ K scales fp32 (b*h_k*gk) | V scales fp32 (b*h_v*gv) | K fp8 (b*h_k*s*d_k) | V fp8 (b*h_v*s*d_v) | tail ]
 
-    Scales come first so their fp32 view is 4-byte aligned; ``g = ceil(s / group_tokens)``.
+    Scales come first so their fp32 view is 4-byte aligned; ``g = ceil(s / group_tokens)``. The unused ``tail``
+    (never written or read) rounds the buffer up to a multiple of :data:`WIRE_ALIGN` bytes, so that buffers the
+    collective strategies lay back to back (all_gather's chunks, a2a's splits) start aligned too: with
+    ``b*h*s*(d_k+d_v)`` not a multiple of 4 the next rank's scales could not be viewed as fp32.
 
     Non-finite input: with ``check_finite=True`` (default) :meth:`encode` raises
     :class:`WireFiniteError` naming the tensor and the first bad (b, h, group). With ``False`` (no
@@ -255,23 +263,27 @@ class FP8Codec(KVCodec):
 
     def wire_bytes(self, spec: KVSpec) -> int:
         nsk, nsv, nk, nv = self._layout(spec)
-        return 4 * (nsk + nsv) + nk + nv
+        return -(-(4 * (nsk + nsv) + nk + nv) // WIRE_ALIGN) * WIRE_ALIGN
 
     def new_buffer(self, spec: KVSpec) -> torch.Tensor:
         return torch.empty(self.wire_bytes(spec), dtype=torch.uint8, device=spec.device)
 
     def _views(
-        self, buf: torch.Tensor, k_shape: tuple[int, ...], v_shape: tuple[int, ...]
+        self, buf: torch.Tensor, k_shape: tuple[int, ...], v_shape: tuple[int, ...], clear_tail: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scale views ``[b, h, g]`` fp32 and payload views ``[b, h, s, d]`` fp8 into ``buf``."""
+        """Scale views ``[b, h, g]`` fp32 and payload views ``[b, h, s, d]`` fp8 into ``buf`` (``clear_tail``: the
+        encoder's call, which zeroes the alignment tail, if there is one: the same input gives the same bytes)."""
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise ValueError(f"FP8 wire buffer must be 1-D uint8, got {buf.dtype} {tuple(buf.shape)}")
         spec = KVSpec(tuple(k_shape), tuple(v_shape), torch.float32, buf.device)  # type: ignore[arg-type]
         nsk, nsv, nk, nv = self._layout(spec)
-        if buf.numel() != 4 * (nsk + nsv) + nk + nv:
+        if buf.numel() != self.wire_bytes(spec):
             raise ValueError(f"FP8 wire buffer has {buf.numel()} bytes, expected {self.wire_bytes(spec)}")
+        end = 4 * (nsk + nsv) + nk + nv
+        if clear_tail and end < buf.numel():
+            buf[end:].zero_()
         scales = buf[: 4 * (nsk + nsv)].view(torch.float32)
-        payload = buf[4 * (nsk + nsv) :].view(self.fp8_dtype)
+        payload = buf[4 * (nsk + nsv) : end].view(self.fp8_dtype)
         bk, hk, sk, _ = k_shape
         bv, hv, sv, _ = v_shape
         return (
@@ -339,7 +351,7 @@ class FP8Codec(KVCodec):
         return self.launch_rule is not None and x.device.type == "cuda"
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        ks, vs, kp, vp = self._views(out, tuple(k.shape), tuple(v.shape))
+        ks, vs, kp, vp = self._views(out, tuple(k.shape), tuple(v.shape), clear_tail=True)
         self._quantize(k, ks, kp, "K")
         self._quantize(v, vs, vp, "V")
 
@@ -349,7 +361,7 @@ class FP8Codec(KVCodec):
         if not self.check_finite:
             self.encode(k, v, out)
             return None
-        ks, vs, kp, vp = self._views(out, tuple(k.shape), tuple(v.shape))
+        ks, vs, kp, vp = self._views(out, tuple(k.shape), tuple(v.shape), clear_tail=True)
         flags = [f for f in (self._quantize(k, ks, kp, "K", True), self._quantize(v, vs, vp, "V", True))
                  if f is not None]
         return None if not flags else flags[0] if len(flags) == 1 else flags[0] | flags[1]
