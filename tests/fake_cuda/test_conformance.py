@@ -17,7 +17,8 @@ over a task's rows, or a K/V piece's heads, as a view of a larger buffer in the 
 The variable-length flash kernel of masked tasks (``kernels/varlen.py``: ``aten._flash_attention_forward`` /
 ``_flash_attention_backward`` with ``cum_seq_q/k`` and a window) is compared the same way, call by call: each
 forward call it makes is repeated with ``requires_grad`` inputs and torch's autograd node gives the backward
-call ours must equal.
+call ours must equal; the same runs on every call a whole ring makes on packed documents (padded and MLA head dims
+included), each backward call paired with the forward call of the same task.
 
 Why this matters: the meta kernels FakeTensorMode runs check shapes, not which optional tensors are
 defined or which layout a kernel assumes. On a real GPU, defined empty ``cum_seq_q/k`` send the flash and
@@ -399,3 +400,54 @@ def test_the_cuda_seam_asks_torchs_dispatch_rule_once_per_case(monkeypatch):
     assert [ops.takes_gqa("cudnn", q, k, k, True) for _ in range(3)] == [True] * 3
     assert not ops.takes_gqa("cudnn", q, k[:, :, :8], k[:, :, :8], True)
     assert asked == [(True, True, (1, 2, 16, 64)), (True, True, (1, 2, 8, 64))]
+
+
+ENGINE_VARLEN_CASES = [dict(P=2, fmt="thd", layout="striped"), dict(P=4, fmt="thd", window=(40, 0)),
+                       dict(P=2, fmt="thd", layout="striped", dims=(100, 100)),
+                       dict(P=4, fmt="thd", dims=(128, 64), heads=(8, 2))]
+
+
+def engine_varlen_calls(case: dict) -> tuple[list, set, set]:
+    """Through ``ring_attention`` (fake CUDA, loopback ring, ``auto``): the differences of every
+    ``_flash_attention_backward`` call of the masked tasks from torch's call for the same inputs, and the head
+    dims and scales of those calls."""
+    from tests.fake_cuda.test_fake_cuda import Case, _inputs, _plan_on_host, fake_backward
+    from megatron_ring import ring_attention
+    from megatron_ring.transport.ring import LoopbackRing
+
+    c = Case(kernel="auto", **case)
+    rank = c.P // 2
+    _plan_on_host(c, rank)
+    seam, fake = _fake()
+    with seam, fake:
+        q, k, v, kw, leaves = _inputs(c)
+        with BackwardRecorder("aten::_flash_attention_forward") as fwd:
+            out = ring_attention(q, k, v, ring=LoopbackRing(c.P, rank, q.device), **kw)
+        with BackwardRecorder(VARLEN_OP) as rec:
+            fake_backward(out, torch.randn_like(out), leaves)
+        assert rec.calls and len(rec.calls) == len(fwd.calls)  # the backward ring runs the forward's calls in order
+        found = [d for f, call in zip(fwd.calls, rec.calls) for d in differing(_varlen_torch_call(f, call), call)]
+        return (found, {_values(call)["query"].shape[-1] for call in rec.calls},
+                {_values(call)["scale"] for call in rec.calls})
+
+
+@pytest.mark.parametrize("case", ENGINE_VARLEN_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_the_engine_calls_each_varlen_backward_as_torch_would(case):
+    """On packed documents, every ``_flash_attention_backward`` call the ring makes equals torch's autograd call
+    for the same inputs, up to ``out``/``dout`` views in the same memory order; head dims the kernel does not take
+    arrive zero-padded, at the call's scale."""
+    found, dims, scales = engine_varlen_calls(case)
+    assert [d for d in found if not _same_layout_view(d)] == [], found
+    dqk, dv = case.get("dims", (64, 64))
+    assert dims == {-(-max(dqk, dv) // 8) * 8} and len(scales) == 1, (dims, scales)
+    assert scales.pop() == pytest.approx(dqk ** -0.5, rel=1e-12)  # the call's head dim's, not the padded one's
+
+
+def test_the_engine_varlen_comparison_flags_a_wrong_call(monkeypatch):
+    """Not vacuous: with the backward called with int64 cumulative lengths and without the window, the engine's
+    calls differ from torch's in exactly those arguments."""
+    from megatron_ring.kernels.varlen import VarlenFlashCudaKernel
+
+    monkeypatch.setattr(VarlenFlashCudaKernel, "_bwd", _varlen_bwd_int64)
+    found, _, _ = engine_varlen_calls(dict(P=4, fmt="thd", window=(40, 0)))
+    assert sorted({d[0] for d in found if not _same_layout_view(d)}) == [6, 7, 15, 16], found
