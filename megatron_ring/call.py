@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import torch
 
 from megatron_ring.core.launch import direct_launch_ok, has_triton
-from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, HeadDimPadKernel
+from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, padded_kernel
 from megatron_ring.kernels.dropout import DropoutSpec
 from megatron_ring.wire.codecs import KVCodec, make_codec
 from megatron_ring.core.plan import RingPlan
@@ -143,7 +143,7 @@ class Call:
         dqk, dv = self.tensors[0].shape[-1], self.tensors[2].shape[-1]
         d = operand_head_dim(kernel, max(dqk, dv))
         if (dqk != d or dv != d) and kernel.name not in NATIVE_HEAD_DIM_KERNELS:
-            return HeadDimPadKernel(kernel, d)
+            return padded_kernel(kernel, d)
         return kernel
 
     def plan(self, scale: float, kernel: BlockKernel, qh: torch.Tensor, dropout: DropoutSpec | None) -> RingPlan:

@@ -639,14 +639,15 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim:
             raise ValueError(f"kernel {kernel!r} ({UNVERIFIED[kernel]}) is not verified on a GPU yet and is "
                              "refused; use kernel='auto', 'cudnn' or 'flash_cuda' (fp16/bf16, sm80+) or "
                              "kernel='math' (any dtype, fp32 included)")
-        dk = operand_head_dim(_instance(kernel, det), d)
-        why = _instance(kernel, det).unsupported(q, dk)
+        named = _instance(kernel, det)
+        dk = operand_head_dim(named, d)
+        why = named.unsupported(q, dk)
         if why:
             padded = f" (padded to {dk})" if dk != d else ""
             raise ValueError(f"kernel {kernel!r} does not support {q.dtype} tensors with head dim {d}{padded} on "
                              f"{q.device.type}: {why}; use kernel='auto' (it picks a kernel that can) or "
                              "kernel='math'")
-        return _instance(kernel, det)
+        return named
     key = (q.device, q.dtype, d, det, _torch_switches())
     if key not in _auto_choice:
         _auto_choice[key] = next(k for k in (_instance(n, det) for n in _AUTO_ORDER)

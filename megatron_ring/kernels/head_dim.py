@@ -15,11 +15,13 @@ separate shapes).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_ring.kernels.block import BlockKernel
 
-__all__ = ["HeadDimPadKernel", "NATIVE_HEAD_DIM_KERNELS"]
+__all__ = ["HeadDimPadKernel", "padded_kernel", "NATIVE_HEAD_DIM_KERNELS"]
 
 NATIVE_HEAD_DIM_KERNELS = ("math", "dropout")  # kernels that take d_v != d_qk without padding
 
@@ -38,10 +40,10 @@ def _pad_last(x: torch.Tensor, d: int) -> torch.Tensor:
 
 
 class HeadDimPadKernel(BlockKernel):
-    """Runs ``base`` on operands zero-padded to head dim ``d`` (None: the larger of Q/K's and V's; exact, see the
-    module docstring)."""
+    """Runs ``base`` on operands zero-padded to head dim ``d`` (exact, see the module docstring); stateless, one
+    object per (base, d): :func:`padded_kernel`."""
 
-    def __init__(self, base: BlockKernel, d: int | None = None) -> None:
+    def __init__(self, base: BlockKernel, d: int) -> None:
         self.base = base
         self.d = d
         self.name = f"{base.name}+pad"
@@ -56,19 +58,20 @@ class HeadDimPadKernel(BlockKernel):
         """As the base kernel (kernels/varlen.py: the lse in the kernel's own convention, passed through)."""
         return getattr(self.base, "takes_kernel_lse", False)
 
-    def padded_dim(self, dqk: int, dv: int) -> int:
-        """The head dim the base kernel's operands have for Q/K of ``dqk`` and V of ``dv``."""
-        return max(dqk, dv) if self.d is None else self.d
-
     def forward(self, q, k, v, causal, scale, **kw):
-        dv = v.shape[-1]
-        d = self.padded_dim(q.shape[-1], dv)
+        dv, d = v.shape[-1], self.d
         out, lse = self.base.forward(_pad_last(q, d), _pad_last(k, d), _pad_last(v, d), causal, scale, **kw)
         return out[..., :dv], lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, **kw):
-        dqk, dv_dim = q.shape[-1], v.shape[-1]
-        d = self.padded_dim(dqk, dv_dim)
+        dqk, dv_dim, d = q.shape[-1], v.shape[-1], self.d
         dq, dk, dv = self.base.backward(_pad_last(dout, d), _pad_last(q, d), _pad_last(k, d), _pad_last(v, d),
                                         _pad_last(out, d), lse, causal, scale, **kw)
         return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]
+
+
+@functools.lru_cache(maxsize=64)
+def padded_kernel(base: BlockKernel, d: int) -> HeadDimPadKernel:
+    """``base`` on operands padded to head dim ``d``: one object per (kernel object, d), so a call's plan, its masked
+    tasks' kernel (kernels/varlen.py) and every later call share it."""
+    return HeadDimPadKernel(base, d)

@@ -28,7 +28,6 @@ plan). :data:`COUNTS` counts the tasks each ran.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import Counter
 
 import torch
@@ -36,7 +35,7 @@ import torch
 from megatron_ring.kernels.block import (BlockKernel, MathKernel, _deterministic_refusal, _flash_backward_gap,
                                           _fused_cuda_case, _torch_switches, _turned_off_in_torch,
                                           _unused_rng)
-from megatron_ring.kernels.head_dim import HeadDimPadKernel
+from megatron_ring.kernels.head_dim import HeadDimPadKernel, padded_kernel
 from megatron_ring.kernels.varlen_plan import SegmentPlan, VarlenCall, plan_for, visible_in_segment
 
 __all__ = ["VarlenFlashCudaKernel", "VarlenCPUKernel", "masked_kernel", "whole_blocks", "cpu_stand_in", "COUNTS",
@@ -271,14 +270,14 @@ def _with_flag(det: bool | None) -> VarlenFlashCudaKernel:
 #: per determinism flag of the plan's kernel (True/False: the call's, None: the process default)
 _VARLEN_CUDA = {det: _with_flag(det) for det in (None, True, False)}
 _VARLEN_CPU = VarlenCPUKernel()
-_chosen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a padded kernel -> its padded choice
 
 
 def masked_kernel(kernel: BlockKernel) -> BlockKernel:
     """The kernel for the masked tasks of a plan whose kernel is ``kernel`` (once per kernel object): the
     variable-length flash kernel for a fused CUDA kernel (it falls back to the math kernel per case it does not
     take), the CPU stand-in within :func:`cpu_stand_in`, ``kernel`` itself if it takes masks, else the math
-    kernel. MLA's head-dim padding (:class:`HeadDimPadKernel`) wraps the chosen kernel as it wraps ``kernel``."""
+    kernel. The head-dim padding (:class:`HeadDimPadKernel`: MLA head dims, or a head dim the kernels do not take)
+    wraps the chosen kernel as it wraps ``kernel``."""
     base = kernel.base if isinstance(kernel, HeadDimPadKernel) else kernel
     if _stand_in and base.name in ("flash_cpu", "math"):
         chosen = _VARLEN_CPU
@@ -290,10 +289,7 @@ def masked_kernel(kernel: BlockKernel) -> BlockKernel:
         chosen = _MATH
     if chosen is _MATH or not isinstance(kernel, HeadDimPadKernel):
         return chosen
-    got = _chosen.get(kernel)
-    if got is None or got.base is not chosen:
-        got = _chosen[kernel] = HeadDimPadKernel(chosen, kernel.d)
-    return got
+    return padded_kernel(chosen, kernel.d)
 
 
 def whole_blocks(kernel: BlockKernel, q: torch.Tensor) -> bool:
@@ -306,6 +302,4 @@ def whole_blocks(kernel: BlockKernel, q: torch.Tensor) -> bool:
     chosen = masked_kernel(kernel)
     if not isinstance(chosen, HeadDimPadKernel):
         return isinstance(chosen, _VarlenKernel) and chosen.fits(q, q.shape[-1])
-    # the head dim the kernel is handed (kernels/head_dim.py): V's is not known here, so with MLA head dims and no
-    # set dim this asks about Q's; the kernel itself asks again about the operands it gets (_plan)
-    return isinstance(chosen.base, _VarlenKernel) and chosen.base.fits(q, chosen.padded_dim(q.shape[-1], 0))
+    return isinstance(chosen.base, _VarlenKernel) and chosen.base.fits(q, chosen.d)  # the dim it is handed
