@@ -21,7 +21,8 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONPATH="$PWD:$PWD/lab${PYTHON
 FILES=(tests/test_kernel_contract.py tests/test_merge_and_kernels.py tests/test_validation.py tests/test_properties.py
        tests/test_codec.py tests/test_ring_attention.py tests/test_strategies.py tests/test_documents.py
        tests/test_kv_pieces.py tests/test_model_features.py tests/test_strategy_features.py tests/test_wire_accuracy.py
-       tests/test_cost_model.py tests/test_dynamic_cp.py tests/test_document_zigzag.py tests/test_ulysses_heads.py)
+       tests/test_cost_model.py tests/test_dynamic_cp.py tests/test_document_zigzag.py tests/test_ulysses_heads.py
+       tests/test_row_tiles.py)
 MARK=(); EXTRA=(); SLOW=0
 if [ "${1:-}" = "--fast" ]; then
   MARK=(-m "not slow"); EXTRA=(tests/test_model_features.py::test_mla_sinks_dropout_match_reference); shift

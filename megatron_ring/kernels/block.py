@@ -40,7 +40,7 @@ from megatron_ring.device import ops_for
 
 __all__ = ["BlockKernel", "operand_head_dim", "MathKernel", "FlashCPUKernel", "CudaSDPAKernel",
            "TorchFlashCudaKernel", "CudnnKernel", "TEFusedKernel", "select_kernel", "KERNELS", "causal_sub_blocks",
-           "set_deterministic", "ReversedKernel"]
+           "set_deterministic", "ReversedKernel", "RowTiled", "row_tiles", "hidden_pairs", "SCORE_BUDGET"]
 
 
 class BlockKernel(abc.ABC):
@@ -215,11 +215,95 @@ class _SquareCausal(BlockKernel):
         raise NotImplementedError
 
 
-class MathKernel(BlockKernel):
-    """Plain fp32 matmul/softmax. Slow, exact, works on every device and dtype."""
+#: the most elements one fp32 score tensor ``[b, h, rows, keys]`` of the math kernels holds (2^26: 256 MiB); a
+#: larger block runs in tiles of query rows (:func:`row_tiles`), so the fallback's memory is bounded whatever the
+#: block (fp32 on CUDA, GPUs before sm80, head dims over 256 run on it)
+SCORE_BUDGET = 1 << 26
+
+
+def row_tiles(b: int, h: int, sq: int, sk: int, causal: bool, budget: int = SCORE_BUDGET) -> list[tuple[slice, slice]]:
+    """``(query rows, key rows)`` of each tile of a ``[b, h, sq, sk]`` block whose scores would exceed ``budget``
+    elements: tiles of ``budget // (b h sk)`` rows (at least one); a top-left causal tile reads only the keys
+    its rows may see (``j <= i``). One tile, the whole block, when the scores fit."""
+    rows = max(1, budget // max(1, b * h * sk))
+    if rows >= sq:
+        return [(slice(0, sq), slice(0, sk))]
+    return [(slice(a, min(sq, a + rows)), slice(0, min(sk, a + rows) if causal else sk)) for a in range(0, sq, rows)]
+
+
+def hidden_pairs(causal: bool, mask, rows: slice, keys: slice, device) -> torch.Tensor | None:
+    """Bool ``[rows, keys]``: the pairs of a tile that are hidden (top-left causal: key j > query i, in the block's
+    row numbering; or not allowed by ``mask``, a :class:`~megatron_ring.schedules.masks.BlockMask`); None: none."""
+    hidden = None
+    if causal:
+        i = torch.arange(rows.start, rows.stop, device=device)[:, None]
+        hidden = torch.arange(keys.start, keys.stop, device=device)[None, :] > i
+    if mask is not None:
+        off = ~mask.allowed(device, rows=rows, keys=keys)
+        hidden = off if hidden is None else hidden | off
+    return hidden
+
+
+class RowTiled(BlockKernel):
+    """A kernel that materialises fp32 scores, run in tiles of query rows (:func:`row_tiles`): exact, rows are
+    independent; the backward sums dK/dV over the tiles in fp32. A subclass gives ``_tile_forward`` (fp32 out, lse)
+    and ``_tile_backward`` (fp32 dq, dk, dv) of one tile; ``rows``/``keys`` place it in the block (its causal
+    offset, its share of the mask and of per-row extras such as positions)."""
+
+    supports_mask = True
+    #: elements of one fp32 score tensor per tile (:data:`SCORE_BUDGET`; tests set a small one)
+    score_budget = SCORE_BUDGET
+
+    def _tiles(self, q, k, causal):
+        b, h, sq, _ = q.shape
+        return row_tiles(b, h, sq, k.shape[2], causal, self.score_budget)
+
+    def forward(self, q, k, v, causal, scale, mask=None, **extra):
+        tiles = self._tiles(q, k, causal)
+        if len(tiles) == 1:
+            out, lse = self._tile_forward(q, k, v, causal, scale, mask, *tiles[0], **extra)
+            return out.to(q.dtype), lse
+        b, h, sq, _ = q.shape
+        out = q.new_empty((b, h, sq, v.shape[-1]))
+        lse = q.new_empty((b, h, sq), dtype=torch.float32)
+        for rows, keys in tiles:
+            o, l_ = self._tile_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale, mask, rows, keys,
+                                       **extra)
+            out[:, :, rows] = o
+            lse[:, :, rows] = l_
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, **extra):
+        tiles = self._tiles(q, k, causal)
+        if len(tiles) == 1:
+            dq, dk, dv = self._tile_backward(dout, q, k, v, out, lse, causal, scale, mask, *tiles[0], **extra)
+        else:
+            dq = q.new_empty(q.shape)
+            dk = k.new_zeros(k.shape, dtype=torch.float32)
+            dv = v.new_zeros(v.shape, dtype=torch.float32)
+            for rows, keys in tiles:
+                tq, tk, tv = self._tile_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                                 out[:, :, rows], lse[:, :, rows], causal, scale, mask, rows, keys,
+                                                 **extra)
+                dq[:, :, rows] = tq
+                dk[:, :, keys] += tk
+                dv[:, :, keys] += tv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    @abc.abstractmethod
+    def _tile_forward(self, q, k, v, causal, scale, mask, rows, keys, **extra):
+        """(out fp32 or q's dtype, lse fp32) of the tile's rows against its keys."""
+
+    @abc.abstractmethod
+    def _tile_backward(self, dout, q, k, v, out, lse, causal, scale, mask, rows, keys, **extra):
+        """(dq, dk, dv) in fp32 of the tile."""
+
+
+class MathKernel(RowTiled):
+    """Plain fp32 matmul/softmax. Slow, exact, works on every device and dtype; blocks whose scores exceed
+    :data:`SCORE_BUDGET` elements run in tiles of query rows."""
 
     name = "math"
-    supports_mask = True
 
     @staticmethod
     def _grouped(q: torch.Tensor, h_kv: int) -> torch.Tensor:
@@ -227,28 +311,23 @@ class MathKernel(BlockKernel):
         return q.reshape(b, h_kv, h // h_kv, s, d)
 
     @staticmethod
-    def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, mask=None) -> torch.Tensor:
+    def _scores(q, k, causal, scale, mask, rows, keys) -> torch.Tensor:
         qg = MathKernel._grouped(q.float(), k.shape[1])
         s = torch.einsum("bkgqd,bksd->bkgqs", qg, k.float()) * scale
-        if causal:
-            sq, sk = s.shape[-2:]
-            hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1)
-            s = s.masked_fill(hidden, float("-inf"))
-        if mask is not None:
-            s = s.masked_fill(~mask.allowed(q.device), float("-inf"))
-        return s
+        hidden = hidden_pairs(causal, mask, rows, keys, q.device)
+        return s if hidden is None else s.masked_fill(hidden, float("-inf"))
 
-    def forward(self, q, k, v, causal, scale, mask=None):
-        s = self._scores(q, k, causal, scale, mask)
+    def _tile_forward(self, q, k, v, causal, scale, mask, rows, keys):
+        s = self._scores(q, k, causal, scale, mask, rows, keys)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - _finite_lse(lse).unsqueeze(-1))  # rows with no key: all zeros
         out = torch.einsum("bkgqs,bksd->bkgqd", p, v.float())
         b, h, sq, d = q.shape
-        return out.reshape(b, h, sq, v.shape[-1]).to(q.dtype), lse.reshape(b, h, sq)
+        return out.reshape(b, h, sq, v.shape[-1]), lse.reshape(b, h, sq)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+    def _tile_backward(self, dout, q, k, v, out, lse, causal, scale, mask, rows, keys):
         h_kv = k.shape[1]
-        s = self._scores(q, k, causal, scale, mask)
+        s = self._scores(q, k, causal, scale, mask, rows, keys)
         lse_g = self._grouped(_finite_lse(lse).unsqueeze(-1), h_kv)
         p = torch.exp(s - lse_g)
         do = self._grouped(dout.float(), h_kv)
@@ -258,7 +337,7 @@ class MathKernel(BlockKernel):
         ds = p * (dp - delta) * scale
         dq = torch.einsum("bkgqs,bksd->bkgqd", ds, k.float()).reshape(q.shape)
         dk = torch.einsum("bkgqs,bkgqd->bksd", ds, self._grouped(q.float(), h_kv))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv
 
 
 class FlashCPUKernel(BlockKernel):

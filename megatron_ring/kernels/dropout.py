@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_ring.kernels import dropout_triton  # the fused kernels' launchers and ops (Triton on use)
-from megatron_ring.kernels.block import BlockKernel
+from megatron_ring.kernels.block import SCORE_BUDGET, RowTiled, hidden_pairs
 
 _M32 = 0xFFFFFFFF
 
@@ -84,7 +84,7 @@ class DropoutSpec:
         return keep_mask(self.seed, rows, qpos, kpos, self.p).view(b, h, len(qpos), len(kpos))
 
 
-class DropoutKernel(BlockKernel):
+class DropoutKernel(RowTiled):
     """fp32 block attention with the positional dropout mask (after softmax, scaled by 1/(1-p)).
 
     The lse is that of the undropped scores (dropout does not change the denominator), so the engine's
@@ -92,20 +92,21 @@ class DropoutKernel(BlockKernel):
     """
 
     name = "dropout"
-    supports_mask = True
+    #: a tile also holds the int64 keep hashes and their scratch (16 bytes a pair): a quarter of the math
+    #: kernel's score elements
+    score_budget = SCORE_BUDGET // 4
 
     def __init__(self, spec: DropoutSpec) -> None:
         self.spec = spec
 
-    def _probs(self, q, k, causal, scale, mask, lse=None):
+    def _probs(self, q, k, causal, scale, mask, rows, keys, lse=None):
         b, h, sq, _ = q.shape
         h_kv = k.shape[1]
         qg = q.float().reshape(b, h_kv, h // h_kv, sq, -1)
         s = torch.einsum("bkgqd,bksd->bkgqs", qg, k.float()).mul_(scale).reshape(b, h, sq, -1)
-        if causal:
-            s.masked_fill_(torch.ones(sq, s.shape[-1], dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
-        if mask is not None:
-            s.masked_fill_(~mask.allowed(q.device), float("-inf"))
+        hidden = hidden_pairs(causal, mask, rows, keys, q.device)
+        if hidden is not None:
+            s.masked_fill_(hidden, float("-inf"))
         if lse is None:
             lse = torch.logsumexp(s, -1)
         p = torch.exp(s.sub_(lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1)))
@@ -114,19 +115,19 @@ class DropoutKernel(BlockKernel):
     def _keep(self, q, qpos, kpos):
         return self.spec.keep(q.shape[0], q.shape[1], qpos.to(q.device), kpos.to(q.device))
 
-    def forward(self, q, k, v, causal, scale, mask=None, qpos=None, kpos=None):
+    def _tile_forward(self, q, k, v, causal, scale, mask, rows, keys, qpos=None, kpos=None):
         b, h, sq, _ = q.shape
-        p, lse = self._probs(q, k, causal, scale, mask)
-        pd = p.masked_fill_(~self._keep(q, qpos, kpos), 0.0).mul_(1.0 / (1.0 - self.spec.p))
+        p, lse = self._probs(q, k, causal, scale, mask, rows, keys)
+        pd = p.masked_fill_(~self._keep(q, qpos[rows], kpos[keys]), 0.0).mul_(1.0 / (1.0 - self.spec.p))
         h_kv = k.shape[1]
         out = torch.einsum("bkgqs,bksd->bkgqd", pd.view(b, h_kv, h // h_kv, sq, -1), v.float())
-        return out.reshape(b, h, sq, v.shape[-1]).to(q.dtype), lse
+        return out.reshape(b, h, sq, v.shape[-1]), lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, qpos=None, kpos=None):
+    def _tile_backward(self, dout, q, k, v, out, lse, causal, scale, mask, rows, keys, qpos=None, kpos=None):
         b, h, sq, _ = q.shape
         h_kv, g = k.shape[1], h // k.shape[1]
-        p, _ = self._probs(q, k, causal, scale, mask, lse=lse.float())
-        z = self._keep(q, qpos, kpos).float().mul_(1.0 / (1.0 - self.spec.p))
+        p, _ = self._probs(q, k, causal, scale, mask, rows, keys, lse=lse.float())
+        z = self._keep(q, qpos[rows], kpos[keys]).float().mul_(1.0 / (1.0 - self.spec.p))
         do = dout.float()
         delta = (do * out.float()).sum(-1, keepdim=True)
         dog = do.view(b, h_kv, g, sq, -1)
@@ -135,7 +136,7 @@ class DropoutKernel(BlockKernel):
         ds = p.mul_(dp.mul_(z).sub_(delta)).mul_(scale).view(b, h_kv, g, sq, -1)
         dq = torch.einsum("bkgqs,bksd->bkgqd", ds, k.float()).reshape(q.shape)
         dk = torch.einsum("bkgqs,bkgqd->bksd", ds, q.float().view(b, h_kv, g, sq, -1))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv
 
 
 class FusedDropoutKernel(DropoutKernel):

@@ -121,9 +121,11 @@ class BlockMask:
             self._on[device] = tuple(t.to(device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))
         return self._on[device]
 
-    def allowed(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Bool ``[sq, sk]`` (True: visible), computed on ``device``."""
-        return self.rule.allowed(*self.vectors(device))
+    def allowed(self, device: torch.device | str = "cpu", rows: slice = slice(None),
+                keys: slice = slice(None)) -> torch.Tensor:
+        """Bool ``[sq, sk]`` (True: visible), computed on ``device``; ``rows``/``keys``: only those query/key rows."""
+        qpos, qdoc, kpos, kdoc = self.vectors(device)
+        return self.rule.allowed(qpos[rows], qdoc[rows], kpos[keys], kdoc[keys])
 
     def row_ranges(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Each query row's visible key rows ``[lo, hi)`` on the host (:meth:`AttentionMask.row_ranges`)."""

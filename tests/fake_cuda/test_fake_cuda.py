@@ -62,6 +62,7 @@ class Case:
     sink: str | None = None  # None, "float", "tensor"
     dropout: float = 0.0
     comm_type: str = "p2p"
+    s_local: int = S_LOCAL  # tokens per rank
 
     @property
     def id(self) -> str:
@@ -162,7 +163,7 @@ def _inputs(case: Case):
     b = 1 if case.fmt == "thd" else 2
     h, hk = case.heads
     dqk, dv = case.dims
-    s = S_LOCAL
+    s = case.s_local
 
     def make(heads, d):
         shape = {"bshd": (b, s, heads, d), "sbhd": (s, b, heads, d), "thd": (s, heads, d)}[case.fmt]
@@ -235,18 +236,19 @@ def _plan_on_host(case: Case, rank: int) -> set[str]:
     from megatron_ring.schedules.layouts import get_layout
     from megatron_ring.schedules.masks import needed_steps, schedule
 
-    total = S_LOCAL * case.P
+    s = case.s_local
+    total = s * case.P
     cu = [0, 37, total // 2 + 5, total - 9] if case.fmt == "thd" else None
     rule = _attention_mask(case.causal, cu, case.window, total)
     kinds = {"dense"}
     if not rule.plain:
         kinds = set()
         lay = get_layout(case.layout)
-        needed_steps(lay, rule, case.P, S_LOCAL)
+        needed_steps(lay, rule, case.P, s)
         for t in range(case.P):
             # tiles (math kernel, dropout) and whole blocks (a variable-length kernel: varlen.whole_blocks)
-            for tile in (None, S_LOCAL):
-                for task in schedule(lay, rule, case.P, rank, (rank - t) % case.P, S_LOCAL, tile):
+            for tile in (None, s):
+                for task in schedule(lay, rule, case.P, rank, (rank - t) % case.P, s, tile):
                     if task.kind is TaskKind.MASKED:
                         plan_for(task.mask)  # the masked task's segment plan (kernels/varlen_plan.py), host work
                     kinds.add("masked" if task.kind is TaskKind.MASKED else "dense")

@@ -83,6 +83,37 @@ def test_kernel_negative_control_wrong_mask_is_over_the_bound(device, name):
     assert checks is not None and checks.worst() > 10, checks and checks.rows
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_math_kernel_in_row_tiles_vs_float64(monkeypatch, device, causal):
+    """fp32 on CUDA runs the math kernel; a block over its score budget runs in tiles of query rows
+    (kernels/block.py ``row_tiles``): here 16 tiles of 16 rows, vs float64."""
+    monkeypatch.setattr(K.MathKernel, "score_budget", 2 * 8 * 256 * 16)
+    assert len(K.row_tiles(2, 8, 256, 256, causal, K.MathKernel.score_budget)) == 16
+    checks = kernel_checks(device, "math", torch.float32, 64, 256, 256, causal, (8, 2))
+    checks.check(min_rows=5)
+
+
+def test_math_kernel_peak_memory_on_cuda():
+    """A causal block whose fp32 scores are 8 GiB (32 heads, 8K x 8K, GQA 32/8) runs forward and backward on the
+    math kernel with a peak of at most a quarter of that beyond its inputs (tiles of 256 MiB of scores)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 32, 8192, 128, device="cuda", generator=g)
+    k, v = (torch.randn(1, 8, 8192, 128, device="cuda", generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    kern = K.MathKernel()
+    out, lse = kern.forward(q, k, v, True, 128 ** -0.5)
+    grads = kern.backward(dout, q, k, v, out, lse, True, 128 ** -0.5)
+    torch.cuda.synchronize()
+    peak, scores = torch.cuda.max_memory_allocated() - base, 32 * 8192 * 8192 * 4
+    print(f"math kernel, 8K x 8K, 32 heads: peak {peak / 2**20:.0f} MiB beyond the inputs (scores {scores / 2**20:.0f} MiB)")
+    assert all(torch.isfinite(t).all() for t in (out, *grads))
+    assert peak <= scores / 4, peak
+
+
 def test_side_stream_overlaps_and_orders_a_delayed_exchange():
     side = SideStream(torch.device("cuda"))
     src = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
