@@ -313,28 +313,26 @@ class MathKernel(RowTiled):
     @staticmethod
     def _scores(q, k, causal, scale, mask, rows, keys) -> torch.Tensor:
         qg = MathKernel._grouped(q.float(), k.shape[1])
-        s = torch.einsum("bkgqd,bksd->bkgqs", qg, k.float()) * scale
+        s = torch.einsum("bkgqd,bksd->bkgqs", qg, k.float()).mul_(scale)
         hidden = hidden_pairs(causal, mask, rows, keys, q.device)
-        return s if hidden is None else s.masked_fill(hidden, float("-inf"))
+        return s if hidden is None else s.masked_fill_(hidden, float("-inf"))
 
     def _tile_forward(self, q, k, v, causal, scale, mask, rows, keys):
         s = self._scores(q, k, causal, scale, mask, rows, keys)
         lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - _finite_lse(lse).unsqueeze(-1))  # rows with no key: all zeros
+        p = s.sub_(_finite_lse(lse).unsqueeze(-1)).exp_()  # in place (one score tensor); rows with no key: zeros
         out = torch.einsum("bkgqs,bksd->bkgqd", p, v.float())
         b, h, sq, d = q.shape
         return out.reshape(b, h, sq, v.shape[-1]), lse.reshape(b, h, sq)
 
     def _tile_backward(self, dout, q, k, v, out, lse, causal, scale, mask, rows, keys):
         h_kv = k.shape[1]
-        s = self._scores(q, k, causal, scale, mask, rows, keys)
-        lse_g = self._grouped(_finite_lse(lse).unsqueeze(-1), h_kv)
-        p = torch.exp(s - lse_g)
+        p = self._scores(q, k, causal, scale, mask, rows, keys)
+        p.sub_(self._grouped(_finite_lse(lse).unsqueeze(-1), h_kv)).exp_()  # in place: two score tensors at most
         do = self._grouped(dout.float(), h_kv)
         delta = (do * self._grouped(out.float(), h_kv)).sum(-1, keepdim=True)
         dv = torch.einsum("bkgqs,bkgqd->bksd", p, do)
-        dp = torch.einsum("bkgqd,bksd->bkgqs", do, v.float())
-        ds = p * (dp - delta) * scale
+        ds = torch.einsum("bkgqd,bksd->bkgqs", do, v.float()).sub_(delta).mul_(p).mul_(scale)
         dq = torch.einsum("bkgqs,bksd->bkgqd", ds, k.float()).reshape(q.shape)
         dk = torch.einsum("bkgqs,bkgqd->bksd", ds, self._grouped(q.float(), h_kv))
         return dq, dk, dv
