@@ -1,4 +1,4 @@
-"""The math kernels in tiles of query rows (kernels/block.py ``row_tiles``, ``RowTiled``).
+"""The math kernels in tiles of query rows (kernels/math_kernel.py ``row_tiles``, ``RowTiled``).
 
 The math kernel (fp32 on CUDA, GPUs before sm80, head dims over 256, masked blocks that fall back) and the torch
 dropout kernel materialise a block's fp32 scores. A block whose scores exceed ``score_budget`` elements runs in
@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ring.kernels import block
-from megatron_ring.kernels.block import MathKernel, row_tiles
+from megatron_ring.kernels import math_kernel
+from megatron_ring.kernels.math_kernel import MathKernel, row_tiles
 from megatron_ring.kernels.dropout import DropoutKernel, DropoutSpec
 from megatron_ring.schedules.masks import AttentionMask, BlockMask
 from tests.helpers.numerics import Checks, lse_tol, max_err, score_bound, tol
@@ -168,12 +168,12 @@ def test_no_tensor_exceeds_the_budget(kind):
 def test_tiles_that_lose_their_row_offset_fail_the_bound(monkeypatch):
     """Negative control: a tile whose causal rows are numbered from 0 (its offset in the block lost) is over the
     float64 bound, so the bound sees a wrong tile."""
-    real = block.hidden_pairs
+    real = math_kernel.hidden_pairs
 
     def from_zero(causal, mask, rows, keys, device):
         return real(causal, mask, slice(0, rows.stop - rows.start), keys, device)
 
-    monkeypatch.setattr(block, "hidden_pairs", from_zero)
+    monkeypatch.setattr(math_kernel, "hidden_pairs", from_zero)
     h, _, _, sk, *_ = CASES["causal square"]
     checks, _ = _compare("math", "causal square", B * h * sk * 5)
     assert checks.worst() > 1.0, checks.worst()
@@ -190,8 +190,8 @@ def test_a_ring_in_tiles_matches_float64(monkeypatch, P, docs):
 
     monkeypatch.setattr(MathKernel, "score_budget", 3 * 4 * 8)  # a block of 4 heads x 8 keys: 3 rows per tile
     tiled = []
-    real = block.row_tiles
-    monkeypatch.setattr(block, "row_tiles", lambda *a: (tiled.append(len(t := real(*a))), t)[1])
+    real = math_kernel.row_tiles
+    monkeypatch.setattr(math_kernel, "row_tiles", lambda *a: (tiled.append(len(t := real(*a))), t)[1])
     T, h, h_kv = 16 * P, 4, 2
     g = torch.Generator().manual_seed(P)
     q = torch.randn(T, h, D, generator=g)

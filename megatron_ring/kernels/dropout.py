@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_ring.kernels import dropout_triton  # the fused kernels' launchers and ops (Triton on use)
-from megatron_ring.kernels.block import SCORE_BUDGET, RowTiled, hidden_pairs
+from megatron_ring.kernels.math_kernel import SCORE_BUDGET, RowTiled, hidden_pairs
 
 _M32 = 0xFFFFFFFF
 

@@ -2,12 +2,13 @@
 
 fp32 inputs on CUDA (which cuDNN and flash do not take), GPUs before sm80, head dims over 256, and masked blocks
 that fall back run on the math kernel, which materialises fp32 scores; fp32 dropout runs the torch dropout kernel,
-which also holds int64 hashes. Before row tiles (kernels/block.py ``row_tiles``) a zigzag half block at 8K tokens
-per rank, 2 x 32 heads, made 4 GiB of scores in one tensor (16K tokens per rank: 16 GiB). Traced on the fake-CUDA tier (FakeTensorMode, the fake CUDA
-device, :class:`LoopbackRing` rank 1, ``kernel="auto"``: nothing is allocated, so real sizes cost nothing), a
-dispatch mode records the largest result of any device op of a forward + backward call: it must be at most the
-math kernels' score budget (``SCORE_BUDGET`` fp32 elements, 256 MiB) or the largest of the call's inputs and
-gradients. The control reruns each case with a budget of the whole block and sees the block's scores.
+which also holds int64 hashes. Before row tiles (kernels/math_kernel.py ``row_tiles``) a zigzag block at 8K tokens
+per rank, 2 x 32 heads, made 4 GiB of scores in one tensor (16K tokens per rank: 16 GiB). Traced on the fake-CUDA
+tier (FakeTensorMode, the fake CUDA device, :class:`LoopbackRing` rank 1, ``kernel="auto"``: nothing is allocated,
+so real sizes cost nothing), a dispatch mode records the largest result of any device op of a forward + backward
+call: it must be at most the math kernels' score budget (``SCORE_BUDGET`` fp32 elements, 256 MiB) or the largest of
+the call's inputs and gradients. The control reruns each case with a budget of the whole block and sees the block's
+scores.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from megatron_ring import device, ring_attention
-from megatron_ring.kernels import block
+from megatron_ring.kernels import math_kernel
 from megatron_ring.kernels.dropout import DropoutKernel
 from megatron_ring.transport.ring import LoopbackRing
 from tests.fake_cuda.test_fake_cuda import Case, _inputs, _plan_on_host, fake_backward
@@ -60,7 +61,7 @@ def sizes():
     for name, case in CASES.items():
         tiled, inputs = largest(case)
         with pytest.MonkeyPatch.context() as mp:  # the control: a budget of the whole block, one tile
-            mp.setattr(block.MathKernel, "score_budget", 1 << 62)
+            mp.setattr(math_kernel.MathKernel, "score_budget", 1 << 62)
             mp.setattr(DropoutKernel, "score_budget", 1 << 62)
             whole, _ = largest(case)
         got[name] = (tiled, whole, inputs)
@@ -74,7 +75,7 @@ def sizes():
 @pytest.mark.parametrize("name", list(CASES))
 def test_no_tensor_over_the_score_budget(sizes, name):
     tiled, whole, inputs = sizes[name]
-    limit = max(block.SCORE_BUDGET * 4, inputs)
+    limit = max(math_kernel.SCORE_BUDGET * 4, inputs)
     assert tiled.bytes <= limit, (tiled.bytes / MIB, limit / MIB, tiled.op)
     # the control: without tiles the measure sees scores over the budget, larger than anything with tiles
-    assert whole.bytes > max(block.SCORE_BUDGET * 4, tiled.bytes), (whole.bytes / MIB, whole.op)
+    assert whole.bytes > max(math_kernel.SCORE_BUDGET * 4, tiled.bytes), (whole.bytes / MIB, whole.op)

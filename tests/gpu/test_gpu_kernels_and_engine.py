@@ -7,6 +7,7 @@ import torch
 
 from megatron_ring.kernels import block as K
 from megatron_ring.kernels.head_dim import HeadDimPadKernel
+from megatron_ring.kernels.math_kernel import row_tiles
 from tests.helpers.numerics import Checks, lse_tol, max_err, score_bound, tol
 from tests.helpers.reference import block_reference
 from megatron_ring.wire.codecs import make_codec, KVSpec
@@ -87,9 +88,9 @@ def test_kernel_negative_control_wrong_mask_is_over_the_bound(device, name):
 @pytest.mark.parametrize("causal", [True, False])
 def test_math_kernel_in_row_tiles_vs_float64(monkeypatch, device, causal):
     """fp32 on CUDA runs the math kernel; a block over its score budget runs in tiles of query rows
-    (kernels/block.py ``row_tiles``): here 16 tiles of 16 rows, vs float64."""
+    (kernels/math_kernel.py ``row_tiles``): here 16 tiles of 16 rows, vs float64."""
     monkeypatch.setattr(K.MathKernel, "score_budget", 2 * 8 * 256 * 16)
-    assert len(K.row_tiles(2, 8, 256, 256, causal, K.MathKernel.score_budget)) == 16
+    assert len(row_tiles(2, 8, 256, 256, causal, K.MathKernel.score_budget)) == 16
     checks = kernel_checks(device, "math", torch.float32, 64, 256, 256, causal, (8, 2))
     checks.check(min_rows=5)
 
