@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.launch import run_distributed
-from tests.helpers.reference import feature_reference
-from tests.helpers.numerics import Checks, max_err, score_bound, tol
+from tests.helpers.reference import feature_reference, sink_weight
+from tests.helpers.numerics import Checks, max_err, score_bound, sink_grad_scale, tol
 from megatron_ring import ring_attention, shard_sequence
 from megatron_ring.transport.ring import LoopbackRing
 from megatron_ring.strategies import make_hierarchical_groups
@@ -77,6 +77,9 @@ def _features_worker(rank, world):
             ref = feature_reference(*ref_in, causal=causal, cu=cu, window=window, sink=s_ref, dropout_p=p, seed=seed)
             ref.backward(dout.double())
             refs = [ref.detach()] + [t.grad for t in ref_in] + ([s_ref.grad] if sink == "learn" else [])
+            if sink == "learn":  # a signed sum over rows that cancels: M from its terms (helpers.numerics)
+                weight = sink_weight(q, k, sink_t, causal=causal, cu=cu, window=window)
+                dsink_m = max(s_ref.grad.abs().max().item(), sink_grad_scale(weight, dout, refs[0]))
             sh = lambda x: _fmt(shard_sequence(x, 1, layout=layout), fmt)  # noqa: E731
             local = [sh(t) for t in (q, k, v, dout)]
             cp1 = None
@@ -93,7 +96,8 @@ def _features_worker(rank, world):
                     r_local = r if what == "dsink" else sh(r)
                     n = b * S if what == "dsink" else max(S, dqk, dv)
                     rows.append(((ct, name, layout, what, "ref"), max_err(a, r_local),
-                                 tol(r.abs().max().item(), dtype=dtype, n=n, sigma=sigma, blocks=2 * world)))
+                                 tol(dsink_m if what == "dsink" else r.abs().max().item(), dtype=dtype, n=n,
+                                     sigma=sigma, blocks=2 * world)))
                 if cp1 is not None:
                     for what, a, r, r64 in zip(("out", "dq", "dk", "dv"), got, cp1, refs):
                         full = r.unsqueeze(0) if fmt == "thd" else (r.transpose(0, 1) if fmt == "sbhd" else r)

@@ -97,6 +97,21 @@ def grad_terms(q, k, v, dout, scale: float | None = None, n: int = 1) -> float:
     return g * max(k.detach().abs().max().item(), n * q.detach().abs().max().item())
 
 
+def sink_grad_scale(weight: torch.Tensor, dout: torch.Tensor, out: torch.Tensor) -> float:
+    """``M`` for a learnable sink's gradient: the root-sum-square of the magnitudes of the terms it sums.
+
+    ``dsink_h = -sum over rows of w * (dO . O)`` (``w``: the sink's softmax weight in the row,
+    :func:`tests.helpers.reference.sink_weight`, ``[b, S, h]``; ``dout``, ``out`` ``[b, S, h, d_v]``, ``out`` the
+    float64 reference): a signed sum over ``n = b S`` rows, which cancels (to ~0 on random data: the fp32 fuzz of
+    the row tiles found a reference 600x below the sum of its terms' magnitudes). Each row's term is computed with
+    a relative error, so the error scales with the terms, not with their sum: by Cauchy-Schwarz
+    ``sum |t| <= sqrt(n) sqrt(sum t^2)``, and ``rel_tol``'s ``eps_acc`` already carries ``sqrt(n)``; the
+    roundings of ``eps_io`` are independent per row (their sum grows like the root-sum-square). Use
+    ``max(max |ref|, this)`` as ``M`` (the max over heads)."""
+    terms = weight.double() * (dout.double().abs() * out.double().abs()).sum(-1)
+    return terms.pow(2).sum(dim=tuple(range(terms.dim() - 1))).sqrt().max().item()
+
+
 def lse_tol(lse_ref: torch.Tensor, **kw) -> float:
     """Bound on max |lse - ref| for a log-sum-exp: the relative error of the row sum becomes an absolute
     error of its log, plus lse's own relative rounding: ``rel_tol * (1 + max |lse|)``."""

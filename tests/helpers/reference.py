@@ -65,6 +65,18 @@ def feature_reference(q, k, v, *, causal, cu=None, window=None, sink=None, dropo
     return (p @ vh).transpose(1, 2)
 
 
+def sink_weight(q, k, sink, *, causal, cu=None, window=None, scale=None) -> torch.Tensor:
+    """Float64 ``[b, S, h]``: the softmax weight of the sink column in each query row (``exp(sink - lse)``, lse
+    over the visible keys and the sink; 1 where a row sees no key), the mask of :func:`feature_reference`."""
+    b, S, h, d = q.shape
+    scale = scale if scale is not None else d ** -0.5
+    qh = q.double().transpose(1, 2)
+    kh = k.double().transpose(1, 2).repeat_interleave(h // k.shape[2], 1)
+    s = ((qh @ kh.transpose(-1, -2)) * scale).masked_fill(~visible(S, causal, cu, window), float("-inf"))
+    col = sink.double().view(1, h, 1, 1).expand(b, h, S, 1)
+    return torch.softmax(torch.cat([s, col], -1), -1)[..., -1].transpose(1, 2)
+
+
 def max_logit_reference(q, k, *, causal, cu=None, window=None, scale=None, visible_only=True) -> torch.Tensor:
     """Float64 ``[h, S]``: per query head and GLOBAL query position, the max over the batch and the visible
     keys (the mask of :func:`feature_reference`) of ``scale * q . k``; ``-inf`` where a query sees no key.
