@@ -21,6 +21,7 @@ from megatron_ring.kernels.math_kernel import MathKernel, row_tiles
 from megatron_ring.kernels.dropout import DropoutKernel, DropoutSpec
 from megatron_ring.schedules.masks import AttentionMask, BlockMask
 from tests.helpers.numerics import Checks, lse_tol, max_err, score_bound, tol
+from tests.helpers.reference import block_reference
 from tests.helpers.seen_ops import LargestResult
 
 B, D = 2, 16
@@ -54,25 +55,11 @@ def _inputs(h, h_kv, sq, sk, dv, seed=0):
     return q, k, v, dout
 
 
-def _visible(sq, sk, causal, mask):
-    if mask is not None:
-        return mask.allowed()  # the whole block's mask from the rule, not a tile's
-    ok = torch.ones(sq, sk, dtype=torch.bool)
-    return ok.tril() if causal else ok
-
-
-def _reference(q, k, v, dout, visible, scale, keep=None, p=0.0):
-    """Float64 out, lse, dq, dk, dv; rows that see no key give 0 and lse -inf; ``keep``: dropout's keep mask."""
+def _reference(q, k, v, dout, causal, mask, scale, keep=None, p=0.0):
+    """Float64 out, lse, dq, dk, dv of the whole block (the mask from its rule over the whole block, not a tile's)."""
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    qq, kk, vv = leaves
-    g = q.shape[1] // k.shape[1]
-    s = (qq @ kk.repeat_interleave(g, 1).transpose(-1, -2)) * scale
-    s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    prob = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
-    if keep is not None:
-        prob = prob * keep / (1.0 - p)
-    out = prob @ vv.repeat_interleave(g, 1)
+    visible = mask.allowed() if mask is not None else None
+    out, lse = block_reference(*leaves, causal, scale, visible=visible, keep=keep, p=p)
     out.backward(dout.double())
     return out.detach(), lse.detach(), *(t.grad for t in leaves)
 
@@ -104,7 +91,7 @@ def _compare(kind, name, budget, checks=None):
         qpos, kpos = torch.arange(10, 10 + sq), torch.arange(sk)
         extra = dict(qpos=qpos, kpos=kpos)
         keep = kern.spec.keep(B, h, qpos, kpos)  # the whole block's keep mask, once
-    ref = _reference(q, k, v, dout, _visible(sq, sk, causal, mask), scale, keep, 0.3 if keep is not None else 0.0)
+    ref = _reference(q, k, v, dout, causal, mask, scale, keep, 0.3 if keep is not None else 0.0)
     got = _run(kern, q, k, v, dout, causal, scale, mask, extra)
     checks = checks or Checks(f"row tiles {kind} {name}")
     kw = dict(dtype=torch.float32, n=max(sq, sk, D, dv), sigma=score_bound(q, k, scale))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_ring.kernels import dropout_triton  # the fused kernels' launchers and ops (Triton on use)
-from megatron_ring.kernels.math_kernel import SCORE_BUDGET, RowTiled, hidden_pairs
+from megatron_ring.kernels.math_kernel import SCORE_BUDGET, MathKernel, RowTiled
 
 _M32 = 0xFFFFFFFF
 
@@ -101,12 +101,7 @@ class DropoutKernel(RowTiled):
 
     def _probs(self, q, k, causal, scale, mask, rows, keys, lse=None):
         b, h, sq, _ = q.shape
-        h_kv = k.shape[1]
-        qg = q.float().reshape(b, h_kv, h // h_kv, sq, -1)
-        s = torch.einsum("bkgqd,bksd->bkgqs", qg, k.float()).mul_(scale).reshape(b, h, sq, -1)
-        hidden = hidden_pairs(causal, mask, rows, keys, q.device)
-        if hidden is not None:
-            s.masked_fill_(hidden, float("-inf"))
+        s = MathKernel._scores(q, k, causal, scale, mask, rows, keys).reshape(b, h, sq, -1)  # the math kernel's
         if lse is None:
             lse = torch.logsumexp(s, -1)
         p = torch.exp(s.sub_(lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1)))

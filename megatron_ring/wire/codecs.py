@@ -219,9 +219,10 @@ class FP8Codec(KVCodec):
         [ K scales fp32 (b*h_k*gk) | V scales fp32 (b*h_v*gv) | K fp8 (b*h_k*s*d_k) | V fp8 (b*h_v*s*d_v) | tail ]
 
     Scales come first so their fp32 view is 4-byte aligned; ``g = ceil(s / group_tokens)``. The unused ``tail``
-    (never written or read) rounds the buffer up to a multiple of :data:`WIRE_ALIGN` bytes, so that buffers the
-    collective strategies lay back to back (all_gather's chunks, a2a's splits) start aligned too: with
-    ``b*h*s*(d_k+d_v)`` not a multiple of 4 the next rank's scales could not be viewed as fp32.
+    (zeroed by the encoder, so an input gives the same bytes; never read) rounds the buffer up to a multiple of
+    :data:`WIRE_ALIGN` bytes, so that buffers the collective strategies lay back to back (all_gather's chunks, a2a's
+    splits) start aligned too: with ``b*h*s*(d_k+d_v)`` not a multiple of 4 the next rank's scales could not be
+    viewed as fp32.
 
     Non-finite input: with ``check_finite=True`` (default) :meth:`encode` raises
     :class:`WireFiniteError` naming the tensor and the first bad (b, h, group). With ``False`` (no

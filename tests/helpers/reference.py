@@ -35,19 +35,26 @@ def visible(S: int, causal: bool, cu=None, window=None) -> torch.Tensor:
     return ok
 
 
+def scores(q, k, *, causal, cu=None, window=None, scale=None, visible_only=True) -> torch.Tensor:
+    """Float64 ``[b, h, S, S]`` scaled scores ``scale * q . k`` (GQA by repeating K heads), ``-inf`` where the
+    mask of :func:`visible` hides the pair (``visible_only=False``: every pair). ``q [b, S, h, d]``,
+    ``k [b, S, h_kv, d]``."""
+    b, S, h, d = q.shape
+    scale = scale if scale is not None else d ** -0.5
+    qh = q.double().transpose(1, 2)
+    kh = k.double().transpose(1, 2).repeat_interleave(h // k.shape[2], 1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    return s.masked_fill(~visible(S, causal, cu, window), float("-inf")) if visible_only else s
+
+
 def feature_reference(q, k, v, *, causal, cu=None, window=None, sink=None, dropout_p=0.0, seed=None,
                       scale=None):
     """``q [b, S, h, dqk]``, ``k [b, S, h_kv, dqk]``, ``v [b, S, h_kv, dv]`` -> ``[b, S, h, dv]`` (float64).
 
     ``sink``: None or a tensor ``[h]`` (differentiable). GQA by repeating K/V heads."""
-    b, S, h, d = q.shape
-    g = h // k.shape[2]
-    scale = scale if scale is not None else d ** -0.5
-    qh = q.double().transpose(1, 2)
-    kh = k.double().transpose(1, 2).repeat_interleave(g, 1)
-    vh = v.double().transpose(1, 2).repeat_interleave(g, 1)
-    s = (qh @ kh.transpose(-1, -2)) * scale
-    s = s.masked_fill(~visible(S, causal, cu, window), float("-inf"))
+    b, S, h, _ = q.shape
+    vh = v.double().transpose(1, 2).repeat_interleave(h // k.shape[2], 1)
+    s = scores(q, k, causal=causal, cu=cu, window=window, scale=scale)
     if sink is not None:
         col = sink.double().view(1, h, 1, 1).expand(b, h, S, 1)
         s = torch.cat([s, col], -1)
@@ -68,11 +75,8 @@ def feature_reference(q, k, v, *, causal, cu=None, window=None, sink=None, dropo
 def sink_weight(q, k, sink, *, causal, cu=None, window=None, scale=None) -> torch.Tensor:
     """Float64 ``[b, S, h]``: the softmax weight of the sink column in each query row (``exp(sink - lse)``, lse
     over the visible keys and the sink; 1 where a row sees no key), the mask of :func:`feature_reference`."""
-    b, S, h, d = q.shape
-    scale = scale if scale is not None else d ** -0.5
-    qh = q.double().transpose(1, 2)
-    kh = k.double().transpose(1, 2).repeat_interleave(h // k.shape[2], 1)
-    s = ((qh @ kh.transpose(-1, -2)) * scale).masked_fill(~visible(S, causal, cu, window), float("-inf"))
+    b, S, h, _ = q.shape
+    s = scores(q, k, causal=causal, cu=cu, window=window, scale=scale)
     col = sink.double().view(1, h, 1, 1).expand(b, h, S, 1)
     return torch.softmax(torch.cat([s, col], -1), -1)[..., -1].transpose(1, 2)
 
@@ -83,14 +87,7 @@ def max_logit_reference(q, k, *, causal, cu=None, window=None, scale=None, visib
     ``q [b, S, h, d]``, ``k [b, S, h_kv, d]`` (GQA by repeating K heads). A rank's ``max_logit`` is the max of
     its own positions' columns. ``visible_only=False`` takes every pair (a negative control: a max that
     ignores the mask)."""
-    b, S, h, d = q.shape
-    scale = scale if scale is not None else d ** -0.5
-    qh = q.double().transpose(1, 2)
-    kh = k.double().transpose(1, 2).repeat_interleave(h // k.shape[2], 1)
-    s = (qh @ kh.transpose(-1, -2)) * scale
-    if visible_only:
-        s = s.masked_fill(~visible(S, causal, cu, window), float("-inf"))
-    return s.amax(dim=(0, 3))
+    return scores(q, k, causal=causal, cu=cu, window=window, scale=scale, visible_only=visible_only).amax(dim=(0, 3))
 
 
 def attention_reference(q, k, v, causal: bool, scale: float | None = None) -> torch.Tensor:
@@ -126,11 +123,19 @@ def documents_and_filler(cu_padded, lens) -> list[int]:
     return sorted(set(cu))
 
 
-def block_reference(q, k, v, causal: bool, scale: float):
+def block_reference(q, k, v, causal: bool, scale: float, visible=None, keep=None, p: float = 0.0):
     """One kernel block in float64: ``q [b, h, sq, d]``, ``k, v [b, h_kv, sk, d]`` -> ``(out, lse)``; causal is
-    top-left aligned (query i sees keys j <= i), the block kernels' contract (kernels/block.py)."""
+    top-left aligned (query i sees keys j <= i), the block kernels' contract (kernels/block.py). ``visible``: a
+    bool ``[sq, sk]`` mask besides (a row that sees no key gives out 0 and lse -inf); ``keep``: dropout's keep
+    mask ``[b, h, sq, sk]`` of rate ``p`` (the kept weights scaled by ``1 / (1 - p)``; lse undropped)."""
     g = q.shape[1] // k.shape[1]
     s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return torch.softmax(s, -1) @ v.double().repeat_interleave(g, 1), torch.logsumexp(s, -1)
+    if visible is not None:
+        s = s.masked_fill(~visible.to(s.device), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    w = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
+    if keep is not None:
+        w = w * keep / (1.0 - p)
+    return w @ v.double().repeat_interleave(g, 1), lse
