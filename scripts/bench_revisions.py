@@ -45,7 +45,7 @@ this repository's git history (a lent GPU gets the working tree only).
 ``--outputs``: no timing; checks that the two revisions compute bit-identical results. Per world size
 (``--world-sizes``, gloo processes) each revision runs one forward+backward of every case of
 :data:`OUTPUT_CASES` (layouts, formats, causal, documents, windows, GQA, wire dtypes, K/V pieces, head
-chunks, sinks, dropout) and hashes the bytes of the output and of dq, dk, dv (and the sink gradient) on
+chunks, sinks, dropout, MLA head dims) and hashes the bytes of the output and of dq, dk, dv (and the sink gradient) on
 every rank; printed: the cases whose hashes differ (none: "bit-identical").
 """
 from __future__ import annotations
@@ -101,6 +101,10 @@ OUTPUT_CASES = [
     dict(causal=True, thd=[0, 50, 130, 200]), dict(causal=True, sink=True), dict(causal=True, dropout_p=0.25),
     dict(causal=True, comm_type="all_gather"), dict(causal=True, comm_type="all_gather", comm_dtype="fp8"),
     dict(causal=False, comm_type="a2a", comm_dtype="fp8"), dict(causal=True, comm_type="a2a", gqa=2),
+    # MLA head dims (d_qk, d_v): the CPU flash kernel takes one head dim, so its operands are padded
+    dict(causal=True, dims=(24, 16)), dict(causal=False, dims=(16, 24), gqa=2),
+    dict(causal=True, dims=(24, 16), window=(40, -1)), dict(causal=True, dims=(24, 16), thd=[0, 50, 130, 200]),
+    dict(causal=True, dims=(24, 16), kv_pieces=2, gqa=2), dict(causal=True, dims=(24, 16), comm_type="all_gather"),
 ]
 
 OUTPUT_WORKER = r"""
@@ -117,18 +121,19 @@ for i, case in enumerate(cases):
     case = dict(case)
     g = torch.Generator().manual_seed(i)
     hk = case.pop("gqa", H)
+    dqk, dv = case.pop("dims", (D, D))
     thd, sink = case.pop("thd", None), case.pop("sink", False)
     fmt = case.get("qkv_format", "bshd")
     layout = case.get("layout", "zigzag")
-    def make(h):
-        x = torch.randn(1, S, h, D, generator=g)
+    def make(h, d):
+        x = torch.randn(1, S, h, d, generator=g)
         x = shard_sequence(x, dim=1, layout=layout)
         if thd is not None:
             x = x[0]
         elif fmt == "sbhd":
             x = x.transpose(0, 1).contiguous()
         return x.clone().requires_grad_(True)
-    q, k, v = make(H), make(hk), make(hk)
+    q, k, v = make(H, dqk), make(hk, dqk), make(hk, dv)
     kw = dict(case)
     if thd is not None:
         kw.update(qkv_format="thd", cu_seqlens=torch.tensor(thd))

@@ -12,7 +12,9 @@ kernel that asserts the head dim of every operand it is handed. Through the whol
 tasks' variable-length stand-in, bf16), outputs and dq/dk/dv are compared with the float64 reference at the
 call's head dim, within the derived bound of tests/helpers/numerics.py. Negative control: the padded head
 dim's softmax scale fails that bound. A rank refusing its input on the collective comm types runs its forward on
-zeros on the padded kernel too (with MLA head dims it crashed in the CPU flash kernel). The choice itself (which kernel ``auto`` picks, what a named kernel
+zeros on the padded kernel too (with MLA head dims it crashed in the CPU flash kernel). The engine pads each
+operand once per ring, the visiting K/V blocks into buffers reused every step (counted here, with a negative
+control: a buffer never rewritten fails the bound). The choice itself (which kernel ``auto`` picks, what a named kernel
 refuses) is checked on fake CUDA in tests/fake_cuda/test_kernel_refusals.py.
 """
 from __future__ import annotations
@@ -105,6 +107,45 @@ def test_padded_head_dims_match_float64(world, layout, causal, dims, kw, monkeyp
 def test_the_padded_dims_softmax_scale_fails_the_bound():
     """Not vacuous: the scale of the padded head dim (16) instead of the call's (12) fails the bound."""
     rows, _ = _ring(2, "zigzag", True, (12, 12), scale=16 ** -0.5)
+    assert any(not err <= bound for _, err, bound in rows), rows
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_operands_are_padded_once_per_ring(world, monkeypatch):
+    """The engine pads what every step shares once per ring (q in the forward; dO, q and O in the backward) and
+    each visiting K/V block into a buffer zeroed once per ring (kernels/head_dim.py: RingPads): the fresh padded
+    tensors of one forward + backward do not grow with P (per kernel call before: 3 per forward block, 5 per
+    backward block); every kernel call still gets operands of the padded head dim, and the results match float64."""
+    from megatron_ring.kernels import head_dim
+
+    made = []
+    real = head_dim._pad_last
+
+    def counting(x, d):
+        got = real(x, d)
+        if got is not x:
+            made.append(tuple(x.shape))
+        return got
+    monkeypatch.setattr(head_dim, "_pad_last", counting)
+    rows, kernel = _ring(world, "zigzag", True, (12, 12))
+    assert all(err <= bound for _, err, bound in rows), rows
+    # P ranks (threads sharing the kernel), each P forward and P backward blocks (zigzag: one task per step)
+    assert set(kernel.seen) == {(16, 16, 16)} and len(kernel.seen) == 2 * world * world, kernel.seen
+    # per rank: forward q + a K and a V buffer, backward dO, q, O + a K and a V buffer
+    assert len(made) == world * (3 + 5), made
+
+
+def test_a_stale_padded_block_fails_the_bound(monkeypatch):
+    """Not vacuous: a K/V buffer that keeps its first block (never rewritten at later steps) fails the bound."""
+    from megatron_ring.kernels import head_dim
+
+    def stale(self, x, role):
+        key = (role, tuple(x.shape), x.dtype)
+        if key not in self._buffers:
+            self._buffers[key] = head_dim._pad_last(x, self.d)
+        return self._buffers[key]
+    monkeypatch.setattr(head_dim.RingPads, "block", stale)
+    rows, _ = _ring(4, "zigzag", True, (12, 12))
     assert any(not err <= bound for _, err, bound in rows), rows
 
 

@@ -40,6 +40,7 @@ from megatron_ring.core.merge import merge_into
 from megatron_ring.core.plan import RingPlan, for_heads
 from megatron_ring.core.rotation import divisor_at_most
 from megatron_ring.core.views import block_cols, covers, strides_like
+from megatron_ring.kernels.head_dim import RingPads
 from megatron_ring.transport.collectives import launched
 
 __all__ = ["ring_forward", "ring_backward", "refuse_on_ring", "query_heads", "one_ring"]
@@ -81,6 +82,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
         lse = q.new_empty((b, h, s), dtype=torch.float32)
         pieces = _piece_plans(plan, kv.heads, h // k.shape[1])
         views = [_heads(qs, h, q, out, lse) for qs, _ in pieces]  # made once, not per step
+        pads = _pads(plan, refusal)
+        qp = None if pads is None else pads.once(q)  # q as the kernel takes it, padded once for the ring
+        padded_q = [None if qp is None else _heads(qs, h, qp)[0] for qs, _ in pieces]
         fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
         whole = plan.runs_whole_blocks(q)
         for step in range(steps):
@@ -89,7 +93,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
                 q_j, out_j, lse_j = views[j]
                 kt, vt = kv.block(step, j)
                 fresh[j], receipt = _forward_step(q_j, kt, vt, piece_plan, step, tasks, out_j, lse_j, fresh[j],
-                                                  kv.take_receipt(j))
+                                                  kv.take_receipt(j), padded_q[j],
+                                                  None if pads is None else _padded_block(pads, kt, vt))
                 if receipt is not None:  # no merge this step (nothing computed): recorded by a copy of its own
                     receipt[0].copy_(receipt[1])
             kv.advance()
@@ -109,19 +114,37 @@ def _init_acc(out: torch.Tensor, lse: torch.Tensor) -> None:
     lse.fill_(float("-inf"))
 
 
+def _pads(plan: RingPlan, refusal: BaseException | None = None) -> RingPads | None:
+    """The ring's padded operands (kernels/head_dim.py: :class:`RingPads`) where the call's kernel pads them;
+    None: it does not, or nothing is computed (``refusal``)."""
+    d = plan.operand_pad
+    return None if d is None or refusal is not None else RingPads(d)
+
+
+def _padded_block(pads: RingPads, kt: torch.Tensor, vt: torch.Tensor):
+    """A function giving the visiting block ``kt``, ``vt`` padded, made at the first task that asks (a masked task
+    on the math kernel does not) and shared by the step's later tasks."""
+    return functools.cache(lambda: (pads.block(kt, "k"), pads.block(vt, "v")))
+
+
 def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: RingPlan, step: int, tasks,
                   out: torch.Tensor, lse: torch.Tensor, fresh: bool,
                   receipt: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  qp: torch.Tensor | None = None, kv_padded=None,
                   ) -> tuple[bool, tuple[torch.Tensor, torch.Tensor] | None]:
     """Fold one visiting block (piece) into ``out``/``lse``; a function so its temporaries die before the
     next step. ``receipt``: the block's status to record, copied by the first merge (no launch of its own on
-    CUDA). Returns whether the accumulator is still unwritten, and the receipt if no merge took it."""
+    CUDA). ``qp``, ``kv_padded``: ``q`` padded and a function giving the block padded (:func:`_padded_block`),
+    for the tasks whose kernel pads; None: none does. Returns whether the accumulator is still unwritten, and
+    the receipt if no merge took it."""
     s = q.shape[2]
     for task in tasks:
         rows, cols = task.q, task.kv
         whole = covers(rows, s)
+        padded = None if qp is None else functools.partial(_padded_task, (qp,), kv_padded, task, s)
         with breakdown.section(step, "kernel"):
-            o, l, posinf = plan.forward_block(task, q if whole else q[:, :, rows], *block_cols(kt, vt, cols), step)
+            o, l, posinf = plan.forward_block(task, q if whole else q[:, :, rows], *block_cols(kt, vt, cols), step,
+                                              padded)
         if plan.row_max is not None:
             with breakdown.section(step, "kernel"):  # the max-logit pass is block compute too
                 fold_task_max(plan.row_max, task, q, kt, plan.scale)
@@ -175,6 +198,9 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         views = [(dout_j, q_j, out_j, lse_j.contiguous(), dq_j)
                  for dout_j, q_j, out_j, lse_j, dq_j in (_heads(qs, q.shape[1], dout, q, out, lse, dq)
                                                          for qs, _ in pieces)]
+        pads = _pads(plan)  # dO, q and O as the kernel takes them, padded once for the ring
+        padded = None if pads is None else (pads.once(dout), pads.once(q), pads.once(out))
+        padded_views = [None if padded is None else _heads(qs, q.shape[1], *padded) for qs, _ in pieces]
         owns = [None if lse_own is None else _heads(qs, q.shape[1], lse_own)[0].contiguous() for qs, _ in pieces]
         lse_rows: list[dict] = [{} for _ in pieces]  # per piece: its lse row slices, made contiguous once
         # the forward ring's status codes (CUDA; raises if a rank refused: it is not on this ring), read before the
@@ -188,7 +214,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                 dout_j, q_j, out_j, lse_j, dq_j = views[j]
                 _backward_step(dout_j, q_j, kt, vt, out_j, lse_j, piece_plan, step, dq_j,
                                lambda: dkv.arrived(j, step), *dkv.views(j), tasks, lse_rows[j],
-                               fresh and step == 0, owns[j], kv.take_receipt(j))
+                               fresh and step == 0, owns[j], kv.take_receipt(j), padded_views[j],
+                               None if pads is None else _padded_block(pads, kt, vt))
                 dkv.pass_on(j, step)  # after the last step this hop returns each piece to its owner
             kv.advance()
             dkv.advance()
@@ -227,7 +254,8 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
                    out: torch.Tensor, lse: torch.Tensor, plan: RingPlan, step: int, dq: torch.Tensor,
                    wait_for_acc, dk_acc: torch.Tensor, dv_acc: torch.Tensor, tasks, lse_rows: dict,
                    fresh: bool = False, lse_own: torch.Tensor | None = None,
-                   receipt: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                   receipt: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   padded: tuple[torch.Tensor, ...] | None = None, kv_padded=None) -> None:
     """``tasks`` of one visiting block: dQ into ``dq``; dK/dV into the travelling accumulator, after
     ``wait_for_acc()`` says it has arrived (so that hop overlaps this step's compute).
 
@@ -238,7 +266,9 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     On CUDA every add of the step (dQ, dK, dV of each task) is ONE :func:`foreach_into` after the wait
     (one launch for up to 4 adds, where torch's ``_foreach_add_`` would loop: fp32 accumulators, bf16 blocks);
     on CPU each dQ is added as soon as its task is done (its block freed at once). ``receipt``: the visiting
-    block's backward status to record (``dst.copy_(src)``; on CUDA by the same list op)."""
+    block's backward status to record (``dst.copy_(src)``; on CUDA by the same list op). ``padded``: ``(dout, q,
+    out)`` padded and ``kv_padded`` a function giving the block padded, for the tasks whose kernel pads (None:
+    none does; :func:`_forward_step`)."""
     fused = gathers_adds(dq)
     partial: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
     adds: list[tuple[str, slice, torch.Tensor, torch.Tensor]] = []  # CUDA: (accumulator, its rows, view, block)
@@ -246,12 +276,15 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
     for task in tasks:
         rows = task.q
         lse_of = functools.partial(_lse_rows, lse, rows, lse_rows, lse_own)
+        padded_of = None if padded is None else functools.partial(_padded_task, padded, kv_padded, task, s)
         with breakdown.section(step, "kernel"):
             if covers(rows, s):
-                dq_b, dk_b, dv_b = plan.backward_block(task, dout, q, *block_cols(kt, vt, task.kv), out, lse_of, step)
+                dq_b, dk_b, dv_b = plan.backward_block(task, dout, q, *block_cols(kt, vt, task.kv), out, lse_of, step,
+                                                       padded_of)
             else:
                 dq_b, dk_b, dv_b = plan.backward_block(
-                    task, dout[:, :, rows], q[:, :, rows], *block_cols(kt, vt, task.kv), out[:, :, rows], lse_of, step)
+                    task, dout[:, :, rows], q[:, :, rows], *block_cols(kt, vt, task.kv), out[:, :, rows], lse_of, step,
+                    padded_of)
         dq_view = dq if covers(rows, s) else dq[:, :, rows]
         if fused:
             adds.append(("dq", rows, dq_view, dq_b))
@@ -275,6 +308,13 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, vt: to
         if receipt is not None and not fused:
             receipt[0].copy_(receipt[1])
         add_all(adds, add=not fresh, copies=[receipt] if receipt is not None and fused else [])
+
+
+def _padded_task(shared: tuple[torch.Tensor, ...], kv_padded, task, s: int) -> tuple[torch.Tensor, ...]:
+    """A task's operands padded: the task's rows of the ring's padded ``shared`` operands (forward ``(q,)``,
+    backward ``(dout, q, out)``), then the task's columns of the step's padded K and V."""
+    rows = shared if covers(task.q, s) else tuple(t[:, :, task.q] for t in shared)
+    return (*rows, *block_cols(*kv_padded(), task.kv))
 
 
 def _lse_rows(lse: torch.Tensor, rows: slice, cache: dict, lse_own: torch.Tensor | None = None,

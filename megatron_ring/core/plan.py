@@ -11,6 +11,7 @@ from megatron_ring.kernels.dropout import DropoutKernel, DropoutSpec, FusedDropo
 from megatron_ring.wire.codecs import KVCodec
 from megatron_ring.transport.ring import Transport
 from megatron_ring.kernels.block import BlockKernel, ReversedKernel
+from megatron_ring.kernels.head_dim import pads_to
 from megatron_ring.kernels.varlen import masked_kernel, whole_blocks
 from megatron_ring.schedules.layouts import Schedule, TaskKind
 from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
@@ -101,21 +102,37 @@ class RingPlan:
             kw["kernel_lse"] = True
         return kernel, False, kw
 
-    def forward_block(self, task, q, k, v, step: int | None = None):
+    @property
+    def operand_pad(self) -> int | None:
+        """The head dim this call's kernel pads its operands to (kernels/head_dim.py), where the engine pads them
+        once per ring instead (:class:`~megatron_ring.kernels.head_dim.RingPads`); None: nothing to pad, or
+        dropout (its kernels take the head dims as they are)."""
+        return None if self.dropout is not None else pads_to(self.kernel)
+
+    def forward_block(self, task, q, k, v, step: int | None = None, padded=None):
         """``(out, lse, posinf_empty)``: the block's result; ``posinf_empty``: its lse is the kernel's own, +inf
-        where a row sees no key (a variable-length kernel's; the merge reads it as -inf, merge_into)."""
+        where a row sees no key (a variable-length kernel's; the merge reads it as -inf, merge_into).
+        ``padded``: None, or a function giving ``(q, k, v)`` padded to :attr:`operand_pad` (the same rows and
+        columns), which a task whose kernel pads takes instead."""
         kernel, causal, kw = self._kernel_for(task, step, q.device)
+        if padded is not None and pads_to(kernel) is not None:
+            kw["dims"] = (k.shape[-1], v.shape[-1])
+            q, k, v = padded()
         return (*kernel.forward(q, k, v, causal, self.scale, **kw), kw.get("kernel_lse", False))
 
-    def backward_block(self, task, dout, q, k, v, out, lse, step: int | None = None):
+    def backward_block(self, task, dout, q, k, v, out, lse, step: int | None = None, padded=None):
         """``lse``: the lse of the task's rows as :meth:`forward_block` gave it (the kernel takes either
         convention), or ``lse(own)``, a function giving it in ours (``own`` False) or in a variable-length
-        kernel's (True: +inf where a row sees no key), made once per call by the caller."""
+        kernel's (True: +inf where a row sees no key), made once per call by the caller. ``padded``: None, or a
+        function giving ``(dout, q, out, k, v)`` padded (:meth:`forward_block`)."""
         kernel, causal, kw = self._kernel_for(task, step, q.device)
         if callable(lse):
             lse = lse(kw.get("kernel_lse", False))
         elif "kernel_lse" in kw:  # a tensor in either convention: the kernel fixes it up itself
             kw["kernel_lse"] = False
+        if padded is not None and pads_to(kernel) is not None:
+            kw["dims"] = (k.shape[-1], v.shape[-1])
+            dout, q, out, k, v = padded()
         return kernel.backward(dout, q, k, v, out, lse, causal, self.scale, **kw)
 
     def rows_may_see_nothing(self, s: int) -> bool:

@@ -205,18 +205,19 @@ class ReversedKernel(BlockKernel):
 
     A square block whose visible pairs are key row >= query row (a sliding window's lower edge) is a
     top-left causal block once both orders are reversed: it then runs unmasked on any kernel (at the
-    cost of copying the block's rows), instead of as an explicitly masked call."""
+    cost of copying the block's rows), instead of as an explicitly masked call. Keywords go to ``inner``
+    (``dims``: kernels/head_dim.py)."""
 
     def __init__(self, inner: BlockKernel) -> None:
         self.inner, self.name = inner, f"reversed({inner.name})"
 
-    def forward(self, q, k, v, causal, scale):
-        out, lse = self.inner.forward(q.flip(2), k.flip(2), v.flip(2), causal, scale)
+    def forward(self, q, k, v, causal, scale, **kw):
+        out, lse = self.inner.forward(q.flip(2), k.flip(2), v.flip(2), causal, scale, **kw)
         return out.flip(2), lse.flip(-1)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, **kw):
         grads = self.inner.backward(dout.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1),
-                                    causal, scale)
+                                    causal, scale, **kw)
         return tuple(g.flip(2) for g in grads)
 
 
