@@ -32,9 +32,9 @@ def _seam_worker(rank, world, pieces):
     real_fwd, real_bwd = plan_module.RingPlan.forward_block, plan_module.RingPlan.backward_block
     launched = lambda: len([e for e in log if e[0] == "launch"])  # noqa: E731
 
-    def spy_fwd(self, task, q, k, v, step=None):
+    def spy_fwd(self, task, q, k, v, step=None, padded=None):
         kernel_calls.append(("fwd kernel", step, launched()))
-        return real_fwd(self, task, q, k, v, step)
+        return real_fwd(self, task, q, k, v, step, padded)
 
     def spy_bwd(self, *a, **kw):
         kernel_calls.append(("bwd kernel", None, launched()))
