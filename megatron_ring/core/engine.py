@@ -83,8 +83,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
         pieces = _piece_plans(plan, kv.heads, h // k.shape[1])
         views = [_heads(qs, h, q, out, lse) for qs, _ in pieces]  # made once, not per step
         pads = _pads(plan, refusal)
-        qp = None if pads is None else pads.once(q)  # q as the kernel takes it, padded once for the ring
-        padded_q = [None if qp is None else _heads(qs, h, qp)[0] for qs, _ in pieces]
+        padded = None if pads is None else (pads.once(q),)  # q as the kernel takes it, padded once for the ring
+        padded_views = [None if padded is None else _heads(qs, h, *padded) for qs, _ in pieces]
         fresh = [True] * len(pieces)  # piece's accumulator rows not written yet
         whole = plan.runs_whole_blocks(q)
         for step in range(steps):
@@ -93,7 +93,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
                 q_j, out_j, lse_j = views[j]
                 kt, vt = kv.block(step, j)
                 fresh[j], receipt = _forward_step(q_j, kt, vt, piece_plan, step, tasks, out_j, lse_j, fresh[j],
-                                                  kv.take_receipt(j), padded_q[j],
+                                                  kv.take_receipt(j), padded_views[j],
                                                   None if pads is None else _padded_block(pads, kt, vt))
                 if receipt is not None:  # no merge this step (nothing computed): recorded by a copy of its own
                     receipt[0].copy_(receipt[1])
@@ -130,21 +130,21 @@ def _padded_block(pads: RingPads, kt: torch.Tensor, vt: torch.Tensor):
 def _forward_step(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, plan: RingPlan, step: int, tasks,
                   out: torch.Tensor, lse: torch.Tensor, fresh: bool,
                   receipt: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  qp: torch.Tensor | None = None, kv_padded=None,
+                  padded: tuple[torch.Tensor] | None = None, kv_padded=None,
                   ) -> tuple[bool, tuple[torch.Tensor, torch.Tensor] | None]:
     """Fold one visiting block (piece) into ``out``/``lse``; a function so its temporaries die before the
     next step. ``receipt``: the block's status to record, copied by the first merge (no launch of its own on
-    CUDA). ``qp``, ``kv_padded``: ``q`` padded and a function giving the block padded (:func:`_padded_block`),
-    for the tasks whose kernel pads; None: none does. Returns whether the accumulator is still unwritten, and
-    the receipt if no merge took it."""
+    CUDA). ``padded``, ``kv_padded``: ``(q,)`` padded and a function giving the block padded
+    (:func:`_padded_block`), for the tasks whose kernel pads; None: none does. Returns whether the accumulator is
+    still unwritten, and the receipt if no merge took it."""
     s = q.shape[2]
     for task in tasks:
         rows, cols = task.q, task.kv
         whole = covers(rows, s)
-        padded = None if qp is None else functools.partial(_padded_task, (qp,), kv_padded, task, s)
+        padded_of = None if padded is None else functools.partial(_padded_task, padded, kv_padded, task, s)
         with breakdown.section(step, "kernel"):
             o, l, posinf = plan.forward_block(task, q if whole else q[:, :, rows], *block_cols(kt, vt, cols), step,
-                                              padded)
+                                              padded_of)
         if plan.row_max is not None:
             with breakdown.section(step, "kernel"):  # the max-logit pass is block compute too
                 fold_task_max(plan.row_max, task, q, kt, plan.scale)

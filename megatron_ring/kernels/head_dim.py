@@ -71,7 +71,7 @@ class HeadDimPadKernel(BlockKernel):
     def forward(self, q, k, v, causal, scale, dims=None, **kw):
         """``dims``: the true ``(d_qk, d_v)`` where the operands come padded already (:class:`RingPads`); None:
         theirs."""
-        dv, d = (dims or (q.shape[-1], v.shape[-1]))[1], self.d
+        dv, d = dims[1] if dims else v.shape[-1], self.d
         out, lse = self.base.forward(_pad_last(q, d), _pad_last(k, d), _pad_last(v, d), causal, scale, **kw)
         return out[..., :dv], lse
 
