@@ -179,8 +179,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             call.refusing(_check_rows, max_logit_rows, q.shape[call.s_dim], q.device)
         scale = call.checked_scale(softmax_scale)
         qh = call.bhsd(q)
-        # head dim: with MLA head dims the kernel's operands are padded to the larger one (kernels.head_dim)
-        block_kernel = call.refusing(select_kernel, qh, kernel, max(qh.shape[-1], v.shape[-1]), deterministic)
+        # head dim: with MLA head dims the kernel's operands are padded to the larger one (kernels.head_dim), unless
+        # it takes them as they are (cuDNN, where torch's own SDPA hands it those head dims)
+        block_kernel = call.refusing(select_kernel, qh, kernel, max(qh.shape[-1], v.shape[-1]), deterministic,
+                                     call.mla_kv())
         # values the cross-rank check does not compare (a device seed's dtype, an offset tensor's dtype): refused on
         # every rank (this rank takes part in the forward's exchanges first, the others raise naming it)
         dropout = call.refusing(dropout_spec, dropout_p, dropout_seed, qh, q.shape[call.s_dim] * ring.world)

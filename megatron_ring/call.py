@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import torch
 
 from megatron_ring.core.launch import direct_launch_ok, has_triton
-from megatron_ring.kernels.head_dim import NATIVE_HEAD_DIM_KERNELS, padded_kernel
+from megatron_ring.kernels.head_dim import padded_kernel
 from megatron_ring.kernels.dropout import DropoutSpec
 from megatron_ring.wire.codecs import KVCodec, make_codec
 from megatron_ring.core.plan import RingPlan
@@ -131,20 +131,32 @@ class Call:
         mask = self.mask
         return RingPlan(ring=self.ring, layout=self.schedule_layout, causal=self.causal, scale=scale,
                         kernel=kernel, codec=self.codec, mask=None if mask.plain else mask, dropout=dropout,
-                        pieces=self.pieces, row_max=row_max, tag=self.tag)
+                        pieces=self.pieces, row_max=row_max, tag=self.tag,
+                        head_dims=(self.tensors[0].shape[-1], self.tensors[2].shape[-1]))
 
     def _row_max(self, qh: torch.Tensor | None) -> torch.Tensor | None:
         """``return_max_logit``: the fp32 ``[h, s]`` per-row max accumulator of the BHSD ``qh`` (-inf)."""
         return new_row_max(qh.shape[1], qh.shape[2], qh.device) if self.max_logit and qh is not None else None
 
+    def mla_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The call's K and V as BHSD views where V's head dim differs from Q's (MLA: what :func:`select_kernel`
+        and :meth:`padded` ask a kernel about), else None."""
+        q, k, v = self.tensors
+        return None if v.shape[-1] == q.shape[-1] else (self.bhsd(k), self.bhsd(v))
+
     def padded(self, kernel: BlockKernel) -> BlockKernel:
         """``kernel``, zero-padding its operands (exact, kernels/head_dim.py) when v's head dim differs from q's
-        (MLA) or the head dim is not a multiple of what the kernel takes (8 for the fused CUDA ones)."""
-        dqk, dv = self.tensors[0].shape[-1], self.tensors[2].shape[-1]
+        (MLA) and the kernel does not take them so (:meth:`~BlockKernel.unsupported_head_dims`: cuDNN where torch's
+        own SDPA hands it those head dims), or the head dim is not a multiple of what the kernel takes (8 for the
+        fused CUDA ones)."""
+        q, k, v = self.tensors
+        dqk, dv = q.shape[-1], v.shape[-1]
         d = operand_head_dim(kernel, max(dqk, dv))
-        if (dqk != d or dv != d) and kernel.name not in NATIVE_HEAD_DIM_KERNELS:
-            return padded_kernel(kernel, d)
-        return kernel
+        if dqk == d and dv == d:
+            return kernel
+        if dqk != dv and kernel.unsupported_head_dims(self.bhsd(q), *self.mla_kv()) is None:
+            return kernel
+        return padded_kernel(kernel, d)
 
     def plan(self, scale: float, kernel: BlockKernel, qh: torch.Tensor, dropout: DropoutSpec | None) -> RingPlan:
         """The call's plan, its kernel :meth:`padded`."""
@@ -175,7 +187,8 @@ class Call:
             raise exc from None
         qh = self.bhsd(q) if q.ndim == 4 else None
         # the ring alone computes nothing; the collective strategies run their forward on zeros
-        kernel = self.padded(select_kernel(qh, "auto", max(q.shape[-1], v.shape[-1]))) if collective else MathKernel()
+        kernel = (self.padded(select_kernel(qh, "auto", max(q.shape[-1], v.shape[-1]), kv=self.mla_kv()))
+                  if collective else MathKernel())
         plan = self.ring_plan(kernel, k.shape[-1] ** -0.5,
                               row_max=self._row_max(qh) if collective else None)  # a2a: its max-logit exchange too
         refuse(Refusal(error=exc, comm_type=self.comm_type, plan=plan, q=qh, k=self.bhsd(k), v=self.bhsd(v),

@@ -91,6 +91,12 @@ class DeviceOps:
         heads and sums dK/dV over the group itself). No device: never."""
         return False
 
+    def takes_head_dims(self, backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether torch's own SDPA would hand its ``backend`` kernel (``"cudnn"``) these ``q, k`` and ``v`` of
+        another head dim (multi-latent attention) as they are, not padded; asked about the head dims alone (K/V in
+        q's head count: GQA is :meth:`takes_gqa`'s question, per block). No device: never."""
+        return False
+
 
 class CudaOps(DeviceOps):
     """CUDA through ``torch.cuda`` (called only when a CUDA device is used). Pinned host buffers of
@@ -103,7 +109,7 @@ class CudaOps(DeviceOps):
 
     def __init__(self) -> None:
         self._pinned: dict[tuple, list[torch.Tensor]] = {}  # plain dict: no CUDA call until first used
-        self._gqa: dict[tuple, bool] = {}  # takes_gqa's answers: asked once per case, not per call
+        self._gqa: dict[tuple, bool] = {}  # torch's rule's answers (takes_gqa, takes_head_dims): once per case
 
     # Host time: ``torch.cuda.current_stream(None)``, ``torch.cuda.stream(...)`` and ``Event.record()`` without a
     # stream each find the current device through ``torch.cuda.is_available()``, which reads an environment
@@ -169,12 +175,26 @@ class CudaOps(DeviceOps):
         return torch.cuda.mem_get_info(device)
 
     def takes_gqa(self, backend, q, k, v, causal):
+        return self._torch_takes(backend, q, k, v, causal)
+
+    def takes_head_dims(self, backend, q, k, v):
+        return self._torch_takes(backend, q, k, v, False, as_mha=True)
+
+    def _torch_takes(self, backend, q, k, v, causal, as_mha=False):
         # torch's own dispatch rule (sdp_utils' can_use_*_attention on these tensors), asked once per case:
-        # it depends on the torch build and release (cuDNN takes GQA only on newer ones), the GPU and the shapes
-        key = (backend, q.device, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
-               (q.stride(-1), k.stride(-1), v.stride(-1)), bool(causal))
+        # it depends on the torch build and release (cuDNN takes GQA, and V of another head dim, only on newer ones;
+        # head dims over 128 only on some GPUs and cuDNN releases), the GPU, the shapes and whether a backward
+        # follows (torch's rule refuses some head dims for cuDNN's backward only). ``as_mha``: asked about the
+        # head dims alone, K/V as q's head count (stride-0 views of their first head, no copy: torch's
+        # rule reads shapes and the last dim's stride only; cuDNN's does not read the causal flag)
+        grad = q.requires_grad or k.requires_grad or v.requires_grad
+        key = (backend, as_mha, q.device, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
+               (q.stride(-1), k.stride(-1), v.stride(-1)), bool(causal), grad)
         hit = self._gqa.get(key)
         if hit is None:
+            if as_mha:
+                h = q.shape[1]
+                k, v = (x if x.shape[1] == h else x[:, :1].expand(-1, h, -1, -1) for x in (k, v))
             can = {"flash": torch.backends.cuda.can_use_flash_attention,
                    "cudnn": torch.backends.cuda.can_use_cudnn_attention}[backend]
             params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, bool(causal), True)

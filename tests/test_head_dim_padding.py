@@ -24,7 +24,7 @@ import torch
 
 from megatron_ring import ring_attention
 from megatron_ring.kernels import varlen
-from megatron_ring.kernels.block import FlashCPUKernel, operand_head_dim
+from megatron_ring.kernels.block import FlashCPUKernel, MathKernel, operand_head_dim
 from megatron_ring.schedules.layouts import get_layout
 from tests.helpers.numerics import max_err, score_bound, tol
 from tests.helpers.reference import doc_attention_reference, outputs_and_grads
@@ -54,8 +54,9 @@ class MultipleOf8(FlashCPUKernel):
         return super().backward(dout, q, k, v, out, lse, causal, scale, mask=mask)
 
 
-def _ring(world, layout_name, causal, dims, *, dtype=torch.float32, cu=None, window=None, scale=None):
-    """(rows of (what, error, bound), the kernel): the ring over P threads vs the float64 reference."""
+def _ring(world, layout_name, causal, dims, *, dtype=torch.float32, cu=None, window=None, scale=None, kernel=None):
+    """(rows of (what, error, bound), the kernel): the ring over P threads vs the float64 reference (``kernel``:
+    :class:`MultipleOf8` unless given)."""
     d, dv = dims
     h, hk, T = 4, 2, 12 * world
     layout = get_layout(layout_name)
@@ -64,7 +65,7 @@ def _ring(world, layout_name, causal, dims, *, dtype=torch.float32, cu=None, win
     v, dout = torch.randn(T, hk, dv, generator=g).to(dtype), torch.randn(T, h, dv, generator=g).to(dtype)
     ref = outputs_and_grads(lambda *t: doc_attention_reference(*t, cu or [0, T], causal, window),
                             q.double(), k.double(), v.double(), dout.double())
-    kernel = MultipleOf8()
+    kernel = kernel or MultipleOf8()
     got = thd_ring_in_global_order(world, layout, q, k, v, dout, causal=causal, kernel=kernel, window=window,
                                    cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32),
                                    softmax_scale=scale)
@@ -72,6 +73,20 @@ def _ring(world, layout_name, causal, dims, *, dtype=torch.float32, cu=None, win
                                          sigma=score_bound(q, k), blocks=2 * world))
             for what, a, want in zip(("out", "dq", "dk", "dv"), got, ref)]
     return rows, kernel
+
+
+@pytest.fixture
+def stand_in_saw(monkeypatch) -> list[tuple[int, int, int]]:
+    """The head dims (q, k, v) of each forward call of the variable-length CPU stand-in (masked tasks), its counts
+    cleared."""
+    stand_in, saw = varlen._VARLEN_CPU, []
+
+    def spy(q, k, v, *a, **kws):
+        saw.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return type(stand_in).forward(stand_in, q, k, v, *a, **kws)
+    monkeypatch.setattr(stand_in, "forward", spy)
+    varlen.COUNTS.clear()
+    return saw
 
 
 CASES = [("zigzag", True, (12, 12), {}), ("striped", False, (20, 20), {}), ("contiguous", True, (12, 10), {}),
@@ -82,16 +97,9 @@ CASES = [("zigzag", True, (12, 12), {}), ("striped", False, (20, 20), {}), ("con
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("layout, causal, dims, kw", CASES, ids=lambda x: str(x).replace(" ", ""))
-def test_padded_head_dims_match_float64(world, layout, causal, dims, kw, monkeypatch):
+def test_padded_head_dims_match_float64(world, layout, causal, dims, kw, stand_in_saw):
     if kw.get("cu"):  # the documents that fit the stream of 12 * P tokens
         kw = dict(kw, cu=[c for c in kw["cu"] if c <= 12 * world])
-    stand_in, stand_in_saw = varlen._VARLEN_CPU, []
-
-    def spy(q, k, v, *a, **kws):
-        stand_in_saw.append((q.shape[-1], k.shape[-1], v.shape[-1]))
-        return type(stand_in).forward(stand_in, q, k, v, *a, **kws)
-    monkeypatch.setattr(stand_in, "forward", spy)
-    varlen.COUNTS.clear()
     with varlen.cpu_stand_in():
         rows, kernel = _ring(world, layout, causal, dims, **kw)
     bad = [row for row in rows if not row[1] <= row[2]]
@@ -102,6 +110,39 @@ def test_padded_head_dims_match_float64(world, layout, causal, dims, kw, monkeyp
         assert stand_in_saw and varlen.COUNTS["varlen_cpu"] > 0 and varlen.COUNTS["math"] == 0, varlen.COUNTS
     else:
         assert kernel.seen
+
+
+class TakesHeadDims(MathKernel):
+    """A dense kernel that takes MLA head dims as they are, as cuDNN does where torch's own SDPA hands them to it
+    (``name`` stays ``math``: the masked tasks run on the variable-length CPU stand-in, which, like the CUDA
+    variable-length kernel, gets one head dim: padded)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def forward(self, q, k, v, causal, scale, mask=None):
+        self.seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return super().forward(q, k, v, causal, scale, mask=mask)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+        self.seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return super().backward(dout, q, k, v, out, lse, causal, scale, mask=mask)
+
+
+@pytest.mark.parametrize("world", [2, 4])  # one rank: its one block is cut by the document's end, all masked
+@pytest.mark.parametrize("dims", [(12, 10), (10, 12), (16, 8)], ids=str)
+def test_mla_head_dims_as_they_are_with_padded_masked_tasks(world, dims, stand_in_saw):
+    """A dense kernel that takes MLA head dims as they are (cuDNN, where torch's rule says so) gets them unpadded,
+    while the call's masked tasks (cut by a document's end) run on the variable-length stand-in padded to the larger
+    head dim (the engine pads their operands once per ring); outputs and gradients match float64."""
+    # a short first document: the blocks it cuts are masked tasks, the rest of the stream dense ones
+    with varlen.cpu_stand_in():
+        rows, kernel = _ring(world, "zigzag", True, dims, cu=[0, 3, 12 * world], kernel=TakesHeadDims())
+    assert not [row for row in rows if not row[1] <= row[2]], rows
+    dqk, dv = dims
+    assert kernel.seen and set(kernel.seen) == {(dqk, dqk, dv)}, kernel.seen
+    assert stand_in_saw and set(stand_in_saw) == {(max(dims),) * 3}, stand_in_saw
+    assert varlen.COUNTS["math"] == 0, varlen.COUNTS
 
 
 def test_the_padded_dims_softmax_scale_fails_the_bound():

@@ -49,6 +49,9 @@ class RingPlan:
     #: this call's forward ring's number on its transport (``Transport.forward_rings``, set by the forward; -1: not
     #: run): with the tag, what the backward ring's status says (core/backward_check.py: BackwardTag)
     number: int = field(default=-1, compare=False)
+    #: the call's ``(d_qk, d_v)`` (None: not given, as the kernel's operands have them): with MLA head dims that
+    #: ``kernel`` takes as they are (cuDNN), the masked tasks' kernel, which takes one, is padded (kernels/varlen.py)
+    head_dims: tuple[int, int] | None = None
 
     def runs_whole_blocks(self, q: torch.Tensor) -> bool:
         """Whether this call's masked tasks run as whole blocks, not tiles: on a variable-length kernel that
@@ -58,7 +61,7 @@ class RingPlan:
             return False
         if self.dropout is not None:
             return fused_dropout(q.device) and FusedDropoutKernel.fuses(q)
-        return whole_blocks(self.kernel, q)
+        return whole_blocks(self.kernel, q, self.head_dims)
 
     def tasks(self, step: int, s: int, whole: bool = False):
         """The tasks of ``step`` for local blocks of ``s`` rows (``whole``: :meth:`runs_whole_blocks`)."""
@@ -96,7 +99,7 @@ class RingPlan:
             return self.kernel, task.causal, {}
         if kind is TaskKind.REVERSED:  # key >= query: top-left causal on reversed rows, unmasked
             return ReversedKernel(self.kernel), True, {}
-        kernel = masked_kernel(self.kernel)
+        kernel = masked_kernel(self.kernel, self.head_dims)
         kw = {"mask": task.explicit_mask()}
         if getattr(kernel, "takes_kernel_lse", False):  # its lse in its own convention (kernels/varlen.py)
             kw["kernel_lse"] = True
@@ -104,10 +107,16 @@ class RingPlan:
 
     @property
     def operand_pad(self) -> int | None:
-        """The head dim this call's kernel pads its operands to (kernels/head_dim.py), where the engine pads them
-        once per ring instead (:class:`~megatron_ring.kernels.head_dim.RingPads`); None: nothing to pad, or
-        dropout (its kernels take the head dims as they are)."""
-        return None if self.dropout is not None else pads_to(self.kernel)
+        """The head dim this call's kernel pads its operands to (kernels/head_dim.py), or, where it takes MLA head
+        dims as they are, its masked tasks' kernel; the engine pads them once per ring instead
+        (:class:`~megatron_ring.kernels.head_dim.RingPads`) for the tasks whose kernel pads. None: nothing to
+        pad, or dropout (its kernels take the head dims as they are)."""
+        if self.dropout is not None:
+            return None
+        d = pads_to(self.kernel)
+        if d is None and self.mask is not None:
+            d = pads_to(masked_kernel(self.kernel, self.head_dims))
+        return d
 
     def forward_block(self, task, q, k, v, step: int | None = None, padded=None):
         """``(out, lse, posinf_empty)``: the block's result; ``posinf_empty``: its lse is the kernel's own, +inf

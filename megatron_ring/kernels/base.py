@@ -41,6 +41,12 @@ class BlockKernel(abc.ABC):
         """Why this kernel cannot run ``q``'s case with operands of ``head_dim`` (None: it can)."""
         return None
 
+    def unsupported_head_dims(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+        """Why this kernel cannot take ``v`` of another head dim than ``q`` and ``k`` (multi-latent attention) as
+        they are (None: it can; BHSD, the call's local tensors). One that cannot runs them zero-padded to one head
+        dim (``kernels/head_dim.py``)."""
+        return "it takes one head dim for Q, K and V"
+
 
 _deterministic: bool | None = None
 

@@ -381,20 +381,28 @@ class CudnnKernel(_SquareCausal):
             return "cuDNN is not available to this torch"
         return why
 
-    def _instead(self, q: torch.Tensor, k: torch.Tensor) -> BlockKernel | None:
+    def unsupported_head_dims(self, q, k, v):
+        why = _cuda_only(q) or _turned_off_in_torch("cudnn") or _deterministic_refusal(self)
+        if why is None and not ops_for(q.device).takes_head_dims("cudnn", q, k, v):
+            why = (f"torch's own SDPA does not hand cuDNN head dims {q.shape[-1]} (Q, K) and {v.shape[-1]} (V) on "
+                   "this GPU, cuDNN and torch release")
+        return why
+
+    def _instead(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockKernel | None:
         """The kernel that runs a (sub-)block cuDNN must not: one key (torch's ``check_cudnn_tensor_shapes``
         refuses key length 1, a cuDNN frontend error, pytorch#138529), or one query row on sm100 and newer
         (wrong numbers with few K/V heads on cuDNN 9.19/9.20, pytorch#193893). torch's flash kernel, which takes
-        every case cuDNN's does here, else the math kernel. Chosen by shape alone, so the forward and the
-        backward of a block run on the same kernel."""
+        every case cuDNN's does here but V of another head dim, else the math kernel. Chosen by shape alone, so
+        the forward and the backward of a block run on the same kernel."""
         if k.shape[2] != 1 and not (q.shape[2] == 1 and _cuda_arch(q) >= (10, 0)):
             return None
         flash = TorchFlashCudaKernel()
         flash.deterministic = self.deterministic
-        return flash if flash.unsupported(q, q.shape[-1]) is None else MathKernel()
+        same_dims = v.shape[-1] == q.shape[-1]
+        return flash if same_dims and flash.unsupported(q, q.shape[-1]) is None else MathKernel()
 
     def _fwd(self, q, k, v, causal, scale):
-        if (other := self._instead(q, k)) is not None:  # a square block: forward is its _fwd
+        if (other := self._instead(q, k, v)) is not None:  # a square block: forward is its _fwd
             return other.forward(q, k, v, causal, scale)
         g = _kv_groups("cudnn", q, k, v, causal)
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -402,7 +410,7 @@ class CudnnKernel(_SquareCausal):
         return res[0], res[1].reshape(q.shape[:3]).float()
 
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
-        if (other := self._instead(q, k)) is not None:
+        if (other := self._instead(q, k, v)) is not None:
             return other.backward(dout, q, k, v, out, lse, causal, scale)
         g = _kv_groups("cudnn", q, k, v, causal)
         sq, sk = q.shape[2], k.shape[2]
@@ -521,13 +529,30 @@ def _instance(name: str, det: bool) -> BlockKernel:
     return _instances[name, det]
 
 
+def _refusal(kernel: BlockKernel, q: torch.Tensor, d: int, kv: tuple | None) -> str | None:
+    """Why ``kernel`` cannot run the case (None: it can): MLA head dims (``kv``'s V of another head dim than q's)
+    as they are, where it takes them so (:meth:`~BlockKernel.unsupported_head_dims`), else its operands padded to
+    ``d`` as :func:`operand_head_dim` pads them."""
+    if kv is None or kv[1].shape[-1] == q.shape[-1]:
+        return kernel.unsupported(q, operand_head_dim(kernel, d))
+    if (as_is := kernel.unsupported_head_dims(q, *kv)) is None:
+        return None
+    padded = kernel.unsupported(q, operand_head_dim(kernel, d))
+    return padded and f"{padded} (MLA head dims {q.shape[-1]}/{kv[1].shape[-1]} as they are: {as_is})"
+
+
 def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim: int | None = None,
-                  deterministic: bool | None = None) -> BlockKernel:
+                  deterministic: bool | None = None, kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> BlockKernel:
     """The kernel for ``q``: ``"auto"`` picks the first kernel of ``_AUTO_ORDER`` that supports the case,
-    once per (device, dtype, head dim, determinism, torch's flash / cuDNN SDPA switches), and caches it.
+    once per (device, dtype, head dim, determinism, torch's flash / cuDNN SDPA switches; with MLA head dims, the
+    shapes too), and caches it.
     ``head_dim``: the call's head dim (default q's; with MLA head dims, the larger of Q/K's and V's: the operands
     are padded to it), which each kernel is asked about rounded up as :func:`operand_head_dim` pads it (a head dim
     that is not a multiple of 8 runs on the fused CUDA kernels zero-padded, as torch's SDPA runs it on flash).
+    ``kv``: the call's BHSD K and V: with V of another head dim than q's (MLA), a kernel that takes them as they
+    are (:meth:`~BlockKernel.unsupported_head_dims`: cuDNN where torch's own SDPA hands it those head dims) is
+    asked about them, not about the padded dim.
     ``deterministic``: the call's determinism (None: the process default, :func:`deterministic`); the kernel
     returned carries it. A kernel named that cannot run the case is refused here, with the reason.
     A kernel object is returned as it is (its own ``deterministic`` applies)."""
@@ -535,6 +560,8 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim:
         return kernel
     det = _process_default() if deterministic is None else bool(deterministic)
     d = q.shape[-1] if head_dim is None else head_dim
+    mla = kv is not None and kv[1].shape[-1] != q.shape[-1]
+    kv = kv if mla else None
     if kernel != "auto":
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; use 'auto' or one of {sorted(KERNELS)}")
@@ -544,15 +571,15 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim:
                              "kernel='math' (any dtype, fp32 included)")
         named = _instance(kernel, det)
         dk = operand_head_dim(named, d)
-        why = named.unsupported(q, dk)
+        why = _refusal(named, q, d, kv)
         if why:
             padded = f" (padded to {dk})" if dk != d else ""
             raise ValueError(f"kernel {kernel!r} does not support {q.dtype} tensors with head dim {d}{padded} on "
                              f"{q.device.type}: {why}; use kernel='auto' (it picks a kernel that can) or "
                              "kernel='math'")
         return named
-    key = (q.device, q.dtype, d, det, _torch_switches())
+    shapes = (tuple(q.shape), tuple(kv[0].shape), tuple(kv[1].shape), q.requires_grad) if mla else None
+    key = (q.device, q.dtype, d, det, _torch_switches(), shapes)
     if key not in _auto_choice:
-        _auto_choice[key] = next(k for k in (_instance(n, det) for n in _AUTO_ORDER)
-                                 if k.unsupported(q, operand_head_dim(k, d)) is None)
+        _auto_choice[key] = next(k for k in (_instance(n, det) for n in _AUTO_ORDER) if _refusal(k, q, d, kv) is None)
     return _auto_choice[key]

@@ -1,8 +1,10 @@
 """:class:`HeadDimPadKernel` — a kernel's operands zero-padded to one head dim ``d``, in two cases:
 
-* V's head dim ``d_v`` differs from Q/K's ``d_qk`` (multi-latent attention). torch's CPU flash op (and
-  flash-attn 2) require equal head dims, so V (and dO, O in backward) are padded to ``d_qk`` when
-  ``d_v < d_qk``, Q and K to ``d_v`` otherwise;
+* V's head dim ``d_v`` differs from Q/K's ``d_qk`` (multi-latent attention). torch's flash ops (CPU and CUDA,
+  variable-length too) and flash-attn 2 require equal head dims, so V (and dO, O in backward) are padded to
+  ``d_qk`` when ``d_v < d_qk``, Q and K to ``d_v`` otherwise. A kernel that takes them as they are
+  (:meth:`~megatron_ring.kernels.base.BlockKernel.unsupported_head_dims`: the math kernels; cuDNN where torch's own
+  SDPA hands it those head dims) is not wrapped;
 * the head dim is not a multiple of what the kernel takes (the fused CUDA kernels: 8,
   :attr:`~megatron_ring.kernels.block.BlockKernel.head_dim_multiple`): every operand is padded up to the next
   multiple (``operand_head_dim``), as torch's SDPA pads them for its flash kernel.
@@ -26,9 +28,7 @@ import torch
 
 from megatron_ring.kernels.block import BlockKernel
 
-__all__ = ["HeadDimPadKernel", "padded_kernel", "NATIVE_HEAD_DIM_KERNELS", "RingPads", "pads_to"]
-
-NATIVE_HEAD_DIM_KERNELS = ("math", "dropout")  # kernels that take d_v != d_qk without padding
+__all__ = ["HeadDimPadKernel", "padded_kernel", "RingPads", "pads_to"]
 
 
 def _outer_order(x: torch.Tensor) -> list[int]:

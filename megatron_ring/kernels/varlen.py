@@ -34,7 +34,7 @@ import torch
 
 from megatron_ring.kernels.block import (BlockKernel, MathKernel, _deterministic_refusal, _flash_backward_gap,
                                           _fused_cuda_case, _torch_switches, _turned_off_in_torch,
-                                          _unused_rng)
+                                          _unused_rng, operand_head_dim)
 from megatron_ring.kernels.head_dim import HeadDimPadKernel, padded_kernel
 from megatron_ring.kernels.varlen_plan import SegmentPlan, VarlenCall, plan_for, visible_in_segment
 
@@ -272,12 +272,13 @@ _VARLEN_CUDA = {det: _with_flag(det) for det in (None, True, False)}
 _VARLEN_CPU = VarlenCPUKernel()
 
 
-def masked_kernel(kernel: BlockKernel) -> BlockKernel:
-    """The kernel for the masked tasks of a plan whose kernel is ``kernel`` (once per kernel object): the
-    variable-length flash kernel for a fused CUDA kernel (it falls back to the math kernel per case it does not
-    take), the CPU stand-in within :func:`cpu_stand_in`, ``kernel`` itself if it takes masks, else the math
-    kernel. The head-dim padding (:class:`HeadDimPadKernel`: MLA head dims, or a head dim the kernels do not take)
-    wraps the chosen kernel as it wraps ``kernel``."""
+def masked_kernel(kernel: BlockKernel, head_dims: tuple[int, int] | None = None) -> BlockKernel:
+    """The kernel for the masked tasks of a plan whose kernel is ``kernel``: the variable-length flash kernel for a
+    fused CUDA kernel (it falls back to the math kernel per case it does not take), the CPU stand-in within
+    :func:`cpu_stand_in`, ``kernel`` itself if it takes masks, else the math kernel. The head-dim padding
+    (:class:`HeadDimPadKernel`: MLA head dims, or a head dim the kernels do not take) wraps the chosen kernel as it
+    wraps ``kernel``; with MLA ``head_dims`` (the call's ``(d_qk, d_v)``) that ``kernel`` takes as they are (cuDNN),
+    the variable-length kernels, which take one head dim, are padded to the larger."""
     base = kernel.base if isinstance(kernel, HeadDimPadKernel) else kernel
     if _stand_in and base.name in ("flash_cpu", "math"):
         chosen = _VARLEN_CPU
@@ -287,19 +288,23 @@ def masked_kernel(kernel: BlockKernel) -> BlockKernel:
         return kernel
     else:
         chosen = _MATH
-    if chosen is _MATH or not isinstance(kernel, HeadDimPadKernel):
+    if chosen is _MATH:
         return chosen
-    return padded_kernel(chosen, kernel.d)
+    if isinstance(kernel, HeadDimPadKernel):
+        return padded_kernel(chosen, kernel.d)
+    if head_dims is not None and head_dims[0] != head_dims[1]:
+        return padded_kernel(chosen, operand_head_dim(chosen, max(head_dims)))
+    return chosen
 
 
-def whole_blocks(kernel: BlockKernel, q: torch.Tensor) -> bool:
+def whole_blocks(kernel: BlockKernel, q: torch.Tensor, head_dims: tuple[int, int] | None = None) -> bool:
     """True when the masked tasks of a plan whose kernel is ``kernel`` run on a variable-length kernel (which
     takes ``q``'s case: else they fall back to the math kernel, which needs tiles to bound its memory): the
     schedule then hands it whole blocks (one masked task per run of rows, :func:`..schedules.masks.schedule`
     with ``tile`` = the block) instead of tiles, since the kernel skips the hidden pairs itself. On tiles a
     packed block of documents became dozens of small calls, each with its merge: on an H200 (2026-11-27) 1,015
     to 8,240 launches per call and 1-2% of one-GPU variable-length flash, host-bound."""
-    chosen = masked_kernel(kernel)
+    chosen = masked_kernel(kernel, head_dims)
     if not isinstance(chosen, HeadDimPadKernel):
         return isinstance(chosen, _VarlenKernel) and chosen.fits(q, q.shape[-1])
     return isinstance(chosen.base, _VarlenKernel) and chosen.base.fits(q, chosen.d)  # the dim it is handed

@@ -123,9 +123,9 @@ def our_call(name: str, q, k, v, causal: bool, dout: torch.Tensor):
     return call
 
 
-def _fake():
+def _fake(**seam):
     from torch._subclasses.fake_tensor import FakeTensorMode
-    return device.use("cuda", FakeCuda()), FakeTensorMode(allow_non_fake_inputs=True)
+    return device.use("cuda", FakeCuda(**seam)), FakeTensorMode(allow_non_fake_inputs=True)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -162,6 +162,25 @@ def test_our_gqa_call_is_torchs(name, causal):
                                             causal, SCALE)
         assert [n for _, n, _, _ in differing(theirs, ours)] == flagged, (takes, differences(theirs, ours))
         assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dims", [(192, 128), (64, 32), (64, 128)])
+def test_our_mla_cudnn_call_is_torchs(dims, causal):
+    """MLA head dims (V's differs from Q/K's) on cuDNN, where torch's SDPA hands them to cuDNN as they are (the
+    device seam says so; torch's ``check_cudnn_tensor_shapes`` takes ``d_qk != d_v``): our forward returns V's head
+    dim, and our backward call equals torch's, argument by argument, GQA included."""
+    dqk, dv = dims
+    with device.use("cuda", FakeCuda(head_dims=True)), __import__(
+            "torch._subclasses.fake_tensor", fromlist=["FakeTensorMode"]).FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.randn(2, 8, 40, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(2, 2, 40, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(2, 2, 40, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dout = torch.randn(2, 8, 40, dv, device="cuda", dtype=q.dtype)
+        theirs, out = torch_call("cudnn", q, k, v, causal, lambda o: torch.empty_like(o).copy_(dout))
+        ours = our_call("cudnn", q, k, v, causal, dout)
+    assert tuple(out.shape) == (2, 8, 40, dv)
+    assert differences(theirs, ours) == []
 
 
 # today's (before the fix) calls, as they were: the comparison must report these very arguments
@@ -248,8 +267,9 @@ ENGINE_CASES = [dict(P=2), dict(P=2, fmt="sbhd", causal=False), dict(P=4, heads=
                 dict(P=2, heads=(2, 2), kv_pieces=2)]
 
 
-def engine_differences(name: str, case: dict) -> list:
-    """The differences (``differing``) of every backward call a ring makes for ``case`` from torch's."""
+def engine_differences(name: str, case: dict, seam: dict | None = None, calls: list | None = None) -> list:
+    """The differences (``differing``) of every backward call a ring makes for ``case`` from torch's (``seam``: the
+    fake device's answers, :class:`~tests.helpers.fake_device.FakeCuda`; ``calls``: gets the recorded calls)."""
     from tests.fake_cuda.test_fake_cuda import Case, _inputs, _kernel_arg, _plan_on_host, fake_backward
     from megatron_ring import ring_attention
     from megatron_ring.transport.ring import LoopbackRing
@@ -257,7 +277,7 @@ def engine_differences(name: str, case: dict) -> list:
     c = Case(kernel=name, **case)
     rank = c.P // 2
     _plan_on_host(c, rank)
-    seam, fake = _fake()
+    seam, fake = _fake(**(seam or {}))
     with seam, fake:
         q, k, v, kw, leaves = _inputs(c)
         kw["kernel"] = _kernel_arg(name)
@@ -265,6 +285,8 @@ def engine_differences(name: str, case: dict) -> list:
         with BackwardRecorder(OPS[name][2]) as rec:
             fake_backward(out, torch.randn_like(out), leaves)
         assert rec.calls
+        if calls is not None:
+            calls.extend(rec.calls)
         return [d for call in rec.calls for d in differing(_torch_call_on(name, call), call)]
 
 
@@ -276,6 +298,29 @@ def test_the_engine_calls_each_backward_as_torch_would(name, case):
     order (``_same_layout_view``): row slices, K/V pieces, and the head chunks, whose output the forward once
     allocated in BHSD order whatever q's layout (non-finite cuDNN gradients on a GPU after other cases)."""
     assert [d for d in engine_differences(name, case) if not _same_layout_view(d)] == []
+
+
+@pytest.mark.parametrize("case", [dict(P=2, dims=(192, 128)), dict(P=4, heads=(8, 2), dims=(128, 64)),
+                                  dict(P=2, fmt="sbhd", causal=False, dims=(64, 128)),
+                                  dict(P=2, heads=(4, 4), dims=(192, 128), kv_pieces=2),
+                                  dict(P=4, fmt="thd", heads=(8, 2), dims=(128, 64))],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_the_engine_runs_mla_head_dims_on_cudnn_as_they_are(case):
+    """Where torch's SDPA hands cuDNN MLA head dims as they are, the ring does too: every cuDNN backward call has
+    Q/K and V of their own head dims (nothing padded) and equals torch's call. Negative control: where torch's
+    rule says no, the same ring pads (every call has one head dim, the larger), or, for 192, which cuDNN takes only
+    as they are (torch: sm90/sm100, cuDNN 9.11 on), refuses ``kernel="cudnn"`` naming both reasons."""
+    dqk, dv = case["dims"]
+    for takes, want in ((True, {(dqk, dv)}), (False, {(max(dqk, dv), max(dqk, dv))})):
+        calls = []
+        if not takes and max(dqk, dv) > 128:
+            with pytest.raises(ValueError, match=r"at most 128, not 192 \(MLA head dims 192/128 as they are: torch's "
+                                                 r"own SDPA does not hand cuDNN"):
+                engine_differences("cudnn", case, seam=dict(head_dims=takes))
+            continue
+        found = engine_differences("cudnn", case, seam=dict(head_dims=takes), calls=calls)
+        assert [d for d in found if not _same_layout_view(d)] == [], (takes, found)
+        assert {(c[1][1].shape[-1], c[1][3].shape[-1]) for c in calls} == want, takes
 
 
 def test_the_engine_comparison_flags_the_calls_found_wrong_on_a_gpu(monkeypatch):
@@ -382,6 +427,27 @@ def test_the_varlen_comparison_flags_a_wrong_call():
     assert sorted({d[0] for d in found}) == [6, 7, 15, 16], found
 
 
+def test_the_cuda_seam_asks_torchs_rule_about_mla_head_dims_alone(monkeypatch):
+    """``CudaOps.takes_head_dims`` asks torch's own cuDNN rule with K/V in q's head count (views, no copy: the
+    question is the head dims, GQA is asked per block), once per case, whether a backward follows included."""
+    from megatron_ring.device import CudaOps
+
+    asked = []
+
+    def can_use(params, debug):
+        asked.append((tuple(params.query.shape), tuple(params.key.shape), tuple(params.value.shape),
+                      params.value.stride(1), params.query.requires_grad))
+        return True
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention", can_use)
+    ops = CudaOps()
+    q, k, v = torch.randn(1, 8, 16, 192), torch.randn(1, 2, 16, 192), torch.randn(1, 2, 16, 128)
+    assert all(ops.takes_head_dims("cudnn", q, k, v) for _ in range(3))
+    assert ops.takes_head_dims("cudnn", q.requires_grad_(), k, v)
+    assert asked == [((1, 8, 16, 192), (1, 8, 16, 192), (1, 8, 16, 128), 0, False),
+                     ((1, 8, 16, 192), (1, 8, 16, 192), (1, 8, 16, 128), 0, True)]
+
+
 def test_the_cuda_seam_asks_torchs_dispatch_rule_once_per_case(monkeypatch):
     """``CudaOps.takes_gqa`` asks torch's own rule (``can_use_cudnn_attention`` / ``can_use_flash_attention``) with
     ``enable_gqa=True`` on the call's tensors, once per case (shapes, dtype, causal), not once per call; its answer
@@ -407,10 +473,10 @@ ENGINE_VARLEN_CASES = [dict(P=2, fmt="thd", layout="striped"), dict(P=4, fmt="th
                        dict(P=4, fmt="thd", dims=(128, 64), heads=(8, 2))]
 
 
-def engine_varlen_calls(case: dict) -> tuple[list, set, set]:
+def engine_varlen_calls(case: dict, seam: dict | None = None) -> tuple[list, set, set]:
     """Through ``ring_attention`` (fake CUDA, loopback ring, ``auto``): the differences of every
     ``_flash_attention_backward`` call of the masked tasks from torch's call for the same inputs, and the head
-    dims and scales of those calls."""
+    dims and scales of those calls (``seam``: the fake device's answers)."""
     from tests.fake_cuda.test_fake_cuda import Case, _inputs, _plan_on_host, fake_backward
     from megatron_ring import ring_attention
     from megatron_ring.transport.ring import LoopbackRing
@@ -418,7 +484,8 @@ def engine_varlen_calls(case: dict) -> tuple[list, set, set]:
     c = Case(kernel="auto", **case)
     rank = c.P // 2
     _plan_on_host(c, rank)
-    seam, fake = _fake()
+    K._auto_choice.clear()  # auto's choice is cached per case; the fake device's answers differ per test
+    seam, fake = _fake(**(seam or {}))
     with seam, fake:
         q, k, v, kw, leaves = _inputs(c)
         with BackwardRecorder("aten::_flash_attention_forward") as fwd:
@@ -431,12 +498,14 @@ def engine_varlen_calls(case: dict) -> tuple[list, set, set]:
                 {_values(call)["scale"] for call in rec.calls})
 
 
+@pytest.mark.parametrize("mla_on_cudnn", [False, True])
 @pytest.mark.parametrize("case", ENGINE_VARLEN_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_the_engine_calls_each_varlen_backward_as_torch_would(case):
+def test_the_engine_calls_each_varlen_backward_as_torch_would(case, mla_on_cudnn):
     """On packed documents, every ``_flash_attention_backward`` call the ring makes equals torch's autograd call
     for the same inputs, up to ``out``/``dout`` views in the same memory order; head dims the kernel does not take
-    arrive zero-padded, at the call's scale."""
-    found, dims, scales = engine_varlen_calls(case)
+    arrive zero-padded, at the call's scale. ``mla_on_cudnn``: where cuDNN takes MLA head dims as they are (its
+    dense tasks then run them so), the masked tasks' variable-length kernel still gets them padded."""
+    found, dims, scales = engine_varlen_calls(case, dict(head_dims=mla_on_cudnn))
     assert [d for d in found if not _same_layout_view(d)] == [], found
     dqk, dv = case.get("dims", (64, 64))
     assert dims == {-(-max(dqk, dv) // 8) * 8} and len(scales) == 1, (dims, scales)

@@ -2,7 +2,8 @@
 names the reason and the fix, before any kernel runs -- never a crash inside a CUDA op. On fake CUDA with
 a faked GPU architecture (the device seam's ``capability``): a pre-sm80 GPU for the fused kernels, head dims
 a kernel does not take (cuDNN's 128, flash's 256; MLA head dims, and head dims that are not a multiple of 8,
-count as the padded one: those run, padded),
+count as the padded one: those run, padded; MLA head dims run on cuDNN as they are where torch's own SDPA hands
+them to it),
 dtypes, deterministic mode, and ``sdpa_cuda`` (refused until verified on a GPU). fp32 on CUDA runs on the
 math kernel under ``auto``.
 """
@@ -45,10 +46,10 @@ ALLOWED = [("flash_cuda", (8, 0), torch.float16, (64, 64)), ("cudnn", (9, 0), to
            ("flash_cuda", (9, 0), torch.bfloat16, (250, 250))]
 
 
-def _first_call(kernel, cap, dtype, dims, calls):
+def _first_call(kernel, cap, dtype, dims, calls, **seam):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with device.use("cuda", FakeCuda(capability=cap)), FakeTensorMode(allow_non_fake_inputs=True):
+    with device.use("cuda", FakeCuda(capability=cap, **seam)), FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.randn(2, 64, 4, dims[0], device="cuda", dtype=dtype)
         k = torch.randn(2, 64, 2, dims[0], device="cuda", dtype=dtype)
         v = torch.randn(2, 64, 2, dims[1], device="cuda", dtype=dtype)
@@ -91,6 +92,44 @@ def test_a_kernel_that_can_run_the_case_runs(kernel, cap, dtype, dims):
     calls: list[int] = []
     out = _first_call(kernel, cap, dtype, dims, calls)
     assert out.shape[-1] == dims[1] and calls[0] > 0
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (128, 192), (64, 32)], ids=str)
+def test_mla_head_dims_run_on_cudnn_as_they_are_where_torch_hands_them_to_it(dims):
+    """Where torch's own SDPA hands cuDNN V of another head dim (the device seam: torch's rule), ``kernel="cudnn"``
+    and ``auto`` run cuDNN on them unpadded, 192/128 included (beyond the 128 of one padded head dim); where it does
+    not, ``auto`` runs torch's flash kernel padded and ``kernel="cudnn"`` is refused past 128, naming both reasons;
+    in deterministic mode neither way runs cuDNN."""
+    seen = []
+
+    class Dims(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.overloadpacket.__name__ and "backward" not in func.overloadpacket.__name__:
+                seen.append((func.overloadpacket.__name__.split("_")[4], args[0].shape[-1], args[2].shape[-1]))
+            return func(*args, **(kwargs or {}))
+
+    with Dims():
+        out = _first_call("cudnn", (9, 0), torch.bfloat16, dims, [], head_dims=True)
+        assert out.shape[-1] == dims[1] and set(seen) == {("cudnn", *dims)}, seen
+        seen.clear()
+        K._auto_choice.clear()
+        _first_call("auto", (9, 0), torch.bfloat16, dims, [], head_dims=True)
+        assert set(seen) == {("cudnn", *dims)}, seen
+        seen.clear()
+        K._auto_choice.clear()
+        _first_call("auto", (9, 0), torch.bfloat16, dims, [], head_dims=False)
+        d = max(dims)
+        assert set(seen) == {("cudnn" if d <= 128 else "flash", d, d)}, seen
+    if max(dims) > 128:
+        with pytest.raises(ValueError, match=rf"at most 128, not {max(dims)} \(MLA head dims {dims[0]}/{dims[1]} as "
+                                             r"they are: torch's own SDPA does not hand cuDNN"):
+            _first_call("cudnn", (9, 0), torch.bfloat16, dims, [], head_dims=False)
+    K.set_deterministic(True)
+    try:
+        with pytest.raises(ValueError, match="no deterministic backward"):
+            _first_call("cudnn", (9, 0), torch.bfloat16, dims, [], head_dims=True)
+    finally:
+        K.set_deterministic(None)
 
 
 def test_deterministic_mode_refuses_the_kernels_without_a_deterministic_backward():
@@ -186,7 +225,7 @@ def test_the_cudnn_shape_rule_is_not_vacuous(monkeypatch):
     """Negative control: without the rule the same block of one key goes to cuDNN."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    monkeypatch.setattr(K.CudnnKernel, "_instead", lambda self, q, k: None)
+    monkeypatch.setattr(K.CudnnKernel, "_instead", lambda self, q, k, v: None)
     with device.use("cuda", FakeCuda(capability=(9, 0))), FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.randn(1, 4, 2, 64, device="cuda", dtype=torch.bfloat16)
         with _CudnnShapes() as seen:

@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ring import device, ring_attention
+from megatron_ring.kernels import block as K
 from megatron_ring.transport.ring import LoopbackRing
 from tests.fake_cuda.test_fake_cuda import Case, _inputs, _plan_on_host, fake_backward
 from tests.helpers.fake_device import FakeCuda
@@ -110,14 +111,16 @@ def foreach_launches(name: str, args) -> int:
     return 1 if fast else len(lists[0])
 
 
-def count(case: Case, rank: int = 1) -> tuple[OpCounter, OpCounter]:
+def count(case: Case, rank: int = 1, **seam) -> tuple[OpCounter, OpCounter]:
     """Two forward + backward calls of ``case`` on fake CUDA, each counted: ``(first, warm)``. The first call of
-    a signature also copies what it caches on the device (the variable-length plans' cumulative lengths)."""
+    a signature also copies what it caches on the device (the variable-length plans' cumulative lengths).
+    ``seam``: the fake device's answers (:class:`~tests.helpers.fake_device.FakeCuda`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _plan_on_host(case, rank)
+    K._auto_choice.clear()  # auto's choice is cached per case; the fake device's answers differ per test
     counters = (OpCounter(), OpCounter())
-    with device.use("cuda", FakeCuda()), FakeTensorMode(allow_non_fake_inputs=True):
+    with device.use("cuda", FakeCuda(**seam)), FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v, kw, leaves = _inputs(case)  # made before counting: the caller's tensors
         dout = torch.ones(*q.shape[:-1], v.shape[-1], device="cuda", dtype=q.dtype)  # the caller's gradient
         ring = LoopbackRing(case.P, rank, q.device)
@@ -313,3 +316,28 @@ def test_padded_head_dims_within_their_ceiling(dims, P):
     _, plain = count(dataclasses.replace(_case("causal", P), dims=plain_dims))
     assert other - sum(plain.other.values()) <= 2 * blocks * (P + 1) + 2 * shared, (other, dict(warm.other),
                                                                                      dict(plain.other))
+
+
+#: other ops of a warm call of packed documents (THD, causal, MHA) with MLA head dims on cuDNN as they are: the dense
+#: tasks take them unpadded, the masked tasks' variable-length kernel pads them (once per ring, RingPads); all padded
+#: (a torch whose cuDNN rule says no: flash) the same call made 22 / 43 / 71
+MLA_THD_CEILING = {2: 22, 4: 41, 8: 61}
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+@pytest.mark.parametrize("dims", [(192, 128), (128, 64)], ids=str)
+@pytest.mark.parametrize("P", PS)
+def test_mla_head_dims_on_cudnn_as_they_are(P, dims, fmt):
+    """Where torch's rule hands cuDNN MLA head dims as they are (FakeCuda ``head_dims=True``), ``auto`` runs them so:
+    a dense call makes exactly the ops of a call with one head dim (issue 34's target met; padded it made
+    :data:`PADDED_CEILING`'s); packed documents stay within :data:`MLA_THD_CEILING`."""
+    case = dataclasses.replace(_case("causal" if fmt == "bshd" else "thd", P), dims=dims)
+    _, warm = count(case, head_dims=True)
+    other = sum(warm.other.values())
+    if fmt == "bshd":
+        _, plain = count(dataclasses.replace(case, dims=(64, 64)), head_dims=True)
+        assert (warm.attention, other) == (plain.attention, sum(plain.other.values())), (dict(warm.other),
+                                                                                         dict(plain.other))
+        assert other <= 3 * warm.attention
+    else:
+        assert other <= MLA_THD_CEILING[P], (other, dict(warm.other))

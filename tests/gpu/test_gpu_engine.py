@@ -44,13 +44,13 @@ def _global(P, heads, fmt, docs, device, dtype, seed=0, dims=(32, 32)):
 
 
 def engine_checks(device, P, layout, heads, fmt, docs, window, wire, dtype=torch.bfloat16, stop_after=None,
-                  dropout_p=0.0, dims=(32, 32)):
+                  dropout_p=0.0, dims=(32, 32), kernel="auto"):
     q, k, v, dout, cu = _global(P, heads, fmt, docs, device, dtype, dims=dims)
     lay = DocumentZigzag(cu) if layout == "docs" else get_layout(layout)
     dim = 0 if fmt == "thd" else 1
     T = q.shape[dim]
     pos = [lay.positions(T, P, r).to(device) for r in range(P)]
-    kw = dict(causal=True, layout=lay, window=window, comm_dtype=wire, qkv_format=fmt)
+    kw = dict(causal=True, layout=lay, window=window, comm_dtype=wire, qkv_format=fmt, kernel=kernel)
     if cu is not None:
         kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
     drop = dict(dropout_p=dropout_p, seed=2 ** 33 + 5) if dropout_p else {}
@@ -88,8 +88,9 @@ def test_engine_forward_backward_on_one_device_matches_float64(device, case):
 
 
 # head dims the fused CUDA kernels take only zero-padded (kernels/head_dim.py; the engine pads once per ring:
-# RingPads): MLA-like (48, 32: V, dO and O padded to 48, on CPU too, whose flash kernel takes one head dim) and 20
-# (every operand padded to 24 on CUDA), dense, documents on the variable-length kernel, a window
+# RingPads): MLA-like (48, 32: V, dO and O padded to 48, on CPU too, whose flash kernel takes one head dim; on CUDA
+# torch's flash kernel, named: cuDNN may take them as they are) and 20 (every operand padded to 24 on CUDA), dense,
+# documents on the variable-length kernel, a window
 PADDED_CASES = [(CASES[0], (48, 32)), (CASES[0], (20, 20)), (CASES[3], (48, 32)), (CASES[4], (20, 20)),
                 (CASES[5], (48, 32)), (CASES[1], (20, 20))]
 
@@ -97,7 +98,29 @@ PADDED_CASES = [(CASES[0], (48, 32)), (CASES[0], (20, 20)), (CASES[3], (48, 32))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case,dims", PADDED_CASES, ids=lambda c: "-".join(str(x) for x in c).replace(" ", ""))
 def test_engine_with_padded_head_dims_matches_float64(device, case, dims):
-    engine_checks(device, *case, dims=dims).check(min_rows=4)
+    kernel = "flash_cuda" if device == "cuda" and dims[0] != dims[1] else "auto"
+    engine_checks(device, *case, dims=dims, kernel=kernel).check(min_rows=4)
+
+
+# MLA head dims on cuDNN as they are, where torch's own SDPA hands them to it (kernels/block.py CudnnKernel,
+# unsupported_head_dims): DeepSeek's 192/128 (torch: sm90/sm100, cuDNN 9.11 on), 64/32 and 32/64; dense, packed
+# documents (their masked tasks on the variable-length kernel, padded), a window. CUDA only (cuDNN)
+MLA_CASES = [(CASES[0], (192, 128)), (CASES[3], (192, 128)), (CASES[0], (64, 32)), (CASES[4], (32, 64)),
+             (CASES[5], (64, 32))]
+
+
+@pytest.mark.parametrize("device", ["cuda"])
+@pytest.mark.parametrize("case,dims", MLA_CASES, ids=lambda c: "-".join(str(x) for x in c).replace(" ", ""))
+def test_engine_with_mla_head_dims_on_cudnn_as_they_are_matches_float64(device, case, dims):
+    from megatron_ring.kernels.block import CudnnKernel
+
+    P, _, heads, fmt, docs = case[:5]
+    q, k, v, _, _ = _global(P, heads, fmt, docs, device, torch.bfloat16, dims=dims)
+    bhsd = (lambda t: t[None].transpose(1, 2)) if fmt == "thd" else (lambda t: t.transpose(1, 2))
+    why = CudnnKernel().unsupported_head_dims(*(bhsd(t.requires_grad_()) for t in (q, k, v)))
+    if why:
+        pytest.skip(f"cuDNN does not take head dims {dims} as they are here: {why}")
+    engine_checks(device, *case, dims=dims, kernel="cudnn").check(min_rows=4)
 
 
 @pytest.mark.parametrize("device", DEVICES)

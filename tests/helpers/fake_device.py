@@ -56,7 +56,7 @@ class FakeCuda(DeviceOps):
     host_reads_free = False
 
     def __init__(self, capability=(9, 0), events_done: bool = True, capturing: bool = False,
-                 gqa: bool = True) -> None:
+                 gqa: bool = True, head_dims: bool = False) -> None:
         self.compute = FakeStream("compute")
         self.current = self.compute
         self.streams = [self.compute]
@@ -66,6 +66,7 @@ class FakeCuda(DeviceOps):
         self.host_waits = 0
         self.capture = capturing  # models a stream being captured into a CUDA graph
         self.gqa = gqa  # what takes_gqa answers (True: a torch whose flash and cuDNN kernels take GQA K/V)
+        self.head_dims = head_dims  # what takes_head_dims answers (True: cuDNN takes V of another head dim)
 
     def new_stream(self, device):
         s = FakeStream(f"side{len(self.streams)}")
@@ -122,6 +123,9 @@ class FakeCuda(DeviceOps):
 
     def takes_gqa(self, backend, q, k, v, causal):
         return self.gqa
+
+    def takes_head_dims(self, backend, q, k, v):
+        return self.head_dims
 
     def memory(self, device):
         return (80 << 30, 80 << 30)
