@@ -116,6 +116,19 @@ def test_gpu_row_runs_on_cpu_dense_and_packed():
         assert row["host_ms_triton"] == 0 and row["host_ops"] > 10  # no Triton on CPU
 
 
+def test_gpu_row_with_mla_head_dims_runs_on_cpu():
+    """``v_head_dim`` (``--v-head-dim``): V of another head dim, dense; a packed row with it is refused by name."""
+    import pytest
+    import torch
+
+    from megatron_ring_lab.bench.gpu import gpu_row
+
+    row = gpu_row(2, 128, 4, 2, 24, torch.float32, iters=1, device="cpu", v_head_dim=16)
+    assert (row["head_dim"], row["v_head_dim"]) == (24, 16) and row["efficiency"] > 0
+    with pytest.raises(ValueError, match="drop --v-head-dim or --gpu-docs"):
+        gpu_row(2, 128, 4, 2, 24, torch.float32, iters=1, device="cpu", v_head_dim=16, docs=True)
+
+
 def test_gpu_row_host_kinds():
     """The host split's kinds, on the entries cProfile gives: an attention op apart from other torch ops, Triton's
     Python and its launcher (a built-in only Triton calls), this library's Python apart from the lab's and the

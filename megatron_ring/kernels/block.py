@@ -382,7 +382,9 @@ class CudnnKernel(_SquareCausal):
         return why
 
     def unsupported_head_dims(self, q, k, v):
-        why = _cuda_only(q) or _turned_off_in_torch("cudnn") or _deterministic_refusal(self)
+        # everything but the head dims as for one head dim (8 passes its head-dim check), then the head dims as
+        # torch's own rule checks them
+        why = self.unsupported(q, 8)
         if why is None and not ops_for(q.device).takes_head_dims("cudnn", q, k, v):
             why = (f"torch's own SDPA does not hand cuDNN head dims {q.shape[-1]} (Q, K) and {v.shape[-1]} (V) on "
                    "this GPU, cuDNN and torch release")

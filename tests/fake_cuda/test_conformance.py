@@ -303,7 +303,8 @@ def test_the_engine_calls_each_backward_as_torch_would(name, case):
 @pytest.mark.parametrize("case", [dict(P=2, dims=(192, 128)), dict(P=4, heads=(8, 2), dims=(128, 64)),
                                   dict(P=2, fmt="sbhd", causal=False, dims=(64, 128)),
                                   dict(P=2, heads=(4, 4), dims=(192, 128), kv_pieces=2),
-                                  dict(P=4, fmt="thd", heads=(8, 2), dims=(128, 64))],
+                                  dict(P=4, fmt="thd", heads=(8, 2), dims=(128, 64)),
+                                  dict(P=2, dims=(192, 128), wire="fp8"), dict(P=4, window=(40, 0), dims=(64, 128))],
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_the_engine_runs_mla_head_dims_on_cudnn_as_they_are(case):
     """Where torch's SDPA hands cuDNN MLA head dims as they are, the ring does too: every cuDNN backward call has

@@ -45,10 +45,37 @@ def _build(world: int, ring: bool, batch_split: str = "megatron"):
     return model
 
 
+def _record_v_widths(widths: list) -> None:
+    """Each ring call's (V head dim the core attention got, V head dim it handed the ring) into ``widths``."""
+    import megatron_ring
+    from megatron_ring.megatron.attention import module
+
+    real_forward, real_ring = module.RingDotProductAttention.forward, megatron_ring.ring_attention
+    got: list = []
+
+    def forward(self, query, key, value, *a, **kw):
+        got.append(value.shape[-1])
+        return real_forward(self, query, key, value, *a, **kw)
+
+    def ring(q, k, v, **kw):
+        widths.append((got[-1], v.shape[-1]))
+        return real_ring(q, k, v, **kw)
+    module.RingDotProductAttention.forward, megatron_ring.ring_attention = forward, ring
+
+
 def worker(rank: int, world: int, how: str) -> dict[str, Any]:
-    """``how``: ``thd`` (ring, Megatron's split), ``documents`` (reference, CP = 1), ``ring_split`` (the refusal):
-    the masked loss and the gradients (rank 0), or the error raised."""
+    """``how``: ``thd`` (ring, Megatron's split), ``documents`` (reference, CP = 1), ``ring_split`` (the refusal),
+    ``thd_padded_v`` (``thd`` with V handed to the ring as Megatron padded it: the control of the V widths):
+    the masked loss and the gradients (rank 0), or the error raised; ``v_widths``: per ring call, V's head dim
+    as the core attention got it and as it handed it to the ring."""
     torch.set_num_threads(1)
+    widths: list = []
+    _record_v_widths(widths)
+    if how == "thd_padded_v":
+        from megatron_ring.megatron.attention.module import RingDotProductAttention
+
+        RingDotProductAttention._megatron_padded_v = lambda self, query, value: False
+        how = "thd"
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -88,6 +115,6 @@ def worker(rank: int, world: int, how: str) -> dict[str, Any]:
                 return dict(error=f"{type(e).__name__}: {e}")
             rep = reduce_over_cp(local, model, cp_group, world)
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-            return dict(loss=float(rep / total), grads=grads if rank == 0 else None)
+            return dict(loss=float(rep / total), grads=grads if rank == 0 else None, v_widths=sorted(set(widths)))
         finally:
             ps.destroy_model_parallel()

@@ -3,7 +3,9 @@
 - CP = 1 and CP = 2 with the stock ``--spec`` core attention on Megatron's per-document split equal Megatron's own
   attention on the batch's documents one at a time (loss and every parameter gradient; the model-level rule of
   tests/helpers/numerics.py). On megatron-core 0.19 MLA pads V to Q's head dim for THD batches and trims the
-  core attention's output itself: the ring's output is sized by the V it is given (it crashed before).
+  core attention's output itself: the glue hands the ring V at its own head dim (cuDNN then takes the MLA head dims
+  as they are where torch hands them to it, and the wire carries V unpadded) and pads the output back to the width
+  Megatron trims (exact: Megatron keeps the first v_head_dim columns and drops the padding's gradient).
 - The ring's own split of the packed stream (``batch_split="ring"``) at CP = 2 is refused by name
   (``TokenOrderError``): MLA's RoPE assumes Megatron's per-document order. Before, it failed in Megatron's RoPE
   or gave wrong gradients without an error.
@@ -43,6 +45,17 @@ def _checks(got: dict, label: str) -> Checks:
 def test_mla_packed_thd_matches_the_documents_one_at_a_time(world):
     got = run_distributed(MW.worker, world, "thd", timeout=RUN_TIMEOUT)[0]
     _checks(got, f"CP={world}").check()
+    # V reaches the ring at its own head dim (16), also where Megatron padded it to Q's (32, megatron-core 0.19)
+    assert got["v_widths"] and {handed for _, handed in got["v_widths"]} == {16}, got["v_widths"]
+
+
+def test_v_padded_by_megatron_handed_as_it_came_is_the_control():
+    """Control of the widths check: with the glue handing V to the ring as it came, the ring gets what Megatron
+    passed (Q's head dim where Megatron pads V) and the result is the same (exact either way: Megatron keeps only
+    the first v_head_dim columns of the output and drops the padding's gradient)."""
+    got = run_distributed(MW.worker, 2, "thd_padded_v", timeout=RUN_TIMEOUT)[0]
+    _checks(got, "CP=2, V as Megatron padded it").check()
+    assert all(came == handed for came, handed in got["v_widths"]), got["v_widths"]
 
 
 def test_negative_control_a_shifted_loss_fails():

@@ -243,11 +243,18 @@ def _one_device_reference(q, k, v, causal: bool, cu: list[int] | None):
 
 def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
             layout: str | None = None, causal: bool = True, iters: int = 10, kernel: str = "auto",
-            docs: bool = False, graphed: bool = False, device: str = "cuda") -> dict[str, Any]:
-    """One benchmark row (see the module doc). ``seq``: tokens in all (``seq / world`` per rank)."""
+            docs: bool = False, graphed: bool = False, device: str = "cuda",
+            v_head_dim: int | None = None) -> dict[str, Any]:
+    """One benchmark row (see the module doc). ``seq``: tokens in all (``seq / world`` per rank). ``v_head_dim``:
+    V's head dim where it differs from Q/K's (multi-latent attention; dense rows only: the packed rows' reference,
+    variable-length flash, takes one head dim)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the GPU benchmark row needs CUDA (device='cpu' runs it on CPU)")
+    dv = head_dim if v_head_dim is None else v_head_dim
+    if docs and dv != head_dim:
+        raise ValueError("a packed row with MLA head dims has no one-GPU reference (variable-length flash takes one "
+                         "head dim): drop --v-head-dim or --gpu-docs")
     layout = layout or ("striped" if docs else "zigzag")
     cu = None
     if docs:
@@ -256,7 +263,7 @@ def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
             cu.append(cu[-1] + n)
     q = torch.randn(1, seq, heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
     k = torch.randn(1, seq, kv_heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
-    v = torch.randn(1, seq, kv_heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, seq, kv_heads, dv, device=dev, dtype=dtype, requires_grad=True)
     lay = get_layout(layout)
     time_it = _timer(dev)
     per_rank = []  # (work ms, host ms, rank, its call, leaves)
@@ -278,7 +285,8 @@ def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
     one, _ = time_it(reference, iters)
     work, host, slow_rank, call, leaves = max(per_rank, key=lambda x: x[0])
     row = {"P": world, "seq": seq, "tokens_per_rank": seq // world, "heads": heads, "kv_heads": kv_heads,
-           "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "layout": layout, "causal": causal,
+           "head_dim": head_dim, "v_head_dim": dv, "dtype": str(dtype).removeprefix("torch."), "layout": layout,
+           "causal": causal,
            "docs": len(cu) - 1 if cu else 0, "reference": ref_name,
            "ring_slowest_rank_ms": work, "ring_total_ms": work * world, "one_device_ms": one,
            "efficiency": one / (work * world), "host_ms": host, "launches": None, "peak_gib": None}

@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA); default = --heads")
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--v-head-dim", type=int, default=None,
+                    help="--gpu-row: V's head dim where it differs from Q/K's (MLA, e.g. --head-dim 192 --v-head-dim "
+                         "128; dense rows only)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default="zigzag")
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
@@ -425,7 +428,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for p, seq in sizes:
             for docs in ((False, True) if a.gpu_docs else (False,)):
                 rows.append(gpu_row(p, seq, a.heads, a.kv_heads or a.heads, a.head_dim, dtype,
-                                    None if docs else a.layout, a.causal, a.iters, docs=docs, graphed=a.graphed))
+                                    None if docs else a.layout, a.causal, a.iters, docs=docs, graphed=a.graphed,
+                                    v_head_dim=a.v_head_dim))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress, if a later row runs out of time
         print(json.dumps(rows, indent=2))
         return rows

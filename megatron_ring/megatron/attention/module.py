@@ -5,6 +5,7 @@ import math
 from typing import Any, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -180,6 +181,7 @@ class RingDotProductAttention(MegatronModule):
         v_ch = config.kv_channels if v_channels is None else v_channels
         self.hidden_size_per_partition = _per_rank(v_ch * config.num_attention_heads, tp, "kv_channels x num_attention_heads")
         self.hidden_size_per_attention_head = k_ch
+        self.v_head_dim = v_ch  # V's own head dim (MLA: Megatron may hand V zero-padded past it, see forward)
         self.num_attention_heads_per_partition = _per_rank(config.num_attention_heads, tp, "num_attention_heads")
         self.softmax_offset = make_softmax_offset(config, self.num_attention_heads_per_partition)
         self.num_query_groups_per_partition = _per_rank(config.num_query_groups, tp, "num_query_groups")
@@ -270,6 +272,15 @@ class RingDotProductAttention(MegatronModule):
         self._resolved = (self._resolved + [(key, resolved)])[-_KEPT:]  # a few groups (hybrid CP sizes), bounded
         return resolved
 
+    def _megatron_padded_v(self, query: Tensor, value: Tensor) -> bool:
+        """Whether ``value`` is MLA's V padded past its head dim by Megatron for a THD batch (megatron-core 0.19's
+        ``MLASelfAttention`` pads V to Q's head dim, then keeps only the first ``v_head_dim`` columns of each head's
+        output and drops the gradient of the padding): then the ring takes V at its own head dim, exactly what the
+        caller keeps, whatever the padding holds. cuDNN takes MLA head dims as they are where torch's SDPA hands
+        them to it, and the wire carries V unpadded (K + V at 192 / 128: 17% fewer bytes than at 192 / 192)."""
+        return (getattr(self.config, "multi_latent_attention", False) and value.shape[-1] == query.shape[-1]
+                and self.v_head_dim < value.shape[-1])
+
     def forward(
         self,
         query: Tensor,
@@ -326,9 +337,12 @@ class RingDotProductAttention(MegatronModule):
             if max_logit:  # QK-clip's max over the real tokens: not over the filler of padded documents
                 world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
                 rows = real_rows(packed_seq_params, layout, world, rank, query.shape[0], query.device)
+            padded_to = value.shape[-1]
+            if self._megatron_padded_v(query, value):
+                value = value[..., : self.v_head_dim]  # a view: the ring runs (and sends) V at its own head dim
             out = run(query, key, value, "thd", packed_cu_seqlens(packed_seq_params), rows)
-            # heads x V's head dim as V came (megatron-core 0.19's MLA pads V to Q's head dim for THD batches,
-            # tells core attention so through hidden_size_per_attention_head_v, and trims the output itself)
+            if out.shape[-1] != padded_to:  # as wide as V came: the caller keeps the first v_head_dim columns
+                out = F.pad(out, (0, padded_to - out.shape[-1]))
             return out.view(out.size(0), -1)
         if query.shape[0] != key.shape[0]:  # a decode step of inference with a KV cache
             return _decode(self, query, key, value, causal, group, offset)
