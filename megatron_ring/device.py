@@ -106,6 +106,8 @@ class CudaOps(DeviceOps):
     host_reads_free = False
     #: pinned buffers kept per (shape, dtype): one per layer whose forward ran and backward has not yet
     PINNED_PER_SHAPE = 256
+    #: torch's rule's answers kept (per case: shapes included), cleared when full
+    CASES_KEPT = 4096
 
     def __init__(self) -> None:
         self._pinned: dict[tuple, list[torch.Tensor]] = {}  # plain dict: no CUDA call until first used
@@ -198,6 +200,8 @@ class CudaOps(DeviceOps):
             can = {"flash": torch.backends.cuda.can_use_flash_attention,
                    "cudnn": torch.backends.cuda.can_use_cudnn_attention}[backend]
             params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, bool(causal), True)
+            if len(self._gqa) >= self.CASES_KEPT:  # keyed on shapes, which packed batches vary: bounded
+                self._gqa.clear()
             hit = self._gqa[key] = bool(can(params, False))
         return hit
 

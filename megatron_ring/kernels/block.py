@@ -519,6 +519,7 @@ _AUTO_ORDER = ("cudnn", "flash_attn", "te_fused", "flash_cuda", "flash_cpu", "ma
 UNVERIFIED = {"sdpa_cuda": "torch's memory-efficient CUDA op"}
 _instances: dict[tuple[str, bool], BlockKernel] = {}
 _auto_choice: dict[tuple, BlockKernel] = {}
+_AUTO_KEPT = 4096  # choices kept, cleared when full
 
 
 def _instance(name: str, det: bool) -> BlockKernel:
@@ -580,8 +581,11 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim:
                              f"{q.device.type}: {why}; use kernel='auto' (it picks a kernel that can) or "
                              "kernel='math'")
         return named
+    # with MLA head dims, per shape: torch's rule (cuDNN as they are) reads them, and Call.padded asks it again
     shapes = (tuple(q.shape), tuple(kv[0].shape), tuple(kv[1].shape), q.requires_grad) if mla else None
     key = (q.device, q.dtype, d, det, _torch_switches(), shapes)
     if key not in _auto_choice:
+        if len(_auto_choice) >= _AUTO_KEPT:  # shapes vary with packed batches: bounded
+            _auto_choice.clear()
         _auto_choice[key] = next(k for k in (_instance(n, det) for n in _AUTO_ORDER) if _refusal(k, q, d, kv) is None)
     return _auto_choice[key]

@@ -447,6 +447,25 @@ def test_the_cuda_seam_asks_torchs_rule_about_mla_head_dims_alone(monkeypatch):
     assert ops.takes_head_dims("cudnn", q.requires_grad_(), k, v)
     assert asked == [((1, 8, 16, 192), (1, 8, 16, 192), (1, 8, 16, 128), 0, False),
                      ((1, 8, 16, 192), (1, 8, 16, 192), (1, 8, 16, 128), 0, True)]
+    # the answers are kept per shape, which packed batches vary: bounded (cleared when full), still right
+    monkeypatch.setattr(CudaOps, "CASES_KEPT", 2)
+    for s in range(3, 40):
+        assert ops.takes_head_dims("cudnn", q[:, :, :s], k[:, :, :s], v[:, :, :s]) and len(ops._gqa) <= 2
+
+
+def test_autos_choices_per_mla_shape_are_bounded(monkeypatch):
+    """``auto``'s choice with MLA head dims is kept per shape (torch's rule reads them): cleared when full."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(K, "_AUTO_KEPT", 3)
+    K._auto_choice.clear()
+    with device.use("cuda", FakeCuda(head_dims=True)), FakeTensorMode():
+        for s in range(8, 40):
+            q, k = torch.empty(1, 8, s, 192, device="cuda", dtype=torch.bfloat16), \
+                torch.empty(1, 2, s, 192, device="cuda", dtype=torch.bfloat16)
+            v = torch.empty(1, 2, s, 128, device="cuda", dtype=torch.bfloat16)
+            assert K.select_kernel(q, "auto", 192, kv=(k, v)).name == "cudnn" and len(K._auto_choice) <= 3
+    K._auto_choice.clear()
 
 
 def test_the_cuda_seam_asks_torchs_dispatch_rule_once_per_case(monkeypatch):
