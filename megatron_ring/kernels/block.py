@@ -533,10 +533,11 @@ def _instance(name: str, det: bool) -> BlockKernel:
 
 
 def _refusal(kernel: BlockKernel, q: torch.Tensor, d: int, kv: tuple | None) -> str | None:
-    """Why ``kernel`` cannot run the case (None: it can): MLA head dims (``kv``'s V of another head dim than q's)
-    as they are, where it takes them so (:meth:`~BlockKernel.unsupported_head_dims`), else its operands padded to
-    ``d`` as :func:`operand_head_dim` pads them."""
-    if kv is None or kv[1].shape[-1] == q.shape[-1]:
+    """Why ``kernel`` cannot run the case (None: it can): with MLA head dims (``kv``: K and V, V of another head
+    dim than q's; None: one head dim) as they are, where it takes them so
+    (:meth:`~BlockKernel.unsupported_head_dims`), else its operands padded to ``d`` as :func:`operand_head_dim`
+    pads them."""
+    if kv is None:
         return kernel.unsupported(q, operand_head_dim(kernel, d))
     if (as_is := kernel.unsupported_head_dims(q, *kv)) is None:
         return None
@@ -563,8 +564,7 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim:
         return kernel
     det = _process_default() if deterministic is None else bool(deterministic)
     d = q.shape[-1] if head_dim is None else head_dim
-    mla = kv is not None and kv[1].shape[-1] != q.shape[-1]
-    kv = kv if mla else None
+    kv = kv if kv is not None and kv[1].shape[-1] != q.shape[-1] else None  # MLA head dims, else None
     if kernel != "auto":
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; use 'auto' or one of {sorted(KERNELS)}")
@@ -582,7 +582,7 @@ def select_kernel(q: torch.Tensor, kernel: str | BlockKernel = "auto", head_dim:
                              "kernel='math'")
         return named
     # with MLA head dims, per shape: torch's rule (cuDNN as they are) reads them, and Call.padded asks it again
-    shapes = (tuple(q.shape), tuple(kv[0].shape), tuple(kv[1].shape), q.requires_grad) if mla else None
+    shapes = None if kv is None else (tuple(q.shape), tuple(kv[0].shape), tuple(kv[1].shape), q.requires_grad)
     key = (q.device, q.dtype, d, det, _torch_switches(), shapes)
     if key not in _auto_choice:
         if len(_auto_choice) >= _AUTO_KEPT:  # shapes vary with packed batches: bounded

@@ -337,12 +337,12 @@ class RingDotProductAttention(MegatronModule):
             if max_logit:  # QK-clip's max over the real tokens: not over the filler of padded documents
                 world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
                 rows = real_rows(packed_seq_params, layout, world, rank, query.shape[0], query.device)
-            padded_to = value.shape[-1]
-            if self._megatron_padded_v(query, value):
+            came, sliced = value.shape[-1], self._megatron_padded_v(query, value)
+            if sliced:
                 value = value[..., : self.v_head_dim]  # a view: the ring runs (and sends) V at its own head dim
             out = run(query, key, value, "thd", packed_cu_seqlens(packed_seq_params), rows)
-            if out.shape[-1] != padded_to:  # as wide as V came: the caller keeps the first v_head_dim columns
-                out = F.pad(out, (0, padded_to - out.shape[-1]))
+            if sliced:  # as wide as V came: the caller keeps the first v_head_dim columns
+                out = F.pad(out, (0, came - self.v_head_dim))
             return out.view(out.size(0), -1)
         if query.shape[0] != key.shape[0]:  # a decode step of inference with a KV cache
             return _decode(self, query, key, value, causal, group, offset)
