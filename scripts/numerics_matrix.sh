@@ -5,6 +5,12 @@
 #   bash scripts/numerics_matrix.sh            the numerics test files, every configuration
 #   bash scripts/numerics_matrix.sh --fast     the fast tier of them (-m "not slow") and the MLA / sinks / dropout
 #                                              matrix at P = 1..4 (CP=P vs CP=1 with dropout); a CI step of scripts/test.sh
+#   bash scripts/numerics_matrix.sh --fast --native-report FILE
+#                                              the same, but the configuration the fast tier itself ran in (torch's own
+#                                              choice: the highest capability, MKL unlimited; nothing set in the
+#                                              environment) is not run again: its line is FILE, the report the fast tier
+#                                              wrote ($MEGATRON_RING_NUMERICS_REPORT), and the slow tier runs the matrix
+#                                              test there; scripts/test.sh does this
 #   bash scripts/numerics_matrix.sh --slow     the slow tiers of scripts/test.sh (the model-level tests): $PYTHON -m slow
 #                                              tests/, then, where $PYTHON312 (else .venv312/bin/python) exists, tests/megatron
 #                                              on it, and where .bridge312 exists the Bridge tests; by hand (about an hour per
@@ -23,9 +29,10 @@ FILES=(tests/test_kernel_contract.py tests/test_merge_and_kernels.py tests/test_
        tests/test_kv_pieces.py tests/test_model_features.py tests/test_strategy_features.py tests/test_wire_accuracy.py
        tests/test_cost_model.py tests/test_dynamic_cp.py tests/test_document_zigzag.py tests/test_ulysses_heads.py
        tests/test_row_tiles.py)
-MARK=(); EXTRA=(); SLOW=0
+MARK=(); EXTRA=(); SLOW=0; NATIVE_REPORT=""
 if [ "${1:-}" = "--fast" ]; then
   MARK=(-m "not slow"); EXTRA=(tests/test_model_features.py::test_mla_sinks_dropout_match_reference); shift
+  if [ "${1:-}" = "--native-report" ]; then NATIVE_REPORT="$2"; shift 2; fi
 elif [ "${1:-}" = "--slow" ]; then
   SLOW=1; shift
 fi
@@ -42,6 +49,25 @@ has avx512f avx512bw avx512vl avx512dq && caps+=(avx512)
 configs=(); for c in "${caps[@]}"; do configs+=("$c:"); done
 configs+=("${caps[-1]}:AVX2")
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+# --native-report: the fast tier ran torch's own choice already; it is skipped here where that choice is the highest
+# capability (torch took it) and nothing in the environment chose another
+native=""
+if [ -n "$NATIVE_REPORT" ] && [ -z "${ATEN_CPU_CAPABILITY:-}" ] && [ -z "${MKL_ENABLE_INSTRUCTIONS:-}" ]; then
+  got=$("$PY" -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
+  if [ "${got,,}" = "${caps[-1],,}" ]; then
+    native="${caps[-1]}:"; kept=(); for c in "${configs[@]}"; do [ "$c" = "$native" ] || kept+=("$c"); done
+    configs=("${kept[@]}")
+  fi
+fi
+summarise() {  # report file: checks, comparisons and the worst error/bound of its rows
+  "$PY" - "$1" <<'PYEOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+worst = max(rows, key=lambda r: r["worst_ratio"]) if rows else None
+print(f"{len(rows)} checks, {sum(r['rows'] for r in rows)} comparisons, worst error/bound "
+      + (f"{worst['worst_ratio']:.3f} ({worst['check']}: {worst['worst']})" if worst else "-"))
+PYEOF
+}
 # Configurations run MEGATRON_RING_NUMERICS_JOBS at a time (default 2 in --fast mode, where each run is one
 # process and the machine has two cores or more; 1 otherwise); each one's output is printed when it ends, in order.
 jobs_=1
@@ -76,14 +102,7 @@ run_config() {  # index, "capability:mkl", pytest arguments...: writes $tmp/<ind
       pyt "$PY" "$@" "${EXTRA[@]}"; rc2=$?; [ "$rc" -eq 0 ] && rc=$rc2
     fi
   fi
-  worst=$("$PY" - "$report" <<'PYEOF'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-worst = max(rows, key=lambda r: r["worst_ratio"]) if rows else None
-print(f"{len(rows)} checks, {sum(r['rows'] for r in rows)} comparisons, worst error/bound "
-      + (f"{worst['worst_ratio']:.3f} ({worst['check']}: {worst['worst']})" if worst else "-"))
-PYEOF
-)
+  worst=$(summarise "$report")
   echo "$rc rc=$rc, $(( $(date +%s) - t0 )) s, $worst" > "$tmp/$i.result"
 }
 for i in "${!configs[@]}"; do
@@ -94,6 +113,11 @@ wait
 rc_all=0
 for i in "${!configs[@]}"; do cat "$tmp/$i.log"; done
 echo "[numerics] summary:"
+if [ -n "$native" ]; then
+  if [ -s "$NATIVE_REPORT" ]; then worst=$(summarise "$NATIVE_REPORT"); else worst="no report"; fi
+  echo "  ATEN_CPU_CAPABILITY=${native%:} (torch's own choice): not run again, the fast tier's run (its exit code is" \
+       "its own; the matrix test runs in the slow tier): $worst"
+fi
 for i in "${!configs[@]}"; do cfg=${configs[$i]}; cap=${cfg%%:*}; mkl=${cfg#*:}
   read -r rc rest < "$tmp/$i.result" 2>/dev/null || { rc=1; rest="no result"; }
   [ "$rc" -eq 0 ] || rc_all=1

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The test suite on both ends of the supported megatron-core range (extra args go to pytest):
 #   0. the fast tier first: .venv, pytest -m "not slow" "$@" (single-process tests; about a minute), then
-#      the fast numerics under every CPU instruction set (scripts/numerics_matrix.sh --fast; skip with
+#      the fast numerics under every other CPU instruction set (scripts/numerics_matrix.sh --fast --native-report:
+#      the fast tier ran torch's own choice and its report stands for it; skip with
 #      MEGATRON_RING_SKIP_NUMERICS_MATRIX=1);
-#   1. .venv    (Python 3.11, megatron-core 0.16.1): the rest, pytest -m slow "$@" (default: tests/);
+#   1. .venv    (Python 3.11, megatron-core 0.16.1): the rest, pytest -m slow "$@" (default: tests/), then the
+#      serial tests alone;
 #   2. .venv-floor: the fast tier on the OLDEST torch setup.cfg declares (torch 2.11; skip with
 #      MEGATRON_RING_SKIP_FLOOR=1);
 #   3. .venv312 (Python 3.12, megatron-core 0.19.2, ships megatron.training; its torch is a CUDA build that runs
@@ -13,12 +15,13 @@
 #      wheel in a child process (0.16.1's Mamba mixer imports triton, which .venv lacks);
 #   4. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py and
 #      tests/megatron/test_bridge_hybrid.py.
-# Each pytest run is two parts: the tests not marked `serial` on MEGATRON_RING_TEST_WORKERS pytest-xdist
-# workers (default: 2, or 1 on a one-core machine; a file's tests on one worker), then the `serial` ones alone
-# (tests/conftest.py SERIAL: wall-clock bounds, network namespaces, the GPU; none in steps 3 and 4, which run in
-# one part). The .venv-floor and .venv312 / Bridge set-ups (downloads) run
-# in the background while .venv's fast tier, numerics and non-serial slow tests run; the serial tests wait for
-# them to end.
+# Steps 0, 1 and 3 run on MEGATRON_RING_TEST_WORKERS pytest-xdist workers (default: 2, or 1 on a one-core machine; a
+# file's tests on one worker). Step 2's non-serial tests and then step 4 run in ONE background pytest process each,
+# beside step 3 (multi-process Megatron jobs whose ranks wait on each other leave the cores idle part of the time); their output
+# is printed when step 3 ends. The `serial` tests (tests/conftest.py SERIAL: wall-clock bounds, network
+# namespaces, the GPU; none in steps 3 and 4) run alone: step 1's after its slow tier, step 2's after everything
+# else. The .venv-floor and .venv312 / Bridge set-ups (downloads) run in the background while .venv's fast tier,
+# numerics and non-serial slow tests run; the serial tests wait for them to end.
 # On a machine with NVIDIA GPUs (and a CUDA build of torch in .venv) step 1 also runs tests/gpu (part of
 # tests/; skipped with a reason elsewhere; serial); scripts/gpu_check.sh is the GPU users' one command.
 # Every venv is set up if needed (idempotent). MEGATRON_RING_SKIP_PY312=1 skips steps 3 and 4;
@@ -35,13 +38,6 @@ run_pytest() {  # venv, args...
   return "$rc"
 }
 PAR=(); [ "$WORKERS" -gt 1 ] && PAR=(-n "$WORKERS" --dist loadfile)  # a file's tests (and its module fixtures) on one worker
-run_split() {  # venv, marker expression, args...: the non-serial tests on WORKERS workers, then the serial ones alone
-  local venv="$1" mark="$2"; shift 2
-  local rc1 rc2
-  run_pytest "$venv" -m "($mark) and not serial" "${PAR[@]}" "$@"; rc1=$?
-  run_pytest "$venv" -m "($mark) and serial" "$@"; rc2=$?
-  [ "$rc1" -eq 0 ] && return "$rc2"; return "$rc1"
-}
 bash scripts/setup_env.sh test || exit $?
 .venv/bin/python -c 'import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0
 print(f"[test] {n} CUDA GPU(s): tests/gpu " + ("runs" if n else "is skipped (no usable GPU)"))' || true
@@ -67,11 +63,14 @@ wait_setups() {
 }
 
 t0=$(date +%s)
-run_pytest .venv -m "not slow and not serial" "${PAR[@]}" "$@"; rcfast=$?
+# the fast tier runs the numerics tests in torch's own instruction set: its report stands for that configuration in
+# the matrix below, which does not run it again
+native_report="$bglog/native.report"; : > "$native_report"
+MEGATRON_RING_NUMERICS_REPORT="$native_report" run_pytest .venv -m "not slow and not serial" "${PAR[@]}" "$@"; rcfast=$?
 echo "[test] fast tier (-m 'not slow', not serial): rc=$rcfast in $(( $(date +%s) - t0 )) s"
 rcnum=0
 if [ "${MEGATRON_RING_SKIP_NUMERICS_MATRIX:-0}" != 1 ]; then
-  PYTHON=.venv/bin/python bash scripts/numerics_matrix.sh --fast; rcnum=$?
+  PYTHON=.venv/bin/python bash scripts/numerics_matrix.sh --fast --native-report "$native_report"; rcnum=$?
 fi
 t0=$(date +%s)
 run_pytest .venv -m "slow and not serial" "${PAR[@]}" "$@"; rc311=$?
@@ -83,13 +82,29 @@ echo "[test] Python 3.11 serial tests (fast and slow): rc=$rcser in $(( $(date +
 [ "$rc311" -eq 0 ] || rcser=$rc311
 [ "$rcfast" -eq 0 ] || rcser=$rcfast
 rc311=$rcser
-rcfloor=0
-if [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ]; then  # the declared torch floor (setup.cfg): the fast tier on it
-  echo "[test] torch floor: $(.venv-floor/bin/python -c 'import torch; print(torch.__version__)'), fast tier"
-  run_split .venv-floor "not slow" -q -p no:cacheprovider; rcfloor=$?
-fi
-rc312=0
+# The torch floor's fast tier and the Bridge tests run in the background, one pytest process each in turn, beside the
+# Python 3.12 tier (multi-process Megatron jobs whose ranks wait on each other leave the cores idle part of the
+# time); none of them is serial, and a test that starts processes carries the slow mark, so the floor's
+# fast tier starts none. The floor's serial tests run alone after them.
+rcfloor=0; rcbridge=0; rc312=0
 opts=(); for a in "$@"; do [[ "$a" == -* ]] && opts+=("$a"); done
+run_floor_fast() {
+  echo "[test] torch floor: $(.venv-floor/bin/python -c 'import torch; print(torch.__version__)'), fast tier (not serial)"
+  run_pytest .venv-floor -m "not slow and not serial" -q -p no:cacheprovider
+}
+run_bridge() {
+  echo "[test] Megatron-Bridge $(PYTHONPATH=.bridge312 .venv312/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))'), Python 3.12: tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py"
+  PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" \
+    tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py
+}
+bg=()
+if [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ]; then  # the declared torch floor (setup.cfg): the fast tier on it
+  (run_floor_fast; echo "$?" > "$bglog/floor.rc") > "$bglog/floor.out" 2>&1 & bg+=("$!")
+fi
+if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then
+  ( [ "${#bg[@]}" -eq 0 ] || while kill -0 "${bg[0]}" 2>/dev/null; do sleep 1; done
+    run_bridge; echo "$?" > "$bglog/bridge.rc") > "$bglog/bridge.out" 2>&1 & bg+=("$!")
+fi
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron tests/fake_cuda"
   t0=$(date +%s)
@@ -98,12 +113,17 @@ if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
     --ignore=tests/megatron/test_bridge_hybrid.py; rc312=$?
   echo "[test] Python 3.12 tier: rc=$rc312 in $(( $(date +%s) - t0 )) s"
 fi
-rcbridge=0
+t0=$(date +%s)
+for p in "${bg[@]}"; do wait "$p"; done
+echo "[test] the background runs ended $(( $(date +%s) - t0 )) s after the Python 3.12 tier; their output:"
+if [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ]; then
+  cat "$bglog/floor.out"; rcfloor=$(cat "$bglog/floor.rc" 2>/dev/null || echo 1)
+  echo "[test] torch floor, serial tests (alone)"
+  run_pytest .venv-floor -m "not slow and serial" -q -p no:cacheprovider; r=$?
+  [ "$rcfloor" -eq 0 ] && rcfloor=$r
+fi
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then
-  echo "[test] Megatron-Bridge $(PYTHONPATH=.bridge312 .venv312/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))'), Python 3.12: tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py"
-  PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${PAR[@]}" "${opts[@]}" \
-    tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py
-  rcbridge=$?
+  cat "$bglog/bridge.out"; rcbridge=$(cat "$bglog/bridge.rc" 2>/dev/null || echo 1)
 fi
 echo "[test] fast tier: rc=$rcfast; torch floor: rc=$rcfloor; numerics under every instruction set: rc=$rcnum; Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312; Megatron-Bridge: rc=$rcbridge"
 [ "$rc311" -eq 0 ] && [ "$rcfloor" -eq 0 ] && [ "$rcnum" -eq 0 ] && [ "$rc312" -eq 0 ] && [ "$rcbridge" -eq 0 ]
