@@ -38,11 +38,7 @@ run_pytest() {  # venv, args...
   return "$rc"
 }
 PAR=(); [ "$WORKERS" -gt 1 ] && PAR=(-n "$WORKERS" --dist loadfile)  # a file's tests (and its module fixtures) on one worker
-bash scripts/setup_env.sh test || exit $?
-.venv/bin/python -c 'import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-print(f"[test] {n} CUDA GPU(s): tests/gpu " + ("runs" if n else "is skipped (no usable GPU)"))' || true
-
-# the other venvs' set-ups, in the background (logs shown when they end)
+# the other venvs' set-ups, in the background from the start, beside .venv's (logs shown when they end)
 bglog=$(mktemp -d); trap 'rm -rf "$bglog"' EXIT
 pids=()
 if [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ]; then
@@ -52,6 +48,9 @@ if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   (MEGATRON_RING_FLAVOR=py312 bash scripts/setup_env.sh test && if [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then
      bash scripts/setup_bridge.sh; fi) > "$bglog/py312" 2>&1 & pids+=("py312:$!")
 fi
+bash scripts/setup_env.sh test || { rc=$?; for p in "${pids[@]}"; do kill "${p#*:}" 2>/dev/null; done; exit "$rc"; }
+.venv/bin/python -c 'import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(f"[test] {n} CUDA GPU(s): tests/gpu " + ("runs" if n else "is skipped (no usable GPU)"))' || true
 wait_setups() {
   local p rc=0 r
   for p in "${pids[@]}"; do
@@ -94,7 +93,8 @@ run_floor_fast() {
 }
 run_bridge() {
   echo "[test] Megatron-Bridge $(PYTHONPATH=.bridge312 .venv312/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))'), Python 3.12: tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py"
-  PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" \
+  # its workers fork from a server that imported Bridge once (tests/megatron/bridge_preload.py)
+  MEGATRON_RING_TEST_PRELOAD_BRIDGE=1 PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" \
     tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py
 }
 bg=()

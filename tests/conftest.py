@@ -29,7 +29,10 @@ os.environ.setdefault("MEGATRON_RING_START_METHOD", "forkserver")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("MEGATRON_RING_PRELOAD", "megatron.core.models.gpt,"
-                                                   "megatron.core.models.gpt.gpt_layer_specs,megatron_ring.megatron")
+                                                   "megatron.core.models.gpt.gpt_layer_specs,megatron_ring.megatron"
+                          # the Bridge run of scripts/test.sh: Bridge's modules too (tests/megatron/bridge_preload.py)
+                          + (",tests.megatron.bridge_preload"
+                             if os.environ.get("MEGATRON_RING_TEST_PRELOAD_BRIDGE") == "1" else ""))
 
 
 # --- the fast tier: a test that starts processes must be marked slow --------------------------------------
