@@ -16,9 +16,9 @@
 #   4. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py and
 #      tests/megatron/test_bridge_hybrid.py.
 # Steps 0, 1 and 3 run on MEGATRON_RING_TEST_WORKERS pytest-xdist workers (default: 2, or 1 on a one-core machine; a
-# file's tests on one worker). Step 2's non-serial tests and then step 4 run in ONE background pytest process each,
-# beside step 3 (multi-process Megatron jobs whose ranks wait on each other leave the cores idle part of the time); their output
-# is printed when step 3 ends. The `serial` tests (tests/conftest.py SERIAL: wall-clock bounds, network
+# file's tests on one worker). Step 2's non-serial tests and then step 4 run in ONE background pytest process
+# each, beside step 3 (multi-process Megatron jobs whose ranks wait on each other leave the cores idle part of the
+# time); their output is printed when step 3 ends. The `serial` tests (tests/conftest.py SERIAL: wall-clock bounds, network
 # namespaces, the GPU; none in steps 3 and 4) run alone: step 1's after its slow tier, step 2's after everything
 # else. The .venv-floor and .venv312 / Bridge set-ups (downloads) run in the background while .venv's fast tier,
 # numerics and non-serial slow tests run; the serial tests wait for them to end.
