@@ -97,14 +97,11 @@ run_bridge() {
   MEGATRON_RING_TEST_PRELOAD_BRIDGE=1 PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" \
     tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py
 }
-bg=()
-if [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ]; then  # the declared torch floor (setup.cfg): the fast tier on it
-  (run_floor_fast; echo "$?" > "$bglog/floor.rc") > "$bglog/floor.out" 2>&1 & bg+=("$!")
-fi
-if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then
-  ( [ "${#bg[@]}" -eq 0 ] || while kill -0 "${bg[0]}" 2>/dev/null; do sleep 1; done
-    run_bridge; echo "$?" > "$bglog/bridge.rc") > "$bglog/bridge.out" 2>&1 & bg+=("$!")
-fi
+floor=0; [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ] && floor=1  # the declared torch floor (setup.cfg): its fast tier
+bridge=0; [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ] && bridge=1
+( if [ "$floor" = 1 ]; then run_floor_fast > "$bglog/floor.out" 2>&1; echo "$?" > "$bglog/floor.rc"; fi
+  if [ "$bridge" = 1 ]; then run_bridge > "$bglog/bridge.out" 2>&1; echo "$?" > "$bglog/bridge.rc"; fi ) &
+bgpid=$!
 if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron tests/fake_cuda"
   t0=$(date +%s)
@@ -114,15 +111,15 @@ if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
   echo "[test] Python 3.12 tier: rc=$rc312 in $(( $(date +%s) - t0 )) s"
 fi
 t0=$(date +%s)
-for p in "${bg[@]}"; do wait "$p"; done
+wait "$bgpid"
 echo "[test] the background runs ended $(( $(date +%s) - t0 )) s after the Python 3.12 tier; their output:"
-if [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ]; then
+if [ "$floor" = 1 ]; then
   cat "$bglog/floor.out"; rcfloor=$(cat "$bglog/floor.rc" 2>/dev/null || echo 1)
   echo "[test] torch floor, serial tests (alone)"
   run_pytest .venv-floor -m "not slow and serial" -q -p no:cacheprovider; r=$?
   [ "$rcfloor" -eq 0 ] && rcfloor=$r
 fi
-if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then
+if [ "$bridge" = 1 ]; then
   cat "$bglog/bridge.out"; rcbridge=$(cat "$bglog/bridge.rc" 2>/dev/null || echo 1)
 fi
 echo "[test] fast tier: rc=$rcfast; torch floor: rc=$rcfloor; numerics under every instruction set: rc=$rcnum; Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312; Megatron-Bridge: rc=$rcbridge"
