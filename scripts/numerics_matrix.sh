@@ -3,14 +3,14 @@
 # tolerances"): torch's kernels are chosen per ATEN_CPU_CAPABILITY (default / avx2 / avx512) and MKL's per
 # MKL_ENABLE_INSTRUCTIONS, and each rounds differently; the derived tolerances must hold under all of them.
 #   bash scripts/numerics_matrix.sh            the numerics test files, every configuration
-#   bash scripts/numerics_matrix.sh --fast     the fast tier of them (-m "not slow") and the MLA / sinks / dropout
-#                                              matrix at P = 1..4 (CP=P vs CP=1 with dropout); a CI step of scripts/test.sh
+#   bash scripts/numerics_matrix.sh --fast     the fast tier of them (-m "not slow"), which holds the MLA / sinks /
+#                                              dropout matrix at P = 1..4 with the ranks as threads (CP=P vs CP=1 with
+#                                              dropout); a CI step of scripts/test.sh
 #   bash scripts/numerics_matrix.sh --fast --native-report FILE
 #                                              the same, but the configuration the fast tier itself ran in (torch's own
 #                                              choice: the highest capability, MKL unlimited; nothing set in the
 #                                              environment) is not run again: its line is FILE, the report the fast tier
-#                                              wrote ($MEGATRON_RING_NUMERICS_REPORT), and the slow tier runs the matrix
-#                                              test there; scripts/test.sh does this
+#                                              wrote ($MEGATRON_RING_NUMERICS_REPORT); scripts/test.sh does this
 #   bash scripts/numerics_matrix.sh --slow     the slow tiers of scripts/test.sh (the model-level tests): $PYTHON -m slow
 #                                              tests/, then, where $PYTHON312 (else .venv312/bin/python) exists, tests/megatron
 #                                              on it, and where .bridge312 exists the Bridge tests; by hand (about an hour per
@@ -29,9 +29,9 @@ FILES=(tests/test_kernel_contract.py tests/test_merge_and_kernels.py tests/test_
        tests/test_kv_pieces.py tests/test_model_features.py tests/test_strategy_features.py tests/test_wire_accuracy.py
        tests/test_cost_model.py tests/test_dynamic_cp.py tests/test_document_zigzag.py tests/test_ulysses_heads.py
        tests/test_row_tiles.py)
-MARK=(); EXTRA=(); SLOW=0; NATIVE_REPORT=""
+MARK=(); SLOW=0; NATIVE_REPORT=""
 if [ "${1:-}" = "--fast" ]; then
-  MARK=(-m "not slow"); EXTRA=(tests/test_model_features.py::test_mla_sinks_dropout_match_reference); shift
+  MARK=(-m "not slow"); shift
   if [ "${1:-}" = "--native-report" ]; then NATIVE_REPORT="$2"; shift 2; fi
 elif [ "${1:-}" = "--slow" ]; then
   SLOW=1; shift
@@ -98,9 +98,6 @@ run_config() {  # index, "capability:mkl", pytest arguments...: writes $tmp/<ind
     fi
   else
     pyt "$PY" "${MARK[@]}" "$@" "${FILES[@]}"; rc=$?
-    if [ "${#EXTRA[@]}" -gt 0 ]; then
-      pyt "$PY" "$@" "${EXTRA[@]}"; rc2=$?; [ "$rc" -eq 0 ] && rc=$rc2
-    fi
   fi
   worst=$(summarise "$report")
   echo "$rc rc=$rc, $(( $(date +%s) - t0 )) s, $worst" > "$tmp/$i.result"

@@ -1,6 +1,8 @@
 """MLA head dims, attention sinks and positional dropout vs an independent float64 reference.
 
-One set of gloo processes per P in {1, 2, 3, 4} runs the whole matrix: every layout, causal and not,
+One set of gloo processes per P in {1, 2, 3, 4} runs the whole matrix (slow tier), and the same matrix runs with
+the ranks as threads of one process (a ThreadRing; fast tier, and scripts/numerics_matrix.sh under every CPU
+instruction set): every layout, causal and not,
 bshd / sbhd / thd (documents + window), MLA head dims (d_qk != d_v, both ways), sinks (off-by-one
 float and learnable per-head tensor, whose gradient is summed over the group), dropout (alone, with
 sinks, with head_chunks=2, with documents), fp32 and bf16 wire/compute. Outputs AND dq/dk/dv (and the
@@ -12,6 +14,7 @@ reference fed the same dtype-rounded inputs; CP=P vs CP=1 within twice it. A wro
 decision gives O(0.1..1) x max |reference| errors.
 """
 import math
+import threading
 
 import pytest
 import torch
@@ -20,8 +23,10 @@ import torch.distributed as dist
 from tests.helpers.launch import run_distributed
 from tests.helpers.reference import feature_reference, sink_weight
 from tests.helpers.numerics import Checks, max_err, score_bound, sink_grad_scale, tol
-from megatron_ring import ring_attention, shard_sequence
+from tests.helpers.ring_fakes import run_threads
+from megatron_ring import ring_attention
 from megatron_ring.kernels.dropout import keep_mask
+from megatron_ring.schedules.layouts import get_layout
 from megatron_ring.transport.ring import LoopbackRing
 
 # (name, dqk, dv, h, h_kv, sink, dropout, head_chunks, fmt, docs, dtype, comm_dtype)
@@ -85,7 +90,9 @@ def _run_ring(case, layout, causal, local, sink_t, cu, window, seed, ring=None):
     return out.detach(), grads
 
 
-def _worker(rank, world):
+def _worker(rank, world, ring=None, all_reduce=dist.all_reduce):
+    """Every case's rows on ``rank``: over the default process group (gloo), or on ``ring`` (a ThreadRing) with
+    ``all_reduce`` summing over its threads."""
     rows = []
     for ci, case in enumerate(CASES):
         name, dqk, dv, h, h_kv, sink, p, chunks, fmt, docs, dtype, wire = case
@@ -100,11 +107,13 @@ def _worker(rank, world):
                 ref.backward(dout.double())
                 refs = [ref.detach()] + [t.grad for t in ref_leaves] + (
                     [s_ref.grad] if sink == "learn" else [])
-                sh = lambda x: _to_fmt(shard_sequence(x, 1, layout=layout), fmt)  # noqa: E731
+                pos = get_layout(layout).positions(S, world, rank)
+                part = lambda x: x.index_select(1, pos)  # noqa: E731 - this rank's share (shard_sequence's)
+                sh = lambda x: _to_fmt(part(x), fmt)  # noqa: E731
                 local = [sh(t) for t in (q, k, v, dout)]
-                out, grads = _run_ring(case, layout, causal, local, sink_t, cu, window, seed)
+                out, grads = _run_ring(case, layout, causal, local, sink_t, cu, window, seed, ring=ring)
                 if sink == "learn" and world > 1:
-                    dist.all_reduce(grads[3])  # each rank's sink gradient covers its own queries
+                    all_reduce(grads[3])  # each rank's sink gradient covers its own queries
                 got = [out] + grads
                 sigma = score_bound(q, k)
                 b = q.shape[0]
@@ -122,7 +131,7 @@ def _worker(rank, world):
                     out1, grads1 = _run_ring(case, layout, causal, full, sink_t, cu, window, seed,
                                              ring=LoopbackRing(1, 0, q.device))
                     for what, a, r, r64 in zip(("out", "dq", "dk", "dv", "dsink"), got, [out1] + grads1, refs):
-                        r_local = r if what == "dsink" else _to_fmt(shard_sequence(_from_fmt(r, fmt), 1, layout=layout), fmt)
+                        r_local = r if what == "dsink" else _to_fmt(part(_from_fmt(r, fmt)), fmt)
                         n = b * S if what == "dsink" else max(S, dqk, dv)
                         bound = tol(mag[what], dtype=dtype, n=n, sigma=sigma, wire=wire, runs=2, blocks=2 * world)
                         rows.append(((name, layout, causal, what, "cp1"), max_err(a, r_local), bound))
@@ -134,6 +143,37 @@ def _worker(rank, world):
 def test_mla_sinks_dropout_match_reference(world):
     checks = Checks(f"model_features P={world}")
     for rows in run_distributed(_worker, world, timeout=600):
+        checks.extend(rows)
+    checks.check(min_rows=100 * world)
+
+
+class _ThreadSum:
+    """``all_reduce`` (sum, in place) over the threads of :func:`run_threads`: every thread adds the same parts in
+    rank order, so all get the same bits."""
+
+    def __init__(self, world):
+        self.parts, self.barrier = [None] * world, threading.Barrier(world)
+
+    def bind(self, rank):
+        def all_reduce(t):
+            self.parts[rank] = t.clone()
+            self.barrier.wait()
+            total = self.parts[0].clone()
+            for part in self.parts[1:]:
+                total += part
+            self.barrier.wait()  # every thread has read every part before one is overwritten
+            t.copy_(total)
+        return all_reduce
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_mla_sinks_dropout_match_reference_on_threads(world):
+    """The same matrix with the ranks as threads of one process (a ThreadRing): the kernels' arithmetic in the fast
+    tier, and under every CPU instruction set (scripts/numerics_matrix.sh), without processes."""
+    checks, total = Checks(f"model_features threads P={world}"), _ThreadSum(world)
+    for rows in run_threads(lambda rank, ring: _worker(rank, world, ring, total.bind(rank)), world):
+        if isinstance(rows, BaseException):
+            raise rows
         checks.extend(rows)
     checks.check(min_rows=100 * world)
 

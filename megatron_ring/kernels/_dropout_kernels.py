@@ -5,15 +5,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _larger(a, b):
-    """Combine functions of the row reductions (``tl.reduce`` is a builtin; ``tl.max``/``tl.sum`` are jitted
-    wrappers, which Triton's interpreter cannot call when Triton was imported before it was asked for)."""
+def _own_larger(a, b):
     return tl.maximum(a, b)
 
 
 @triton.jit
-def _plus(a, b):
+def _own_plus(a, b):
     return a + b
+
+
+# The combine functions of the row reductions: Triton's own, those of ``tl.max`` and ``tl.sum`` (the same bodies as
+# the fallbacks above), passed to ``tl.reduce`` (a builtin): ``tl.max``/``tl.sum`` are jitted wrappers, which
+# Triton's interpreter cannot call when Triton was imported before it was asked for. The interpreter reduces
+# Triton's own with numpy; a kernel's own combine function it runs element by element in Python (the dropout
+# kernels' interpreted tests took ~5x as long).
+_larger = getattr(tl.standard, "_elementwise_max", _own_larger)
+_plus = getattr(tl.standard, "_sum_combine", _own_plus)
 
 
 @triton.jit

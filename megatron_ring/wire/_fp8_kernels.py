@@ -5,10 +5,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _larger(a, b):
-    """The combine function of the reductions (``tl.max`` is a jitted wrapper, which Triton's interpreter cannot
-    call when Triton was imported before it was asked for)."""
+def _own_larger(a, b):
     return tl.maximum(a, b)
+
+
+# The combine function of the reductions: Triton's own, that of ``tl.max`` (the same body as the fallback above),
+# passed to ``tl.reduce`` (a builtin): ``tl.max`` is a jitted wrapper, which Triton's interpreter cannot call when
+# Triton was imported before it was asked for. The interpreter reduces with numpy for Triton's own, element by
+# element in Python for a kernel's own.
+_larger = getattr(tl.standard, "_elementwise_max", _own_larger)
 
 
 @triton.jit

@@ -251,8 +251,16 @@ def _compiled_mode_kernels(monkeypatch, tmp_path) -> tuple:
     return got
 
 
+@pytest.fixture(scope="module")
+def launch_cache(tmp_path_factory):
+    """One Triton cache for the seeds' compiles below: Triton keys a compiled kernel on its source, target and the
+    launch's specialisation, so a seed that a launch specialises like an earlier one reuses its kernels, and a seed
+    specialised otherwise (the bug below) compiles afresh."""
+    return tmp_path_factory.mktemp("triton-launch-cache")
+
+
 @pytest.mark.parametrize("seed", [1, 2 ** 32, 5 * 2 ** 32 + 4, 2, -7], ids=lambda s: f"seed{s}")
-def test_the_dropout_launchers_compile_as_a_launch_specialises_them(seed, tmp_path, monkeypatch):
+def test_the_dropout_launchers_compile_as_a_launch_specialises_them(seed, launch_cache, monkeypatch):
     """Through the real launchers (forward and backward, causal and masked), compiled for sm_90 with the argument
     specialisation a GPU launch makes (tests/helpers/triton_launch.py). A seed whose 32-bit fold is 1 (seed 1,
     2**32, ...) reached the kernels as a constexpr int, and its ``.to`` failed to compile: every such seed failed
@@ -263,7 +271,7 @@ def test_the_dropout_launchers_compile_as_a_launch_specialises_them(seed, tmp_pa
     from tests.helpers.triton_launch import CompilingKernel
 
     compiled: list = []
-    kernels = tuple(CompilingKernel(f, 90, compiled) for f in _compiled_mode_kernels(monkeypatch, tmp_path))
+    kernels = tuple(CompilingKernel(f, 90, compiled) for f in _compiled_mode_kernels(monkeypatch, launch_cache))
     monkeypatch.setattr(dropout_triton, "_kernels", lambda: kernels)
     q = k = v = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64)
