@@ -113,7 +113,7 @@ echo "[numerics] summary:"
 if [ -n "$native" ]; then
   if [ -s "$NATIVE_REPORT" ]; then worst=$(summarise "$NATIVE_REPORT"); else worst="no report"; fi
   echo "  ATEN_CPU_CAPABILITY=${native%:} (torch's own choice): not run again, the fast tier's run (its exit code is" \
-       "its own; the matrix test runs in the slow tier): $worst"
+       "its own): $worst"
 fi
 for i in "${!configs[@]}"; do cfg=${configs[$i]}; cap=${cfg%%:*}; mkl=${cfg#*:}
   read -r rc rest < "$tmp/$i.result" 2>/dev/null || { rc=1; rest="no result"; }

@@ -16,12 +16,14 @@
 #   4. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py and
 #      tests/megatron/test_bridge_hybrid.py.
 # Steps 0, 1 and 3 run on MEGATRON_RING_TEST_WORKERS pytest-xdist workers (default: 2, or 1 on a one-core machine; a
-# file's tests on one worker). Step 2's non-serial tests and then step 4 run in ONE background pytest process
-# each, beside step 3 (multi-process Megatron jobs whose ranks wait on each other leave the cores idle part of the
-# time); their output is printed when step 3 ends. The `serial` tests (tests/conftest.py SERIAL: wall-clock bounds, network
-# namespaces, the GPU; none in steps 3 and 4) run alone: step 1's after its slow tier, step 2's after everything
-# else. The .venv-floor and .venv312 / Bridge set-ups (downloads) run in the background while .venv's fast tier,
-# numerics and non-serial slow tests run; the serial tests wait for them to end.
+# file's tests on one worker). In the background from the start, at the lowest CPU priority (nice 19: they take the
+# cycles the steps in the foreground leave idle, and neither slow those nor skew the serial tests' wall-clock
+# bounds): the .venv-floor set-up and then step 2's non-serial tests in ONE pytest process, and the .venv312 / Bridge
+# set-ups (downloads); step 3 waits for the latter, and step 4 runs in one background pytest process beside step 3
+# (multi-process Megatron jobs whose ranks wait on each other leave the cores idle part of the time). Background
+# output is printed when it is waited for. The `serial` tests (tests/conftest.py SERIAL: wall-clock bounds, network
+# namespaces, the GPU; none in steps 3 and 4) run alone in the foreground: step 1's after its slow tier, step 2's
+# after everything else.
 # On a machine with NVIDIA GPUs (and a CUDA build of torch in .venv) step 1 also runs tests/gpu (part of
 # tests/; skipped with a reason elsewhere; serial); scripts/gpu_check.sh is the GPU users' one command.
 # Every venv is set up if needed (idempotent). MEGATRON_RING_SKIP_PY312=1 skips steps 3 and 4;
@@ -38,28 +40,39 @@ run_pytest() {  # venv, args...
   return "$rc"
 }
 PAR=(); [ "$WORKERS" -gt 1 ] && PAR=(-n "$WORKERS" --dist loadfile)  # a file's tests (and its module fixtures) on one worker
-# the other venvs' set-ups, in the background from the start, beside .venv's (logs shown when they end)
+opts=(); for a in "$@"; do [[ "$a" == -* ]] && opts+=("$a"); done
+floor=0; [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ] && floor=1  # the declared torch floor (setup.cfg): its fast tier
+py312=0; [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && py312=1
+bridge=0; [ "$py312" = 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ] && bridge=1
+lowest() { renice -n 19 -p "$BASHPID" > /dev/null 2>&1 || true; }  # this subshell and its children: nice 19
+run_floor_fast() {
+  echo "[test] torch floor: $(.venv-floor/bin/python -c 'import torch; print(torch.__version__)'), fast tier (not serial)"
+  run_pytest .venv-floor -m "not slow and not serial" -q -p no:cacheprovider
+}
+run_bridge() {
+  echo "[test] Megatron-Bridge $(PYTHONPATH=.bridge312 .venv312/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))'), Python 3.12: tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py"
+  # its workers fork from a server that imported Bridge once (tests/megatron/bridge_preload.py)
+  MEGATRON_RING_TEST_PRELOAD_BRIDGE=1 PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" \
+    tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py
+}
+# In the background from the start, at the lowest CPU priority (nice 19: they take the cycles the foreground leaves
+# idle -- .venv's own set-up, the slow tier's tail, the serial tests, which they neither slow nor skew): the floor's
+# set-up and then its fast tier (not serial; a test that starts processes is marked slow, so it starts none), and the
+# Python 3.12 and Bridge set-ups. Their output is shown when they are waited for.
 bglog=$(mktemp -d); trap 'rm -rf "$bglog"' EXIT
-pids=()
-if [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ]; then
-  (MEGATRON_RING_FLAVOR=floor bash scripts/setup_env.sh test) > "$bglog/floor" 2>&1 & pids+=("floor:$!")
+bgpids=()
+if [ "$floor" = 1 ]; then
+  ( lowest
+    MEGATRON_RING_FLAVOR=floor bash scripts/setup_env.sh test > "$bglog/floor.setup" 2>&1 || { echo "$?" > "$bglog/floor.rc"; exit; }
+    run_floor_fast > "$bglog/floor.out" 2>&1; echo "$?" > "$bglog/floor.rc" ) & floorpid=$!; bgpids+=("$floorpid")
 fi
-if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
-  (MEGATRON_RING_FLAVOR=py312 bash scripts/setup_env.sh test && if [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ]; then
-     bash scripts/setup_bridge.sh; fi) > "$bglog/py312" 2>&1 & pids+=("py312:$!")
+if [ "$py312" = 1 ]; then
+  ( lowest; MEGATRON_RING_FLAVOR=py312 bash scripts/setup_env.sh test && if [ "$bridge" = 1 ]; then
+     bash scripts/setup_bridge.sh; fi ) > "$bglog/py312.setup" 2>&1 & py312pid=$!; bgpids+=("$py312pid")
 fi
-bash scripts/setup_env.sh test || { rc=$?; for p in "${pids[@]}"; do kill "${p#*:}" 2>/dev/null; done; exit "$rc"; }
+bash scripts/setup_env.sh test || { rc=$?; for p in "${bgpids[@]}"; do kill -- "$p" 2>/dev/null; done; exit "$rc"; }
 .venv/bin/python -c 'import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0
 print(f"[test] {n} CUDA GPU(s): tests/gpu " + ("runs" if n else "is skipped (no usable GPU)"))' || true
-wait_setups() {
-  local p rc=0 r
-  for p in "${pids[@]}"; do
-    wait "${p#*:}"; r=$?
-    sed "s/^/[setup ${p%%:*}] /" "$bglog/${p%%:*}"
-    [ "$r" -eq 0 ] || { echo "[test] the ${p%%:*} set-up failed (rc=$r)"; rc=$r; }
-  done
-  pids=(); return "$rc"
-}
 
 t0=$(date +%s)
 # the fast tier runs the numerics tests in torch's own instruction set: its report stands for that configuration in
@@ -74,53 +87,49 @@ fi
 t0=$(date +%s)
 run_pytest .venv -m "slow and not serial" "${PAR[@]}" "$@"; rc311=$?
 echo "[test] Python 3.11 slow tier, not serial: rc=$rc311 in $(( $(date +%s) - t0 )) s"
-wait_setups || exit $?
 t0=$(date +%s)
 run_pytest .venv -m serial "$@"; rcser=$?
 echo "[test] Python 3.11 serial tests (fast and slow): rc=$rcser in $(( $(date +%s) - t0 )) s"
 [ "$rc311" -eq 0 ] || rcser=$rc311
 [ "$rcfast" -eq 0 ] || rcser=$rcfast
 rc311=$rcser
-# The torch floor's fast tier and the Bridge tests run in the background, one pytest process each in turn, beside the
-# Python 3.12 tier (multi-process Megatron jobs whose ranks wait on each other leave the cores idle part of the
-# time); none of them is serial, and a test that starts processes carries the slow mark, so the floor's
-# fast tier starts none. The floor's serial tests run alone after them.
+# The Python 3.12 tier, with the Bridge tests in one background pytest process beside it (multi-process Megatron
+# jobs whose ranks wait on each other leave the cores idle part of the time), at normal priority
 rcfloor=0; rcbridge=0; rc312=0
-opts=(); for a in "$@"; do [[ "$a" == -* ]] && opts+=("$a"); done
-run_floor_fast() {
-  echo "[test] torch floor: $(.venv-floor/bin/python -c 'import torch; print(torch.__version__)'), fast tier (not serial)"
-  run_pytest .venv-floor -m "not slow and not serial" -q -p no:cacheprovider
-}
-run_bridge() {
-  echo "[test] Megatron-Bridge $(PYTHONPATH=.bridge312 .venv312/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))'), Python 3.12: tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py"
-  # its workers fork from a server that imported Bridge once (tests/megatron/bridge_preload.py)
-  MEGATRON_RING_TEST_PRELOAD_BRIDGE=1 PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" \
-    tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py
-}
-floor=0; [ "${MEGATRON_RING_SKIP_FLOOR:-0}" != 1 ] && floor=1  # the declared torch floor (setup.cfg): its fast tier
-bridge=0; [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ] && [ "${MEGATRON_RING_SKIP_BRIDGE:-0}" != 1 ] && bridge=1
-( if [ "$floor" = 1 ]; then run_floor_fast > "$bglog/floor.out" 2>&1; echo "$?" > "$bglog/floor.rc"; fi
-  if [ "$bridge" = 1 ]; then run_bridge > "$bglog/bridge.out" 2>&1; echo "$?" > "$bglog/bridge.rc"; fi ) &
-bgpid=$!
-if [ "${MEGATRON_RING_SKIP_PY312:-0}" != 1 ]; then
-  echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron tests/fake_cuda"
-  t0=$(date +%s)
-  # no serial tests live in tests/megatron or tests/fake_cuda (tests/conftest.py fails one that reaches a worker)
-  run_pytest .venv312 "${PAR[@]}" "${opts[@]}" tests/megatron tests/fake_cuda --ignore=tests/megatron/test_bridge.py \
-    --ignore=tests/megatron/test_bridge_hybrid.py; rc312=$?
-  echo "[test] Python 3.12 tier: rc=$rc312 in $(( $(date +%s) - t0 )) s"
-fi
-t0=$(date +%s)
-wait "$bgpid"
-echo "[test] the background runs ended $(( $(date +%s) - t0 )) s after the Python 3.12 tier; their output:"
-if [ "$floor" = 1 ]; then
-  cat "$bglog/floor.out"; rcfloor=$(cat "$bglog/floor.rc" 2>/dev/null || echo 1)
-  echo "[test] torch floor, serial tests (alone)"
-  run_pytest .venv-floor -m "not slow and serial" -q -p no:cacheprovider; r=$?
-  [ "$rcfloor" -eq 0 ] && rcfloor=$r
+if [ "$py312" = 1 ]; then
+  t0=$(date +%s); wait "$py312pid"; r=$?
+  sed "s/^/[setup py312] /" "$bglog/py312.setup"
+  echo "[test] the Python 3.12 set-ups ended (rc=$r), waited for $(( $(date +%s) - t0 )) s"
+  if [ "$r" -ne 0 ]; then
+    rc312=$r; bridge=0
+  else
+    if [ "$bridge" = 1 ]; then ( run_bridge > "$bglog/bridge.out" 2>&1; echo "$?" > "$bglog/bridge.rc" ) & bridgepid=$!; fi
+    echo "[test] megatron-core $(.venv312/bin/python -c 'from megatron.core import package_info as p; print(p.__version__)' 2>/dev/null), Python 3.12: tests/megatron tests/fake_cuda"
+    t0=$(date +%s)
+    # no serial tests live in tests/megatron or tests/fake_cuda (tests/conftest.py fails one that reaches a worker)
+    run_pytest .venv312 "${PAR[@]}" "${opts[@]}" tests/megatron tests/fake_cuda --ignore=tests/megatron/test_bridge.py \
+      --ignore=tests/megatron/test_bridge_hybrid.py; rc312=$?
+    echo "[test] Python 3.12 tier: rc=$rc312 in $(( $(date +%s) - t0 )) s"
+  fi
 fi
 if [ "$bridge" = 1 ]; then
+  t0=$(date +%s); wait "$bridgepid"
+  echo "[test] the Bridge run ended $(( $(date +%s) - t0 )) s after the Python 3.12 tier; its output:"
   cat "$bglog/bridge.out"; rcbridge=$(cat "$bglog/bridge.rc" 2>/dev/null || echo 1)
+fi
+if [ "$floor" = 1 ]; then
+  t0=$(date +%s); wait "$floorpid"
+  echo "[test] the torch floor's set-up and fast tier ended $(( $(date +%s) - t0 )) s after the tiers above; their output:"
+  sed "s/^/[setup floor] /" "$bglog/floor.setup"
+  [ -f "$bglog/floor.out" ] && cat "$bglog/floor.out"
+  rcfloor=$(cat "$bglog/floor.rc" 2>/dev/null || echo 1)
+  if [ -f "$bglog/floor.out" ]; then
+    echo "[test] torch floor, serial tests (alone)"
+    run_pytest .venv-floor -m "not slow and serial" -q -p no:cacheprovider; r=$?
+    [ "$rcfloor" -eq 0 ] && rcfloor=$r
+  else
+    echo "[test] the floor set-up failed (rc=$rcfloor)"
+  fi
 fi
 echo "[test] fast tier: rc=$rcfast; torch floor: rc=$rcfloor; numerics under every instruction set: rc=$rcnum; Python 3.11 / megatron-core 0.16.1: rc=$rc311; Python 3.12 / megatron-core 0.19.2: rc=$rc312; Megatron-Bridge: rc=$rcbridge"
 [ "$rc311" -eq 0 ] && [ "$rcfloor" -eq 0 ] && [ "$rcnum" -eq 0 ] && [ "$rc312" -eq 0 ] && [ "$rcbridge" -eq 0 ]
