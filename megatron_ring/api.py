@@ -47,8 +47,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    hierarchical_groups: Any = None, softmax_offset: Any = None,
                    dropout_p: float = 0.0, dropout_seed: int | torch.Tensor | None = None,
                    kv_pieces: int | None = None, deterministic: bool | None = None,
-                   return_max_logit: bool = False,
-                   max_logit_rows: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   return_max_logit: bool = False, max_logit_rows: torch.Tensor | None = None,
+                   call_id: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -135,6 +135,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             sequence dim of q in ``qkv_format``: ``s_local``, or ``t_local`` for "thd"): only the rows marked True
             count in ``max_logit`` (e.g. the real tokens of Megatron's padded packed documents, not their filler).
             No host read. None: every row.
+        call_id: an int naming the call site, the same on every rank for the same call (e.g. the layer number:
+            the Megatron layers pass theirs). Compared across ranks like an int ``dropout_seed`` (with each new
+            signature) and in-band in every call (the call's tag), so ranks that make calls of one signature from
+            different sites at once raise ``RingInputError`` on every rank instead of mixing the two calls' K/V:
+            e.g. two alike layers recomputed in different orders under reentrant activation checkpointing
+            (``torch.utils.checkpoint(..., use_reentrant=True)``, Megatron's recompute), or layers skipped on
+            some ranks only. None: not compared (calls of one signature are told apart by their order only).
 
     Returns:
         The attention output with q's shape and dtype, contiguous in ``qkv_format``; with
@@ -149,7 +156,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             head_chunks=head_chunks, ring=ring, cu_seqlens=cu_seqlens, window=window, comm_type=comm_type,
             hierarchical_groups=hierarchical_groups, softmax_offset=softmax_offset, dropout_p=dropout_p,
             dropout_seed=dropout_seed, kv_pieces=kv_pieces, deterministic=deterministic,
-            return_max_logit=return_max_logit, max_logit_rows=max_logit_rows)
+            return_max_logit=return_max_logit, max_logit_rows=max_logit_rows, call_id=call_id)
     _check_tensors(q, k, v)
     cast = autocast_inputs(q.device.type, q, k, v)
     if cast is not None:  # as torch's SDPA under autocast: inputs in its dtype, the call without it (core/autocast.py)
@@ -161,6 +168,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                           "given; pass kv_pieces=n", FutureWarning, stacklevel=2)
         if not isinstance(return_max_logit, bool):
             raise ValueError(f"return_max_logit must be a bool, got {return_max_logit!r}")
+        if call_id is not None and (isinstance(call_id, bool) or not isinstance(call_id, int)):
+            raise ValueError(f"call_id must be an int naming the call site (e.g. the layer number) or None, got "
+                             f"{call_id!r}")
+        per_call = {"dropout_seed": dropout_seed} if isinstance(dropout_seed, int) and dropout_p else {}
+        if call_id is not None:
+            per_call["call_id"] = call_id
         if ring is None:
             timeout = timeout_s if timeout_s is not None else settings.timeout_s()
             ring = _ring_for(resolve_group(group), q.device, timeout)
@@ -172,7 +185,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                      check_consistency=check_consistency, kv_pieces=kv_pieces, max_logit=return_max_logit,
                      extras=(dropout_p, dropout_seed is not None, offset_kind(softmax_offset), kv_pieces,
                              return_max_logit),
-                     per_call=(dropout_seed,) if isinstance(dropout_seed, int) and dropout_p else ())
+                     per_call=per_call)
         q, k, v = call.tensors
         call.refusing(check_inputs, q, k, v, call.qkv_format)
         if return_max_logit and max_logit_rows is not None:  # refused on every rank (a per-rank value)

@@ -32,7 +32,7 @@ __all__ = ["Call", "agree", "offset_kind", "sink_logits", "dropout_spec", "atten
 def agree(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: Any, layout: Any,
           qkv_format: str, cu_seqlens: Any, window: Any, comm_type: str, head_chunks: Any,
           hierarchical_groups: Any, comm_dtype: Any, softmax_scale: Any, check_consistency: bool,
-          kv_pieces: int | None, extras: tuple, per_call: tuple = (), max_logit: bool = False) -> "Call":
+          kv_pieces: int | None, extras: tuple, per_call: dict | None = None, max_logit: bool = False) -> "Call":
     """The cross-rank check of the call's arguments and the wire codec (:func:`_agreed_codec`), then the
     tensors in the call's format (``thd`` as one ``bshd`` sequence) and the piece count: a frozen Call."""
     codec, tag = _agreed_codec(ring, q, k, v, causal=bool(causal), layout=layout, qkv_format=qkv_format,
@@ -198,12 +198,12 @@ class Call:
 def _agreed_codec(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, layout: Any,
                   qkv_format: str, cu_seqlens: Any, window: Any, comm_type: str, head_chunks: Any, comm_dtype: Any,
                   softmax_scale: Any, check_consistency: bool, extras: tuple,
-                  per_call: tuple = ()) -> tuple[KVCodec, int]:
+                  per_call: dict | None = None) -> tuple[KVCodec, int]:
     """The cross-rank check (every rank raises the same error unless all pass the same shapes, dtypes
-    and options; ``per_call``: the dropout seed, compared with a new signature only), then the wire codec and the
-    call's tag (:func:`~megatron_ring.core.validation.call_tag`: the signature and the seed, carried in-band and
-    compared on every call, so ranks whose sequences of calls diverge onto signatures each has seen raise too;
-    0 where nothing is compared). ``comm_dtype`` spellings are normalised ("fp8" == torch.float8_e4m3fn); a bad
+    and options; ``per_call``: the int dropout seed and the call id, compared with a new signature only), then the
+    wire codec and the call's tag (:func:`~megatron_ring.core.validation.call_tag`: the signature, the seed and the
+    call id, carried in-band and compared on every call, so ranks whose sequences of calls diverge onto signatures
+    each has seen raise too; 0 where nothing is compared). ``comm_dtype`` spellings are normalised ("fp8" == torch.float8_e4m3fn); a bad
     value is raised after the cross-rank check, never before it."""
     try:
         codec, codec_error = _codec(comm_dtype, q.dtype), None

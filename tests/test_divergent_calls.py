@@ -50,6 +50,8 @@ CASES = {
     "bf16 wire": dict(kw=dict(comm_dtype=torch.bfloat16), a=dict(causal=True), b=dict(causal=False)),
     "dropout seed": dict(a=dict(causal=True, dropout_p=0.1, dropout_seed=7),
                          b=dict(causal=True, dropout_p=0.1, dropout_seed=8)),
+    # two alike calls from different sites (e.g. layers): the same signature, told apart by their call ids
+    "call_id": dict(a=dict(causal=True, call_id=1), b=dict(causal=True, call_id=2)),
 }
 
 
@@ -262,3 +264,51 @@ def test_a_diverging_backward_order_unchecked_gives_wrong_gradients():
     in_order = run_distributed(_backward_order_worker, 2, False, True, timeout=180)
     assert all(all(kind is None for kind, _ in outcomes) for outcomes, _ in in_order), in_order
     assert max(err for _, err in in_order) == 0.0, in_order
+
+
+def _reentrant_worker(rank, world, with_ids, diverge=True):
+    """Two alike layers under REENTRANT activation checkpointing (the forward under no_grad, recomputed in the
+    backward), backpropagated in different orders: rank 0 layer 1 first, rank 1 layer 2 first, so the ranks
+    recompute different layers at once (``diverge`` False: one order on every rank). Returns (outcome,
+    max |grad - the plain run's grad|)."""
+    from torch.utils.checkpoint import checkpoint
+
+    g = torch.Generator().manual_seed(7 + rank)
+    xs = [[torch.randn(1, 16, 4, 8, generator=g) for _ in range(3)] for _ in range(2)]
+    douts = [torch.randn(1, 16, 4, 8, generator=g) for _ in range(2)]
+
+    def layer(i):
+        return lambda q, k, v: ring_attention(q, k, v, causal=True, call_id=i if with_ids else None)
+
+    def grads(ckpt):
+        leaves = [[t.clone().requires_grad_() for t in x] for x in xs]
+        outs = [checkpoint(layer(i), *leaves[i], use_reentrant=True) if ckpt else layer(i)(*leaves[i])
+                for i in range(2)]
+        for i in ((0, 1) if rank == 0 or not ckpt or not diverge else (1, 0)):
+            outs[i].backward(douts[i])
+        return torch.cat([t.grad.flatten() for x in leaves for t in x])
+
+    plain = grads(False)
+    got = _outcome(lambda: grads(True))
+    if got[0] is not None:
+        return got, None
+    return got, (grads(True) - plain).abs().max().item()
+
+
+def test_reentrant_checkpointing_in_different_orders_raises_with_call_ids():
+    """With call ids (the Megatron layers pass their layer numbers) the ranks' recomputed forwards carry different
+    tags: every rank raises RingInputError. Negative control: without them the recomputed rings mix the two layers'
+    K/V and the gradients are wrong with no error (the case docs/design.md listed as not caught)."""
+    for rank, ((kind, msg), _) in enumerate(run_distributed(_reentrant_worker, 2, True, timeout=180)):
+        assert kind == "RingInputError", (rank, kind, msg)
+        assert "made different calls" in msg and f"global rank(s) {1 - rank} called it otherwise" in msg, msg
+    control = run_distributed(_reentrant_worker, 2, False, timeout=180)
+    assert all(outcome == (None, "") for outcome, _ in control), control
+    assert all(diff > 0.1 for _, diff in control), control
+
+
+def test_reentrant_checkpointing_in_one_order_with_call_ids_is_exact():
+    """No false report: the same recompute order on every rank raises nothing, and the gradients are the plain
+    run's bit for bit (the recomputed forward is the same computation)."""
+    for outcome, diff in run_distributed(_reentrant_worker, 2, True, False, timeout=180):
+        assert outcome == (None, "") and diff == 0.0, (outcome, diff)

@@ -115,3 +115,10 @@ def test_non_dense_views_in_contiguous_out(head_chunks):
     (g_ring,) = torch.autograd.grad(out.sum(), fused)
     (g_ref,) = torch.autograd.grad(ref.sum(), fused)
     assert max_err(g_ring, g_ref) <= tol(g_ref.abs().max().item(), **kw)
+
+
+@pytest.mark.parametrize("bad", ["layer 3", 2.0, True])
+def test_a_call_id_that_is_not_an_int_is_refused(bad):
+    q = torch.randn(1, 8, 2, 8)
+    with pytest.raises(ValueError, match="call_id must be an int"):
+        ring_attention(q, q, q, call_id=bad)

@@ -13,9 +13,10 @@ the NEXT forward ring's codes (at the start of its backward; no synchronisation 
 there, one step late (the wrong gradients may have been applied by then: the error says so). Not compared: a
 backward captured in a CUDA graph, and calls whose forward numbers differ by a multiple of :data:`BACKWARD_CYCLE`
 (and agree in tag). A ring that a window shortens carries the values the remaining hops (:meth:`BackwardTag.spread`,
-one small exchange per dropped step, as the forward's codes). Not caught: reentrant activation checkpointing, whose
-backward recomputes the forward in a NEW forward ring (numbered alike on every rank), so ranks recomputing
-different calls agree in number and tag (docs/design.md, "Cross-rank consistency").
+one small exchange per dropped step, as the forward's codes). Not caught here: reentrant activation checkpointing,
+whose backward recomputes the forward in a NEW forward ring (numbered alike on every rank), so ranks recomputing
+different calls agree in number; their tags differ only where the calls carry a ``call_id`` (the Megatron layers
+pass their layer numbers), and then that forward ring's status raises (docs/design.md, "Cross-rank consistency").
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ class BackwardTag:
         hops after it (:meth:`spread`), so the vector starts as zeros (unknown) with this rank's own value."""
         self.ring = ring
         i = number % BACKWARD_CYCLE
-        self.fine = backward_values(tag, dtype)[i]
+        self.fine = tag_value(tag + 1 + i, dtype)  # backward_values(tag, dtype)[i], without making the other 63
         self.source = backward_pattern(tag, dtype, device)[i:i + 1]
         self.codes = torch.empty(ring.world, dtype=dtype, device=device)
         self.received: list[int] = []

@@ -7,8 +7,8 @@ receiver's buffer (ranks whose calls diverged onto another size gloo does not re
 its sender's status instead of leaving an older call's behind. The codes: 1 = K/V the wire codec refuses (:class:`~megatron_ring.wire.codecs.WireFiniteError`: inf/NaN,
 or beyond the fp16 range), 2 = any other input error this rank detected (after the cross-rank check, e.g.
 a kernel that does not run on this rank's device), else fine: the call's tag as a value of the element's dtype
-(:func:`tag_value`: a hash of the call's signature and dropout seed, :func:`~.validation.call_tag`; 0 where the
-call is not checked across ranks). So every call also compares what each rank called: ranks whose sequences of
+(:func:`tag_value`: a hash of the call's signature, dropout seed and call id, :func:`~.validation.call_tag`; 0
+where the call is not checked across ranks). So every call also compares what each rank called: ranks whose sequences of
 calls diverge (rank 0 calls with ``causal=True`` where rank 1 calls with ``causal=False``, both signatures seen
 before, so the cross-rank all-gather is skipped) raise :class:`RingInputError` on every rank, naming the ranks
 that called differently, with no collective per call. The tag takes one of about 16k values in a bf16 or fp16

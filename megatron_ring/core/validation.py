@@ -12,7 +12,7 @@ import struct
 import weakref
 import zlib
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,10 @@ _SIGNATURE_FIELDS = (
 )
 #: the per-call integers, always sent (a count first, then the values, zero-padded): a rank with an int dropout seed
 #: and one without (dropout off, or a tensor seed) send tensors of one size, and the difference is named
-_PER_CALL_FIELDS = ("int dropout_seed given", "dropout_seed")
+#: the per-call values (compared with a new signature only, and in-band in every call's tag), each as two fields:
+#: whether it was given, and its value
+PER_CALL = ("dropout_seed", "call_id")
+_PER_CALL_FIELDS = ("int dropout_seed given", "dropout_seed", "call_id given", "call_id")
 _INT63 = (1 << 63) - 1  # per-call integers as int64 (a seed's bits above 63 are not compared)
 
 
@@ -61,12 +64,26 @@ def call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
             _code(_listed(window)), _code(comm_type), _code(extras))
 
 
-def call_tag(signature: Sequence[int], per_call: Sequence[int] = ()) -> int:
-    """A positive 63-bit hash of the call's signature and its per-call integers (the dropout seed): the tag every
-    rank's K/V carry in the ring's status elements, compared on EVERY call without a collective
-    (:mod:`~megatron_ring.core.status`). Python's hash of a tuple of ints is the same in every process (no
-    per-process salt for ints), so equal calls give equal tags on every rank."""
-    return (hash((tuple(signature), tuple(int(x) for x in per_call))) & _INT63) or 1
+def per_call_row(per_call: Mapping[str, int] | None) -> tuple[int, ...]:
+    """The per-call fields (``_PER_CALL_FIELDS``) of ``per_call`` (:data:`PER_CALL` names: the int dropout seed,
+    the call id; those not given are left out): for each, whether it was given and its value as int64."""
+    per_call = per_call or {}
+    unknown = set(per_call) - set(PER_CALL)
+    if unknown:
+        raise ValueError(f"unknown per-call values {sorted(unknown)}; known: {PER_CALL}")
+    row: list[int] = []
+    for name in PER_CALL:
+        value = per_call.get(name)
+        row += [0, 0] if value is None else [1, int(value) & _INT63]
+    return tuple(row)
+
+
+def call_tag(signature: Sequence[int], per_call: Mapping[str, int] | None = None) -> int:
+    """A positive 63-bit hash of the call's signature and its per-call values (:func:`per_call_row`: the dropout
+    seed, the call id): the tag every rank's K/V carry in the ring's status elements, compared on EVERY call
+    without a collective (:mod:`~megatron_ring.core.status`). Python's hash of a tuple of ints is the same in every
+    process (no per-process salt for ints), so equal calls give equal tags on every rank."""
+    return (hash((tuple(signature), per_call_row(per_call))) & _INT63) or 1
 
 
 def _listed(x: Any) -> Any:
@@ -102,12 +119,13 @@ def host_values(t: torch.Tensor) -> tuple:
 
 def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.device,
                             describe: dict[str, Any], timeout: datetime.timedelta | None = None,
-                            per_call: Sequence[int] = ()) -> None:
+                            per_call: Mapping[str, int] | None = None) -> None:
     """Raise ValueError on every rank of ``group`` unless all ranks pass the same ``signature``.
 
-    ``per_call``: integers that change from call to call (the dropout seed): compared together with a new
-    signature, never a reason for a new check on their own (so a per-step seed costs no collective per call;
-    a rank seeded differently, e.g. by its rank, is caught at the first call).
+    ``per_call``: values that change from call to call (:data:`PER_CALL`: the int dropout seed, the call id):
+    compared together with a new signature, never a reason for a new check on their own (so a per-step seed or a
+    per-layer call id costs no collective per call; a rank seeded differently, e.g. by its rank, is caught at the
+    first call; later calls compare them in-band, in the call's tag).
 
     ``describe`` holds human-readable values of this rank's call, used only for the message. ``timeout``:
     the all-gather's deadline (None: the group's); a peer that is gone raises the backend's error
@@ -118,11 +136,7 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
     if sig in seen:
         return
     world = dist.get_world_size(group)
-    values = tuple(int(x) & _INT63 for x in per_call)
-    if len(values) >= len(_PER_CALL_FIELDS):
-        raise ValueError(f"at most {len(_PER_CALL_FIELDS) - 1} per-call values, got {len(values)}")
-    padded = (len(values), *values) + (0,) * (len(_PER_CALL_FIELDS) - 1 - len(values))
-    mine = torch.tensor(sig + padded, dtype=torch.int64, device=device)
+    mine = torch.tensor(sig + per_call_row(per_call), dtype=torch.int64, device=device)
     allsig = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(allsig, mine, group=group, async_op=True)
     if (work.wait(timeout) if timeout is not None else work.wait()) is False:
@@ -150,7 +164,7 @@ def _decode(field: str, value: int, describe: dict[str, Any]) -> str:
     if field in ("cu_seqlens", "window"):
         local = describe.get(field)
         return f"<{field} differs from this rank's {_listed(local)}>" if local is not None else "<differs>"
-    if "shape" in field or field in ("q.ndim", "head_chunks", "dropout_seed", "int dropout_seed given"):
+    if "shape" in field or field in ("q.ndim", "head_chunks") + _PER_CALL_FIELDS:
         return str(value)
     local = describe.get(field)
     if local is not None and _code(local) == value:

@@ -92,6 +92,17 @@ def test_environment_is_read_at_a_layers_first_call(one_rank_group, monkeypatch)
     assert seen == [None, None, 2]
 
 
+def test_each_layer_names_its_calls_by_its_layer_number(one_rank_group, monkeypatch):  # noqa: F811
+    """The layer passes ``call_id=layer_number``: calls of alike layers are told apart across ranks (a rank
+    recomputing another layer under reentrant checkpointing raises on every rank; tests/test_divergent_calls.py)."""
+    seen = _keyword_seen(monkeypatch, "call_id")
+    q, k, v = _qkv()
+    m = _module(dist.group.WORLD)
+    m.layer_number = 7
+    m(q, k, v, None)
+    assert seen == [7]
+
+
 def test_a_failed_resolution_is_not_kept(one_rank_group, monkeypatch):  # noqa: F811
     q, k, v = _qkv()
     m = _module(dist.group.WORLD)

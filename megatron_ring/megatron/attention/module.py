@@ -315,7 +315,8 @@ class RingDotProductAttention(MegatronModule):
                 q, k, v, group=group, causal=causal, layout=layout, softmax_scale=self.softmax_scale,
                 qkv_format=fmt, comm_dtype=cfg.torch_comm_dtype, timeout_s=cfg.timeout_s, cu_seqlens=cu,
                 window=self.window, softmax_offset=offset, dropout_p=p_drop, dropout_seed=seed, kv_pieces=pieces,
-                deterministic=self.deterministic, return_max_logit=max_logit, max_logit_rows=rows, **strategy)
+                deterministic=self.deterministic, return_max_logit=max_logit, max_logit_rows=rows,
+                call_id=self.layer_number, **strategy)
             if not max_logit:
                 return got
             self.current_max_attn_logits = qk_clip.accumulate(self.current_max_attn_logits, got[1])
