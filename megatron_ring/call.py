@@ -203,8 +203,8 @@ def _agreed_codec(ring: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     and options; ``per_call``: the int dropout seed and the call id, compared with a new signature only), then the
     wire codec and the call's tag (:func:`~megatron_ring.core.validation.call_tag`: the signature, the seed and the
     call id, carried in-band and compared on every call, so ranks whose sequences of calls diverge onto signatures
-    each has seen raise too; 0 where nothing is compared). ``comm_dtype`` spellings are normalised ("fp8" == torch.float8_e4m3fn); a bad
-    value is raised after the cross-rank check, never before it."""
+    each has seen raise too; 0 where nothing is compared). ``comm_dtype`` spellings are normalised ("fp8" ==
+    torch.float8_e4m3fn); a bad value is raised after the cross-rank check, never before it."""
     try:
         codec, codec_error = _codec(comm_dtype, q.dtype), None
     except ValueError as exc:

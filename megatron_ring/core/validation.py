@@ -32,10 +32,9 @@ _SIGNATURE_FIELDS = (
     "q.dtype", "k.dtype", "v.dtype", "device type", "causal", "layout", "qkv_format", "comm_dtype",
     "softmax_scale", "head_chunks", "cu_seqlens", "window", "comm_type", "dropout/softmax_offset/kv_pieces",
 )
-#: the per-call integers, always sent (a count first, then the values, zero-padded): a rank with an int dropout seed
-#: and one without (dropout off, or a tensor seed) send tensors of one size, and the difference is named
-#: the per-call values (compared with a new signature only, and in-band in every call's tag), each as two fields:
-#: whether it was given, and its value
+#: the per-call values (compared with a new signature only, and in-band in every call's tag), always sent as two
+#: fields each, whether it was given and its value (zeros where not): a rank with an int dropout seed or a call id
+#: and one without (dropout off, a tensor seed, no call id) send tensors of one size, and the difference is named
 PER_CALL = ("dropout_seed", "call_id")
 _PER_CALL_FIELDS = ("int dropout_seed given", "dropout_seed", "call_id given", "call_id")
 _INT63 = (1 << 63) - 1  # per-call integers as int64 (a seed's bits above 63 are not compared)
