@@ -16,9 +16,9 @@
 #   4. .venv312 + Megatron-Bridge (.bridge312, pinned, scripts/setup_bridge.sh): tests/megatron/test_bridge.py and
 #      tests/megatron/test_bridge_hybrid.py.
 # Steps 0, 1 and 3 run on MEGATRON_RING_TEST_WORKERS pytest-xdist workers (default: 2, or 1 on a one-core machine; a
-# file's tests on one worker). In the background from the start, at the lowest CPU priority (nice 19: they take the
-# cycles the steps in the foreground leave idle, and neither slow those nor skew the serial tests' wall-clock
-# bounds): the .venv-floor set-up and then step 2's non-serial tests in ONE pytest process, and the .venv312 / Bridge
+# file's tests on one worker). In the background from the start, at the lowest CPU priority (nice 19: mostly the
+# cycles the steps in the foreground leave idle; the latency-bound serial tests still run slower beside them, within
+# their bounds): the .venv-floor set-up and then step 2's non-serial tests in ONE pytest process, and the .venv312 / Bridge
 # set-ups (downloads); step 3 waits for the latter, and step 4 runs in one background pytest process beside step 3
 # (multi-process Megatron jobs whose ranks wait on each other leave the cores idle part of the time). Background
 # output is printed when it is waited for. The `serial` tests (tests/conftest.py SERIAL: wall-clock bounds, network
@@ -55,10 +55,8 @@ run_bridge() {
   MEGATRON_RING_TEST_PRELOAD_BRIDGE=1 PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" \
     tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py
 }
-# In the background from the start, at the lowest CPU priority (nice 19: they take the cycles the foreground leaves
-# idle -- .venv's own set-up, the slow tier's tail, the serial tests, which they neither slow nor skew): the floor's
-# set-up and then its fast tier (not serial; a test that starts processes is marked slow, so it starts none), and the
-# Python 3.12 and Bridge set-ups. Their output is shown when they are waited for.
+# The background work of the header (nice 19): the floor's set-up and then its fast tier (not serial; a test that
+# starts processes is marked slow, so it starts none), and the Python 3.12 and Bridge set-ups.
 bglog=$(mktemp -d); trap 'rm -rf "$bglog"' EXIT
 bgpids=()
 if [ "$floor" = 1 ]; then

@@ -35,7 +35,6 @@ _SIGNATURE_FIELDS = (
 #: the per-call values (compared with a new signature only, and in-band in every call's tag), always sent as two
 #: fields each, whether it was given and its value (zeros where not): a rank with an int dropout seed or a call id
 #: and one without (dropout off, a tensor seed, no call id) send tensors of one size, and the difference is named
-PER_CALL = ("dropout_seed", "call_id")
 _PER_CALL_FIELDS = ("int dropout_seed given", "dropout_seed", "call_id given", "call_id")
 _INT63 = (1 << 63) - 1  # per-call integers as int64 (a seed's bits above 63 are not compared)
 
@@ -64,17 +63,13 @@ def call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
 
 def per_call_row(per_call: Mapping[str, int] | None) -> tuple[int, ...]:
-    """The per-call fields (``_PER_CALL_FIELDS``) of ``per_call`` (:data:`PER_CALL` names: the int dropout seed,
-    the call id; those not given are left out): for each, whether it was given and its value as int64."""
-    per_call = per_call or {}
-    unknown = set(per_call) - set(PER_CALL)
-    if unknown:
-        raise ValueError(f"unknown per-call values {sorted(unknown)}; known: {PER_CALL}")
-    row: list[int] = []
-    for name in PER_CALL:
-        value = per_call.get(name)
-        row += [0, 0] if value is None else [1, int(value) & _INT63]
-    return tuple(row)
+    """The per-call fields (``_PER_CALL_FIELDS``) of ``per_call`` (keys ``"dropout_seed"`` and ``"call_id"``: the
+    int dropout seed, the call id; those not given are left out): for each, whether it was given and its value as
+    int64. On every checked call (its tag): no more than the two lookups."""
+    get = (per_call or {}).get
+    seed, call_id = get("dropout_seed"), get("call_id")
+    return ((0, 0) if seed is None else (1, int(seed) & _INT63)) + (
+        (0, 0) if call_id is None else (1, int(call_id) & _INT63))
 
 
 def call_tag(signature: Sequence[int], per_call: Mapping[str, int] | None = None) -> int:
@@ -121,7 +116,7 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
                             per_call: Mapping[str, int] | None = None) -> None:
     """Raise ValueError on every rank of ``group`` unless all ranks pass the same ``signature``.
 
-    ``per_call``: values that change from call to call (:data:`PER_CALL`: the int dropout seed, the call id):
+    ``per_call``: values that change from call to call (``{"dropout_seed": .., "call_id": ..}``: the int dropout seed, the call id):
     compared together with a new signature, never a reason for a new check on their own (so a per-step seed or a
     per-layer call id costs no collective per call; a rank seeded differently, e.g. by its rank, is caught at the
     first call; later calls compare them in-band, in the call's tag).
