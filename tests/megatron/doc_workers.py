@@ -93,7 +93,7 @@ def ring_configs_worker(rank: int, world: int, m: dict, configs: list[tuple[int,
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, reduce_loss_over_cp)
+    from megatron_ring.megatron import (ContextParallelConfigError, RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, reduce_loss_over_cp)
     from megatron_ring_lab.cpu import megatron_cpu
     from megatron_ring.megatron.data.documents import packed_batch
 
@@ -118,6 +118,15 @@ def ring_configs_worker(rank: int, world: int, m: dict, configs: list[tuple[int,
                 model = W._build(m, tp, cp, ring=True)
                 res = _train(model, m, steps, shard, reduce)
                 out[f"tp{tp}cp{cp}-{layout}"] = res if rank == 0 else dict(losses=res["losses"])
+                if packed:  # without use_layout_rope, Megatron's per-document RoPE split is refused (rope_guard.py)
+                    bare = W._build(m, tp, cp, ring=True, layout_rope=False)
+                    mb = shard(doc_batch(m, 0, m["micro_batch"]))
+                    try:
+                        bare(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
+                             packed_seq_params=mb["packed_seq_params"])
+                        out[f"tp{tp}cp{cp}-{layout}"]["refused"] = None
+                    except ContextParallelConfigError as e:
+                        out[f"tp{tp}cp{cp}-{layout}"]["refused"] = str(e)
                 destroy_context_parallel(destroy_model_parallel=True)
             return out
         finally:

@@ -155,7 +155,8 @@ def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_ring.megatron import (RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, reduce_loss_over_cp)
+    from megatron_ring.megatron import (ContextParallelConfigError, RingConfig, allreduce_gradients, destroy_context_parallel, get_batch_on_this_cp_rank, initialize_context_parallel, reduce_loss_over_cp)
+    from megatron_ring.megatron.attention import rope_guard
     from megatron_ring_lab.cpu import megatron_cpu
 
     out: dict[str, Any] = {"layouts": {}}
@@ -172,17 +173,27 @@ def ring_worker(rank: int, world: int, m: dict, tp: int, cp: int, layouts: list[
                 res: dict[str, Any] = dict(losses=losses)
                 if rank == 0:
                     res["grads"] = grads0
-                if negative_control:  # RoPE left on Megatron's zigzag slicing: must NOT match unless zigzag
+                if negative_control:  # RoPE left on Megatron's zigzag slicing: refused, and wrong, unless zigzag
                     nc = _build(m, tp, cp, ring=True, layout_rope=False)
                     mb = get_batch_on_this_cp_rank({k: v[dp_rank * b:(dp_rank + 1) * b]
                                                     for k, v in make_batch(m, 0, dp * b).items()})
-                    tok = nc(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+                    refused = None
+                    try:
+                        tok = nc(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+                    except ContextParallelConfigError as e:  # RoPE not at the layout's positions (rope_guard.py)
+                        refused, check = str(e), rope_guard.check
+                        rope_guard.check = lambda *a: None  # the check off: what it keeps from happening silently
+                        try:
+                            tok = nc(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+                        finally:
+                            rope_guard.check = check
                     red = reduce_loss_over_cp(tok, mb["loss_mask"])
                     red.loss.backward()
                     allreduce_gradients(nc)
                     nc_grads = _full_grads(nc, ps.get_tensor_model_parallel_group())
+                    res["negative_control"] = dict(refused=refused)  # every rank's
                     if rank == 0:
-                        res["negative_control"] = dict(loss=float(red.reported), grads=nc_grads)
+                        res["negative_control"].update(loss=float(red.reported), grads=nc_grads)
                 out["layouts"][layout] = res
                 destroy_context_parallel()
             out["groups"] = dict(

@@ -82,9 +82,17 @@ def test_learned_absolute_positions_follow_layout(run):
 
 def test_negative_control_megatron_rope_slicing_breaks_striped(run):
     """The comparison can fail: keeping Megatron's zigzag RoPE slicing with the striped layout gives
-    gradients well outside the tolerance (and zigzag, where it is right, stays inside)."""
+    gradients well outside the tolerance (and zigzag, where it is right, stays inside). So a model built without
+    ``use_layout_rope`` is refused at striped, on every rank, naming it (zigzag runs); the gradients are those of
+    the run with the check turned off."""
     ref = reference(1, 1)
-    res = run(W.ring_worker, 2, W.MODEL, 1, 2, ["striped", "zigzag"], 1, True)[0]["layouts"]
+    results = run(W.ring_worker, 2, W.MODEL, 1, 2, ["striped", "zigzag"], 1, True)
+    for r in results:
+        nc = r["layouts"]
+        assert "use_layout_rope(model)" in nc["striped"]["negative_control"]["refused"]
+        assert "layout 'striped'" in nc["striped"]["negative_control"]["refused"]
+        assert nc["zigzag"]["negative_control"]["refused"] is None
+    res = results[0]["layouts"]
     def worst(layout):  # the largest max |diff| / bound over the gradient tensors
         grads = res[layout]["negative_control"]["grads"]
         return max(max_err(grads[n], g) / model_grad_tol(g, **W.sizes()) for n, g in ref["grads"].items())

@@ -70,7 +70,9 @@ def test_packed_seq_params_gpt_model_matches_megatron_cp1(run):
     """A whole GPTModel fed packed batches (``documents.packed_batch``: one THD stream, ``PackedSeqParams``
     with global cu_seqlens, as Megatron builds them; RoPE per document at the layout's positions) at
     CP = 4 (zigzag) and TP2 x CP2 (striped), vs Megatron's own CP = 1 model applying the same documents as a
-    mask to the unpacked rows: loss and every gradient after one step."""
+    mask to the unpacked rows: loss and every gradient after one step. Built without ``use_layout_rope``, the
+    model is refused at its first call, on every rank, naming it (Megatron would apply its own per-document RoPE
+    split, which is not the ring's; its ``torch.split`` raised first where a document is not a multiple of 2 CP)."""
     ref = _reference(1)  # the two [1, 64] rows of doc_batch become one packed stream of 128 tokens
     configs = [(1, 4, "zigzag"), (2, 2, "striped")]
     got = run(D.ring_configs_worker, 4, W.MODEL, configs, 1, True)
@@ -83,6 +85,9 @@ def test_packed_seq_params_gpt_model_matches_megatron_cp1(run):
         for n in r:
             c.add(f"rank {k} {n} loss", abs(r[n]["losses"][0] - ref["losses"][0]), loss_tol)
     c.check()
+    for r in got:  # the same model without use_layout_rope: refused on every rank, naming the fix
+        for n in r:
+            assert "packed (THD) batch" in r[n]["refused"] and "use_layout_rope(model)" in r[n]["refused"], n
 
 
 @pytest.mark.slow

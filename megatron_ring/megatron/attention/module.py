@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 import megatron_ring
 
 from megatron_ring.megatron import compat
-from megatron_ring.megatron.attention import comm_types, qk_clip
+from megatron_ring.megatron.attention import comm_types, qk_clip, rope_guard
 from megatron_ring.megatron.groups import resolve as groups
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
 from megatron_ring.megatron.data.documents import DocumentsFromMask, packed_cu_seqlens, real_rows
@@ -147,6 +147,7 @@ class RingDotProductAttention(MegatronModule):
         self._cp_comm_type_arg = cp_comm_type  # resolved per layer by comm_types.layer_comm_type
         self.window = _window(config, layer_number)
         self.packed_rope: Optional[tuple] = None  # (RotaryEmbedding,): THD RoPE applied here (rope.py)
+        rope_guard.watch(self)  # a RoPE model whose positions do not follow the layout is refused (rope_guard.py)
         self._documents = DocumentsFromMask()
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
         # --deterministic-mode: deterministic CUDA backward kernels for this layer's calls (passed per call;
@@ -272,6 +273,22 @@ class RingDotProductAttention(MegatronModule):
         self._resolved = (self._resolved + [(key, resolved)])[-_KEPT:]  # a few groups (hybrid CP sizes), bounded
         return resolved
 
+    def check_rope(self, packed_seq_params: Optional[PackedSeqParams], group: Any = None, cfg: Any = None) -> None:
+        """Refuse a model whose RoPE is not at the positions of the tokens this call's rank holds (the batch was
+        split with the ring's layout: ``batch_split="ring"``; see :mod:`.rope_guard`). Run by each call, and by the
+        parent attention's first call before Megatron applies RoPE (``group`` / ``cfg``: this call's settings)."""
+        packed = packed_seq_params is not None
+        mla = packed and getattr(self.config, "multi_latent_attention", False)
+        if self.batch_split != "ring" or not (self.rope_applied or mla):
+            return
+        if cfg is None:
+            group, cfg = self._settings(packed_seq_params)[:2]
+        if group is None or group.size() == 1:
+            return
+        if mla:  # MLA applies its own RoPE, in Megatron's split of the packed batch
+            token_order.refuse_mla_packed_ring_split(group.size())
+        rope_guard.check(self, group.size(), cfg.layout, packed)
+
     def _megatron_padded_v(self, query: Tensor, value: Tensor) -> bool:
         """Whether ``value`` is MLA's V padded past its head dim by Megatron for a THD batch (megatron-core 0.19's
         ``MLASelfAttention`` pads V to Q's head dim, then keeps only the first ``v_head_dim`` columns of each head's
@@ -309,6 +326,8 @@ class RingDotProductAttention(MegatronModule):
             if split == "sequence":
                 token_order.check_sequence_split(group.size())  # RoPE (GPT models; hybrids at build time)
             layout = token_order.megatron_thd_layout(group.size(), cfg.layout, packed_seq_params, split)
+        else:
+            self.check_rope(packed_seq_params, group, cfg)
 
         def run(q, k, v, fmt, cu=None, rows=None):
             got = megatron_ring.ring_attention(
@@ -331,9 +350,6 @@ class RingDotProductAttention(MegatronModule):
             if self.packed_rope is not None:  # set by use_layout_rope: RoPE at the layout's positions
                 query, key = apply_packed_rope(self.packed_rope[0], self.config, query, key, packed_seq_params,
                                                layout, group)
-            if group is not None and group.size() > 1 and self.batch_split == "ring" \
-                    and getattr(self.config, "multi_latent_attention", False):
-                token_order.refuse_mla_packed_ring_split(group.size())
             rows = None
             if max_logit:  # QK-clip's max over the real tokens: not over the filler of padded documents
                 world, rank = (group.size(), group.rank()) if group is not None else (1, 0)

@@ -84,6 +84,9 @@ def use_layout_rope(model: torch.nn.Module, layout: str | None = None) -> int:
         for attention in own.values():  # MLA applies its own RoPE, to packed batches too
             attention.rotary_pos_emb.mla_split = getattr(getattr(attention, "core_attention", None), "batch_split",
                                                          None)
+        if rotary:  # the chunk's RoPE follows ``layout`` (the ring core attentions refuse another: rope_guard.py)
+            for m in ring:
+                m.rope_layout = layout
         rotary = [m for m in rotary if id(m) not in own]
         if len(rotary) == 1 and ring:
             rotary[0].packed_by_ring = True
