@@ -24,11 +24,46 @@ import torch.distributed as dist
 
 from megatron_ring import get_layout
 
-__all__ = ["packed_cu_seqlens", "real_rows", "DocumentsFromMask", "document_mask", "packed_batch"]
+__all__ = ["LastAnswer", "packed_cu_seqlens", "real_rows", "DocumentsFromMask", "document_mask", "packed_batch"]
+
+
+#: the tensors of ``PackedSeqParams`` the answers below are computed from
+_PARAMS_TENSORS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+
+
+class LastAnswer:
+    """The last answer of a function of ``PackedSeqParams``, given again while the same params object holds the same
+    tensors, not changed in place since, and the same plain ``key``. Every layer of a micro-batch passes the same
+    params, so only the first layer reads its tensors on the host: on a GPU each read waits for the device, and the
+    host can no longer run ahead of it (the later layers read nothing). One answer is kept (a weak reference to the
+    params and to each tensor, and their version counters)."""
+
+    def __init__(self) -> None:
+        self._last: tuple = (None, (), None, None)
+
+    def get(self, params: Any, key: tuple, compute: Any) -> Any:
+        tensors = tuple(getattr(params, name, None) for name in _PARAMS_TENSORS)
+        seen = (key, tuple(None if t is None else t._version for t in tensors))
+        ref, refs, last_seen, answer = self._last
+        if ref is not None and ref() is params and last_seen == seen and all(
+                (r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, tensors)):
+            return answer
+        answer = compute()
+        try:
+            self._last = (weakref.ref(params), tuple(None if t is None else weakref.ref(t) for t in tensors), seen,
+                          answer)
+        except TypeError:  # params that take no weak reference: not kept
+            self._last = (None, (), None, None)
+        return answer
 
 
 def packed_cu_seqlens(params: Any) -> torch.Tensor:
-    """Global document boundaries (int64, CPU) for the ring from Megatron's ``PackedSeqParams``."""
+    """Global document boundaries (int64, CPU) for the ring from Megatron's ``PackedSeqParams`` (the last answer is
+    kept: see :class:`LastAnswer`; the same tensor, which the engine then reads no more either)."""
+    return _LAST_CU.get(params, (), lambda: _packed_cu_seqlens(params))
+
+
+def _packed_cu_seqlens(params: Any) -> torch.Tensor:
     if getattr(params, "qkv_format", "thd") != "thd":
         raise NotImplementedError(f"packed_seq_params.qkv_format={params.qkv_format!r}: ring attention takes 'thd'")
     cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
@@ -67,13 +102,12 @@ def real_rows(params: Any, layout: Any, world: int, rank: int, t_local: int, dev
     own, so it gets attention like any document, but it is no token of the data); None where nothing is filler
     (tokens past the last document are padding to the ring itself: they see nothing). ``layout``: the ring layout
     the stream was split by (a name or a layout object). For QK-clip's max logit: every layer of a micro-batch asks
-    with the same ``params``, so the last answer is kept and given again (no host work per layer)."""
-    tensors = [t for t in (params.cu_seqlens_q, params.cu_seqlens_q_padded) if t is not None]
-    key = (layout if isinstance(layout, str) else id(layout), world, rank, t_local, str(device),
-           *((id(t), t._version) for t in tensors))  # the same tensors, not changed in place since
-    ref, seen, got = _LAST_ROWS[0]
-    if ref is not None and ref() is params and seen == key:
-        return got
+    with the same ``params``, so the last answer is kept and given again (:class:`LastAnswer`)."""
+    key = (layout if isinstance(layout, str) else id(layout), world, rank, t_local, str(device))
+    return _LAST_ROWS.get(params, key, lambda: _real_rows(params, layout, world, rank, t_local, device))
+
+
+def _real_rows(params: Any, layout: Any, world: int, rank: int, t_local: int, device: Any) -> torch.Tensor | None:
     padded = _padded_documents(params)
     rows = None
     if padded is not None:
@@ -81,14 +115,10 @@ def real_rows(params: Any, layout: Any, world: int, rank: int, t_local: int, dev
         pos = (get_layout(layout) if isinstance(layout, str) else layout).positions(t_local * world, world, rank)
         doc = (torch.searchsorted(starts, pos, right=True) - 1).clamp(min=0)
         rows = ((pos >= starts[doc]) & (pos < ends[doc]) & (pos < total)).to(device)
-    try:
-        _LAST_ROWS[0] = (weakref.ref(params), key, rows)
-    except TypeError:  # params that take no weak reference: not kept
-        pass
     return rows
 
 
-_LAST_ROWS: list = [(None, None, None)]  # (weak reference to the params, key, answer) of the last real_rows call
+_LAST_CU, _LAST_ROWS = LastAnswer(), LastAnswer()
 
 
 class DocumentsFromMask:

@@ -10,6 +10,7 @@ from torch import Tensor
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron_ring import get_layout
+from megatron_ring.megatron.data.documents import LastAnswer
 
 __all__ = ["apply_packed_rope"]
 
@@ -27,19 +28,32 @@ def apply_packed_rope(rotary: RotaryEmbedding, config: Any, query: Tensor, key: 
     over ``group``): token at global stream position p of a document starting at c gets angle p - c.
 
     Document starts come from ``params.cu_seqlens_q_padded`` (``_kv_padded`` for K) when set, else
-    ``cu_seqlens_q`` / ``_kv``: the positions Megatron's own THD RoPE gives at CP = 1."""
+    ``cu_seqlens_q`` / ``_kv``: the positions Megatron's own THD RoPE gives at CP = 1. The positions are read from
+    ``params`` by the first layer of a micro-batch and kept on the device (:class:`~.documents.LastAnswer`): the
+    later layers make no host read and no host-to-device copy."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
     world = group.size() if group is not None else 1
     rank = group.rank() if group is not None else 0
     t = query.size(0)
-    pos = get_layout(layout).positions(t * world, world, rank)
+    rel_q, rel_k, longest = _LAST_POSITIONS.get(params, (layout, world, rank, t, str(query.device)),
+                                                lambda: _positions(params, layout, world, rank, t, query.device))
+    emb = rotary.get_emb(longest)
     out = []
-    for x, padded, cu in ((query, params.cu_seqlens_q_padded, params.cu_seqlens_q),
-                          (key, params.cu_seqlens_kv_padded, params.cu_seqlens_kv)):
-        rel = _doc_positions(pos, padded if padded is not None else cu)
-        emb = rotary.get_emb(int(rel.max()) + 1)
-        freqs = emb.index_select(0, rel.to(emb.device))  # [t, 1, 1, dim]
+    for x, rel in ((query, rel_q), (key, rel_k)):
+        freqs = emb.index_select(0, rel)  # [t, 1, 1, dim]
         out.append(apply_rotary_pos_emb(x.unsqueeze(1), freqs, config=config, cu_seqlens=None,
                                         cp_group=group).squeeze(1))
     return out[0], out[1]
+
+
+def _positions(params: Any, layout: str, world: int, rank: int, t: int, device: Any) -> tuple[Tensor, Tensor, int]:
+    """Each local token's position in its document, for Q and K (on ``device``), and one more than the largest."""
+    pos = get_layout(layout).positions(t * world, world, rank)
+    rel = [_doc_positions(pos, padded if padded is not None else cu)
+           for padded, cu in ((params.cu_seqlens_q_padded, params.cu_seqlens_q),
+                              (params.cu_seqlens_kv_padded, params.cu_seqlens_kv))]
+    return rel[0].to(device), rel[1].to(device), int(max(rel[0].max(), rel[1].max())) + 1
+
+
+_LAST_POSITIONS = LastAnswer()

@@ -1,0 +1,137 @@
+"""The Megatron glue reads a packed batch's ``PackedSeqParams`` on the host once per micro-batch, not per layer.
+
+On a GPU every host read of a device tensor waits for the device: a read in each layer's call keeps the host from
+running ahead of the kernels. Megatron passes the same params object to every layer of a micro-batch, so the glue
+keeps what it derives from them (``documents.LastAnswer``: the ring's ``cu_seqlens``, the filler rows of QK-clip,
+packed RoPE's positions on the device) while the params hold the same tensors, unchanged. Counted here on the CPU
+tier (``HostReadCounter``: reads of values derived from the tainted params and inputs), through
+``RingDotProductAttention`` at CP = 1 (the one-rank loopback ring), three layers per micro-batch: the first layer
+reads, the other two read nothing; a new batch's tensors, or a tensor changed in place, are read again. Before
+(measured with this file's counter): 2 reads per layer call (plain), 5 (padded documents), 4 (packed RoPE), 7 (both),
+at every layer. Negative control: with the answers not kept, every layer reads."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ring import device
+from megatron_ring.megatron import RingDotProductAttention
+from megatron_ring.megatron.data import documents
+from tests.helpers.fake_device import FakeCuda, HostReadCounter
+from tests.helpers.ring_fakes import one_rank_group  # noqa: F401  (fixture)
+
+LAYERS = 3
+
+
+def _layers(rope: bool):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_ring.megatron.data.rope import LayoutRotaryEmbedding
+
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            use_cpu_initialization=True, context_parallel_size=1, transformer_impl="local",
+                            attention_dropout=0.0)
+    rotary = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    rotary.__class__ = LayoutRotaryEmbedding  # as use_layout_rope links a model's RoPE to its ring attentions
+    layers = []
+    for i in range(LAYERS):
+        layer = RingDotProductAttention(cfg, i + 1, AttnMaskType.causal, "self",
+                                        pg_collection=SimpleNamespace(cp=dist.group.WORLD,
+                                                                      tp=SimpleNamespace(size=lambda: 1)))
+        layer.packed_rope = (rotary,) if rope else None
+        layers.append(layer)
+    return layers
+
+
+def _params(padded: bool, shift: int = 0) -> PackedSeqParams:
+    cu = torch.tensor([0, 20 - shift, 40, 56] if padded else [0, 20 - shift, 48, 64], dtype=torch.int32)
+    slots = torch.tensor([0, 24, 48, 64], dtype=torch.int32) if padded else None
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), cu_seqlens_q_padded=slots,
+                           cu_seqlens_kv_padded=None if slots is None else slots.clone(), max_seqlen_q=28,
+                           max_seqlen_kv=28)
+
+
+def _reads(layers, batches) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Host reads of each layer call, per micro-batch (a list of layer calls each), and the outputs."""
+    from megatron_ring_lab.cpu import megatron_cpu  # Megatron's RoPE asks for a CUDA device
+
+    dev, reads, outs = FakeCuda(), [], []
+    g = torch.Generator().manual_seed(0)
+    with megatron_cpu(), device.use("cpu", dev):
+        for params in batches:
+            if callable(params):
+                params = params()
+            per_layer = []
+            for layer in layers:
+                q = torch.randn(64, 1, 4, 8, generator=g).requires_grad_()
+                k, v = (torch.randn(64, 1, 2, 8, generator=g).requires_grad_() for _ in range(2))
+                counter = HostReadCounter(dev)
+                counter.taint(q, k, v, *(getattr(params, n) for n in documents._PARAMS_TENSORS
+                                         if getattr(params, n) is not None))
+                with counter:
+                    out = layer(q, k, v, None, packed_seq_params=params)
+                    out.sum().backward()
+                per_layer.append(counter.total())
+                outs += [out.detach(), q.grad, k.grad, v.grad]
+            reads.append(per_layer)
+    return reads, outs
+
+
+def _batches(padded: bool):
+    """Two micro-batches (new tensors each), then the second's ``cu_seqlens_q`` changed in place."""
+    first, second = _params(padded), _params(padded, shift=2)
+
+    def changed():
+        second.cu_seqlens_q[1] -= 1
+        second.cu_seqlens_kv[1] -= 1
+        return second
+    return [first, second, changed]
+
+
+@pytest.mark.parametrize("rope,padded", [(False, False), (False, True), (True, False), (True, True)],
+                         ids=["plain", "padded", "rope", "rope-padded"])
+def test_the_glue_reads_packed_params_once_per_micro_batch(one_rank_group, rope, padded):  # noqa: F811
+    reads, outs = _reads(_layers(rope), _batches(padded))
+    for per_layer in reads:
+        assert per_layer[0] > 0 and per_layer[1:] == [0] * (LAYERS - 1), reads
+    # the negative control: the answers not kept, every layer reads; the same outputs and gradients, bit for bit
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(documents.LastAnswer, "get", lambda self, params, key, compute: compute())
+        fresh, fresh_outs = _reads(_layers(rope), _batches(padded))
+    assert all(n > 0 for per_layer in fresh for n in per_layer), fresh
+    assert len(outs) == len(fresh_outs) and all(torch.equal(a, b) for a, b in zip(outs, fresh_outs))
+    print(f"reads per layer call, kept: {reads}; not kept: {fresh}")
+
+
+def test_the_stock_split_layout_is_read_once_per_micro_batch():
+    """Packed batches stock Megatron split per document (``batch_split="megatron"``, CP > 1): the layout of the
+    padded boundaries is read once per params and given again, the same object (the engine's plan cache keys on
+    it); new tensors are read again. Negative control: not kept, every call reads and makes a new layout."""
+    from megatron_ring.megatron.data import token_order
+
+    def calls(params_list):
+        dev, reads, got = FakeCuda(), [], []
+        with device.use("cpu", dev):
+            for params in params_list:
+                counter = HostReadCounter(dev)
+                counter.taint(params.cu_seqlens_q, params.cu_seqlens_q_padded)
+                with counter:
+                    got.append(token_order.megatron_thd_layout(2, "zigzag", params, "document"))
+                reads.append(counter.total())
+        return reads, got
+
+    first, second = _params(True), _params(True, shift=2)
+    reads, got = calls([first] * LAYERS + [second] * LAYERS)
+    assert reads == [1, 0, 0] * 2 and got[0] is got[1] is got[2] and got[3] is got[5] and got[3] is not got[0], reads
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(documents.LastAnswer, "get", lambda self, params, key, compute: compute())
+        fresh, made = calls([first] * LAYERS)
+    assert fresh == [1] * LAYERS and made[0] is not made[1]
+    assert made[0].positions(64, 2, 1).tolist() == got[0].positions(64, 2, 1).tolist()
