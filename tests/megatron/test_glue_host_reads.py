@@ -8,7 +8,9 @@ tier (``HostReadCounter``: reads of values derived from the tainted params and i
 ``RingDotProductAttention`` at CP = 1 (the one-rank loopback ring), three layers per micro-batch: the first layer
 reads, the other two read nothing; a new batch's tensors, or a tensor changed in place, are read again. Before
 (measured with this file's counter): 2 reads per layer call (plain), 5 (padded documents), 4 (packed RoPE), 7 (both),
-at every layer. Negative control: with the answers not kept, every layer reads."""
+at every layer. Negative control: with the answers not kept, every layer reads. The same for stock Megatron's
+per-document split of packed batches (its layout), and for ``--reset-attention-mask`` batches (the mask of documents,
+read and, at CP > 1, all-reduced by every layer before: now by the first)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -135,3 +137,46 @@ def test_the_stock_split_layout_is_read_once_per_micro_batch():
         fresh, made = calls([first] * LAYERS)
     assert fresh == [1] * LAYERS and made[0] is not made[1]
     assert made[0].positions(64, 2, 1).tolist() == got[0].positions(64, 2, 1).tolist()
+
+
+def test_a_documents_mask_is_read_once_per_micro_batch(one_rank_group):  # noqa: F811
+    """``--reset-attention-mask`` batches (a boolean mask of documents, ``[s, b]`` layout): the layers share one
+    reader of the mask (``documents.documents_from_mask``), so the first layer of a micro-batch reads it on the host
+    (and at CP > 1 all-reduces its document starts) and the others reuse the answer; a new mask, or one changed in
+    place, is read again. Negative control: a reader per layer (before) reads it in every layer."""
+    from megatron_ring.megatron.data.documents import DocumentsFromMask, document_mask
+
+    def reads(layers, masks):
+        dev, out = FakeCuda(), []
+        with device.use("cpu", dev):
+            for mask in masks:
+                if callable(mask):
+                    mask = mask()
+                per_layer = []
+                for layer in layers:
+                    q = torch.randn(32, 1, 4, 8, requires_grad=True)
+                    k, v = (torch.randn(32, 1, 2, 8, requires_grad=True) for _ in range(2))
+                    counter = HostReadCounter(dev)
+                    counter.taint(q, k, v, mask)
+                    with counter:
+                        layer(q, k, v, mask).sum().backward()
+                    per_layer.append(counter.total())
+                out.append(per_layer)
+        return out
+
+    def mask(at):
+        tokens = torch.ones(1, 32, dtype=torch.long)
+        tokens[0, at] = 0
+        return document_mask(tokens, 0)[0]
+
+    first, second = mask(10), mask(20)
+
+    def changed():
+        second[..., 21:, :21] = False  # in place: the two documents made one (plain causal), read again
+        return second
+    got = reads(_layers(False), [first, first, second, changed])
+    assert got == [[got[0][0], 0, 0], [0, 0, 0], [got[0][0], 0, 0], [got[0][0], 0, 0]] and got[0][0] > 0, got
+    layers = _layers(False)
+    for layer in layers:
+        layer._documents = DocumentsFromMask()
+    assert reads(layers, [first, second]) == [[got[0][0]] * LAYERS] * 2

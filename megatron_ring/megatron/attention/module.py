@@ -20,7 +20,7 @@ from megatron_ring.megatron import compat
 from megatron_ring.megatron.attention import comm_types, qk_clip, rope_guard
 from megatron_ring.megatron.groups import resolve as groups
 from megatron_ring.megatron.config import ContextParallelConfigError, RingConfig, refuse_mtp_without_zigzag
-from megatron_ring.megatron.data.documents import DocumentsFromMask, packed_cu_seqlens, real_rows
+from megatron_ring.megatron.data.documents import documents_from_mask, packed_cu_seqlens, real_rows
 from megatron_ring.megatron.attention.dropout import dropout_seed, row_seed
 from megatron_ring.megatron.env import kv_pieces_from_env, ring_config_from_env
 from megatron_ring.megatron.attention.sinks import make_softmax_offset, ring_softmax_offset, sharded_sinks
@@ -148,7 +148,7 @@ class RingDotProductAttention(MegatronModule):
         self.window = _window(config, layer_number)
         self.packed_rope: Optional[tuple] = None  # (RotaryEmbedding,): THD RoPE applied here (rope.py)
         rope_guard.watch(self)  # a RoPE model whose positions do not follow the layout is refused (rope_guard.py)
-        self._documents = DocumentsFromMask()
+        self._documents = documents_from_mask  # one for all layers: the first layer of a micro-batch reads the mask
         self._mask_causal(attn_mask_type)  # fail early on unsupported masks
         # --deterministic-mode: deterministic CUDA backward kernels for this layer's calls (passed per call;
         # off: the process default, torch's deterministic mode, which Megatron-LM's flag also turns on)

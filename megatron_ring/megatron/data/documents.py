@@ -8,8 +8,8 @@
   ``attention_mask`` (True = hidden; ``[b, 1, s_local, S]`` as :func:`~megatron_ring.megatron.data.batch.get_batch_on_this_cp_rank` shards
   it, or ``[b, 1, S, S]`` at CP 1), as built by ``get_ltor_masks_and_position_ids(reset_attention_mask)``.
   Each local query row gives the start of its document; one small all-reduce over the CP group
-  (``[b, S]`` bytes, once per mask tensor: every layer reuses it) makes the boundaries global and equal on
-  every rank. A mask that is not "causal within documents" is refused (NotImplementedError), never
+  (``[b, S]`` bytes, once per mask tensor: the later layers reuse it, :data:`documents_from_mask`) makes the
+  boundaries global and equal on every rank. A mask that is not "causal within documents" is refused (NotImplementedError), never
   silently approximated.
 * :func:`document_mask` builds that mask (and position ids restarting per document) from EOD tokens.
 * :func:`packed_batch` turns such a batch into one packed THD stream with ``PackedSeqParams``.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_ring import get_layout
 
-__all__ = ["LastAnswer", "packed_cu_seqlens", "real_rows", "DocumentsFromMask", "document_mask", "packed_batch"]
+__all__ = ["LastAnswer", "packed_cu_seqlens", "real_rows", "DocumentsFromMask", "documents_from_mask", "document_mask", "packed_batch"]
 
 
 #: the tensors of ``PackedSeqParams`` the answers below are computed from
@@ -122,19 +122,27 @@ _LAST_CU, _LAST_ROWS = LastAnswer(), LastAnswer()
 
 
 class DocumentsFromMask:
-    """Per-row ``cu_seqlens`` from a boolean causal-document ``attention_mask`` (cached per tensor)."""
+    """Per-row ``cu_seqlens`` from a boolean causal-document ``attention_mask``. The last answer is kept while the
+    same mask tensor, not changed in place, comes with the same group and layout: every layer of a micro-batch
+    passes the same mask, so with one instance for all layers (:data:`documents_from_mask`, what
+    ``RingDotProductAttention`` uses) only the first layer reads it on the host and, at CP > 1, all-reduces its
+    document starts; every rank's layers ask in the same order, so the ranks that all-reduce are the same ones."""
 
     def __init__(self) -> None:
-        self._last: tuple[Any, list[list[int]] | None] = (None, None)
+        self._last: tuple = (None, None, None)
 
     def __call__(self, mask: torch.Tensor, group: Any, layout: str) -> list[list[int]] | None:
         """Boundaries per batch row, or None when every row is one document (plain causal)."""
-        ref, cached = self._last
-        if ref is not None and ref() is mask:
+        ref, seen, cached = self._last
+        key = (mask._version, layout)
+        if ref is not None and ref() is mask and seen[0] is group and seen[1:] == key:
             return cached
         rows = _documents(mask, group, layout)
-        self._last = (weakref.ref(mask), rows)
+        self._last = (weakref.ref(mask), (group, *key), rows)
         return rows
+
+
+documents_from_mask = DocumentsFromMask()  # the one every ring core attention asks
 
 
 def _documents(mask: torch.Tensor, group: Any, layout: str) -> list[list[int]] | None:
