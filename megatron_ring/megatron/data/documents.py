@@ -9,8 +9,8 @@
   it, or ``[b, 1, S, S]`` at CP 1), as built by ``get_ltor_masks_and_position_ids(reset_attention_mask)``.
   Each local query row gives the start of its document; one small all-reduce over the CP group
   (``[b, S]`` bytes, once per mask tensor: the later layers reuse it, :data:`documents_from_mask`) makes the
-  boundaries global and equal on every rank. A mask that is not "causal within documents" is refused (NotImplementedError), never
-  silently approximated.
+  boundaries global and equal on every rank. A mask that is not "causal within documents" is refused
+  (NotImplementedError), never silently approximated.
 * :func:`document_mask` builds that mask (and position ids restarting per document) from EOD tokens.
 * :func:`packed_batch` turns such a batch into one packed THD stream with ``PackedSeqParams``.
 """
