@@ -116,10 +116,10 @@ def check_same_across_ranks(signature: Sequence[int], group: Any, device: torch.
                             per_call: Mapping[str, int] | None = None) -> None:
     """Raise ValueError on every rank of ``group`` unless all ranks pass the same ``signature``.
 
-    ``per_call``: values that change from call to call (``{"dropout_seed": .., "call_id": ..}``: the int dropout seed, the call id):
-    compared together with a new signature, never a reason for a new check on their own (so a per-step seed or a
-    per-layer call id costs no collective per call; a rank seeded differently, e.g. by its rank, is caught at the
-    first call; later calls compare them in-band, in the call's tag).
+    ``per_call``: values that change from call to call (``{"dropout_seed": .., "call_id": ..}``: the int dropout
+    seed, the call id): compared together with a new signature, never a reason for a new check on their own (so a
+    per-step seed or a per-layer call id costs no collective per call; a rank seeded differently, e.g. by its rank,
+    is caught at the first call; later calls compare them in-band, in the call's tag).
 
     ``describe`` holds human-readable values of this rank's call, used only for the message. ``timeout``:
     the all-gather's deadline (None: the group's); a peer that is gone raises the backend's error

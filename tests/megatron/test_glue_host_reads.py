@@ -105,7 +105,7 @@ def test_the_glue_reads_packed_params_once_per_micro_batch(one_rank_group, rope,
         assert per_layer[0] > 0 and per_layer[1:] == [0] * (LAYERS - 1), reads
     # the negative control: the answers not kept, every layer reads; the same outputs and gradients, bit for bit
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(documents.LastAnswer, "get", lambda self, params, key, compute: compute())
+        mp.setattr(documents.LastAnswer, "get", lambda self, owner, key, compute, tensors=None: compute())
         fresh, fresh_outs = _reads(_layers(rope), _batches(padded))
     assert all(n > 0 for per_layer in fresh for n in per_layer), fresh
     assert len(outs) == len(fresh_outs) and all(torch.equal(a, b) for a, b in zip(outs, fresh_outs))
@@ -133,7 +133,7 @@ def test_the_stock_split_layout_is_read_once_per_micro_batch():
     reads, got = calls([first] * LAYERS + [second] * LAYERS)
     assert reads == [1, 0, 0] * 2 and got[0] is got[1] is got[2] and got[3] is got[5] and got[3] is not got[0], reads
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(documents.LastAnswer, "get", lambda self, params, key, compute: compute())
+        mp.setattr(documents.LastAnswer, "get", lambda self, owner, key, compute, tensors=None: compute())
         fresh, made = calls([first] * LAYERS)
     assert fresh == [1] * LAYERS and made[0] is not made[1]
     assert made[0].positions(64, 2, 1).tolist() == got[0].positions(64, 2, 1).tolist()
@@ -180,3 +180,27 @@ def test_a_documents_mask_is_read_once_per_micro_batch(one_rank_group):  # noqa:
     for layer in layers:
         layer._documents = DocumentsFromMask()
     assert reads(layers, [first, second]) == [[got[0][0]] * LAYERS] * 2
+
+
+def test_inference_mode_tensors_are_derived_at_every_call(monkeypatch):
+    """Tensors made under ``torch.inference_mode()`` (Megatron's generation) have no version counter (asking for it
+    raises): their answers are derived at every call, not kept, as the engine's ``host_values`` reads them; the same
+    answers as for ordinary tensors."""
+    from megatron_ring.megatron.data.documents import DocumentsFromMask, document_mask
+
+    made = []
+    for name in ("_packed_cu_seqlens", "_documents"):
+        real = getattr(documents, name)
+        monkeypatch.setattr(documents, name, lambda *a, real=real, name=name: (made.append(name), real(*a))[1])
+    tokens = torch.ones(1, 32, dtype=torch.long)
+    tokens[0, 10] = 0
+    params, mask = _params(True), document_mask(tokens, 0)[0]
+    want_cu, want_rows = documents.packed_cu_seqlens(params).tolist(), DocumentsFromMask()(mask, None, "zigzag")
+    with torch.inference_mode():
+        params, mask = _params(True), document_mask(tokens, 0)[0]
+    made.clear()
+    reader = DocumentsFromMask()
+    for _ in range(2):
+        assert documents.packed_cu_seqlens(params).tolist() == want_cu
+        assert reader(mask, None, "zigzag") == want_rows
+    assert made == ["_packed_cu_seqlens", "_documents"] * 2

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from megatron_ring import get_layout
 
-__all__ = ["LastAnswer", "packed_cu_seqlens", "real_rows", "DocumentsFromMask", "documents_from_mask", "document_mask", "packed_batch"]
+__all__ = ["LastAnswer", "packed_cu_seqlens", "real_rows", "DocumentsFromMask", "documents_from_mask", "document_mask",
+           "packed_batch"]
 
 
 #: the tensors of ``PackedSeqParams`` the answers below are computed from
@@ -32,27 +33,32 @@ _PARAMS_TENSORS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_s
 
 
 class LastAnswer:
-    """The last answer of a function of ``PackedSeqParams``, given again while the same params object holds the same
-    tensors, not changed in place since, and the same plain ``key``. Every layer of a micro-batch passes the same
-    params, so only the first layer reads its tensors on the host: on a GPU each read waits for the device, and the
-    host can no longer run ahead of it (the later layers read nothing). One answer is kept (a weak reference to the
-    params and to each tensor, and their version counters)."""
+    """The last answer of a function of ``owner`` (a ``PackedSeqParams``, or a mask tensor), given again while it is
+    the same object, its ``tensors`` (default: the params' ``cu_seqlens*``) are the same objects, not changed in place
+    since (their version counters), and the plain ``key`` is equal. Every layer of a micro-batch passes the same
+    params and mask, so only the first layer reads them on the host: on a GPU each read waits for the device, and the
+    host can no longer run ahead of it. One answer is kept (weak references to the owner and the tensors).
+    Inference-mode tensors have no version counter: computed every call (as the engine's ``host_values`` reads
+    them)."""
 
     def __init__(self) -> None:
         self._last: tuple = (None, (), None, None)
 
-    def get(self, params: Any, key: tuple, compute: Any) -> Any:
-        tensors = tuple(getattr(params, name, None) for name in _PARAMS_TENSORS)
+    def get(self, owner: Any, key: tuple, compute: Any, tensors: tuple | None = None) -> Any:
+        if tensors is None:
+            tensors = tuple(getattr(owner, name, None) for name in _PARAMS_TENSORS)
+        if any(t is not None and t.is_inference() for t in tensors):
+            return compute()
         seen = (key, tuple(None if t is None else t._version for t in tensors))
         ref, refs, last_seen, answer = self._last
-        if ref is not None and ref() is params and last_seen == seen and all(
+        if ref is not None and ref() is owner and last_seen == seen and all(
                 (r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, tensors)):
             return answer
         answer = compute()
         try:
-            self._last = (weakref.ref(params), tuple(None if t is None else weakref.ref(t) for t in tensors), seen,
+            self._last = (weakref.ref(owner), tuple(None if t is None else weakref.ref(t) for t in tensors), seen,
                           answer)
-        except TypeError:  # params that take no weak reference: not kept
+        except TypeError:  # an owner that takes no weak reference: not kept
             self._last = (None, (), None, None)
         return answer
 
@@ -129,17 +135,11 @@ class DocumentsFromMask:
     document starts; every rank's layers ask in the same order, so the ranks that all-reduce are the same ones."""
 
     def __init__(self) -> None:
-        self._last: tuple = (None, None, None)
+        self._last = LastAnswer()
 
     def __call__(self, mask: torch.Tensor, group: Any, layout: str) -> list[list[int]] | None:
         """Boundaries per batch row, or None when every row is one document (plain causal)."""
-        ref, seen, cached = self._last
-        key = (mask._version, layout)
-        if ref is not None and ref() is mask and seen[0] is group and seen[1:] == key:
-            return cached
-        rows = _documents(mask, group, layout)
-        self._last = (weakref.ref(mask), (group, *key), rows)
-        return rows
+        return self._last.get(mask, (group, layout), lambda: _documents(mask, group, layout), tensors=(mask,))
 
 
 documents_from_mask = DocumentsFromMask()  # the one every ring core attention asks
