@@ -55,6 +55,20 @@ run_bridge() {
   MEGATRON_RING_TEST_PRELOAD_BRIDGE=1 PYTHONPATH="$PWD/.bridge312${PYTHONPATH:+:$PYTHONPATH}" run_pytest .venv312 "${opts[@]}" \
     tests/megatron/test_bridge.py tests/megatron/test_bridge_hybrid.py
 }
+# Disk: the venvs still to set up need room (measured on x86_64: .venv 1.1 GiB, .venv-floor 4.8 and .venv312 4.9, each
+# a CUDA build of torch from PyPI, .bridge312 0.7; pip unpacks each wheel beside it): say so up front, naming the tiers
+# that can be skipped, rather than fail with "No space left on device" minutes in
+need=0
+[ -d .venv ] || need=$((need + 2))
+[ "$floor" = 1 ] && [ ! -d .venv-floor ] && need=$((need + 6))
+[ "$py312" = 1 ] && [ ! -d .venv312 ] && need=$((need + 6))
+[ "$bridge" = 1 ] && [ ! -d .bridge312 ] && need=$((need + 1))
+free=$(df -Pk . 2>/dev/null | awk 'NR == 2 { print int($4 / 1048576) }')
+echo "[test] disk: ${free:-?} GiB free here; the set-ups still to do need about $need GiB"
+if [ -n "$free" ] && [ "$free" -lt "$need" ]; then
+  echo "[test] WARNING: too little disk for the set-ups (${free} GiB free, about ${need} GiB needed): free some, or" \
+       "skip tiers with MEGATRON_RING_SKIP_FLOOR=1 (about 6 GiB) or MEGATRON_RING_SKIP_PY312=1 (about 7 GiB)" >&2
+fi
 # The background work of the header (nice 19): the floor's set-up and then its fast tier (not serial; a test that
 # starts processes is marked slow, so it starts none), and the Python 3.12 and Bridge set-ups.
 bglog=$(mktemp -d); trap 'rm -rf "$bglog"' EXIT

@@ -19,13 +19,14 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
 from megatron_ring import get_layout
 
-__all__ = ["LastAnswer", "packed_cu_seqlens", "real_rows", "DocumentsFromMask", "documents_from_mask", "document_mask",
-           "packed_batch"]
+__all__ = ["LastAnswer", "params_on_host", "packed_cu_seqlens", "real_rows", "DocumentsFromMask", "documents_from_mask",
+           "document_mask", "packed_batch"]
 
 
 #: the tensors of ``PackedSeqParams`` the answers below are computed from
@@ -63,6 +64,34 @@ class LastAnswer:
         return answer
 
 
+def params_on_host(params: Any) -> dict[str, list[int] | None]:
+    """The values of the params' ``cu_seqlens*`` tensors (:data:`_PARAMS_TENSORS`; None where unset) on the host, read
+    in ONE device-to-host copy (the tensors concatenated on their device); the answer is kept for the later layers
+    of the micro-batch (:class:`LastAnswer`). Everything the glue derives from a packed batch's params (the ring's
+    ``cu_seqlens``, QK-clip's filler rows, packed RoPE's positions, stock Megatron's per-document layout) starts
+    here: the first layer of a micro-batch makes one read where it made 2 to 7."""
+    return _LAST_HOST.get(params, (), lambda: _read_params(params))
+
+
+def _read_params(params: Any) -> dict[str, list[int] | None]:
+    values: dict[str, list[int] | None] = {name: None for name in _PARAMS_TENSORS}
+    on: dict[Any, list[tuple[str, torch.Tensor]]] = {}
+    for name in _PARAMS_TENSORS:
+        t = getattr(params, name, None)
+        if t is None:
+            continue
+        if t.dim() != 1 or t.is_floating_point():
+            raise ValueError(f"packed_seq_params.{name} must be a 1-D integer tensor [n_docs + 1], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+        on.setdefault(t.device, []).append((name, t))
+    for group in on.values():  # one device in practice: one read
+        flat = torch.cat([t.detach() for _, t in group]).tolist()
+        at = 0
+        for name, t in group:
+            values[name], at = flat[at:at + t.numel()], at + t.numel()
+    return values
+
+
 def packed_cu_seqlens(params: Any) -> torch.Tensor:
     """Global document boundaries (int64, CPU) for the ring from Megatron's ``PackedSeqParams`` (the last answer is
     kept: see :class:`LastAnswer`; the same tensor, which the engine then reads no more either)."""
@@ -72,14 +101,14 @@ def packed_cu_seqlens(params: Any) -> torch.Tensor:
 def _packed_cu_seqlens(params: Any) -> torch.Tensor:
     if getattr(params, "qkv_format", "thd") != "thd":
         raise NotImplementedError(f"packed_seq_params.qkv_format={params.qkv_format!r}: ring attention takes 'thd'")
-    cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
-    if cu_q is None:
+    if params.cu_seqlens_q is None:
         raise ValueError("packed_seq_params.cu_seqlens_q is None; pass the global document boundaries")
-    if cu_kv is not None and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
+    host = params_on_host(params)
+    if host["cu_seqlens_kv"] is not None and host["cu_seqlens_kv"] != host["cu_seqlens_q"]:
         raise NotImplementedError("ring attention is self-attention: cu_seqlens_q must equal cu_seqlens_kv")
     padded = _padded_documents(params)
     if padded is None:
-        return cu_q.detach().cpu().long()
+        return torch.tensor(host["cu_seqlens_q"], dtype=torch.int64)
     starts, ends, total = padded  # real tokens [starts[i], ends[i]); filler [ends[i], starts[i+1])
     bounds = torch.stack([starts, ends], 1).flatten()
     return torch.unique_consecutive(torch.cat([bounds, total.view(1)]))
@@ -89,13 +118,13 @@ def _padded_documents(params: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """Where Megatron padded the documents (``cu_seqlens_q_padded`` differs from ``cu_seqlens_q``): each document's
     start and the end of its real tokens in the padded stream, and the padded stream's length (int64, CPU); else
     None."""
-    cu = params.cu_seqlens_q.detach().cpu().long()
-    padded = params.cu_seqlens_q_padded
-    if padded is None or torch.equal(padded.detach().cpu().long(), cu):
+    host = params_on_host(params)
+    cu, padded = host["cu_seqlens_q"], host["cu_seqlens_q_padded"]
+    if padded is None or padded == cu:
         return None
-    padded = padded.detach().cpu().long()
-    if padded.shape != cu.shape:
+    if len(padded) != len(cu):
         raise ValueError("cu_seqlens_q_padded must have cu_seqlens_q's shape [n_docs + 1]")
+    cu, padded = torch.tensor(cu, dtype=torch.int64), torch.tensor(padded, dtype=torch.int64)
     lens = cu[1:] - cu[:-1]
     if bool((padded[1:] - padded[:-1] < lens).any()):
         raise ValueError("cu_seqlens_q_padded leaves less room than cu_seqlens_q for some document")
@@ -124,7 +153,7 @@ def _real_rows(params: Any, layout: Any, world: int, rank: int, t_local: int, de
     return rows
 
 
-_LAST_CU, _LAST_ROWS = LastAnswer(), LastAnswer()
+_LAST_HOST, _LAST_CU, _LAST_ROWS = LastAnswer(), LastAnswer(), LastAnswer()
 
 
 class DocumentsFromMask:
@@ -165,17 +194,16 @@ def _documents(mask: torch.Tensor, group: Any, layout: str) -> list[list[int]] |
     # all-reduce)
     is_start = torch.zeros(b, S + 1, dtype=torch.uint8, device=mask.device)
     is_start.scatter_(1, start.clamp(max=S - 1).long(), 1)
-    is_start[:, S] = int(not torch.equal(visible, expected))
+    is_start[:, S] = (visible != expected).flatten(1).any(1)
     if cp > 1:
         dist.all_reduce(is_start, op=dist.ReduceOp.MAX, group=group)
-    if bool(is_start[:, S].any()):
+    flags = is_start.cpu().numpy()  # the one device-to-host read of the mask's documents
+    if flags[:, S].any():
         raise NotImplementedError(
             "ring attention supports attention_mask tensors that are causal within documents (as "
             "--reset-attention-mask builds them); this mask is not (on some CP rank's query rows). Use "
             "attn_mask_type causal/no_mask with attention_mask=None, or packed_seq_params (THD) for packed documents")
-    is_start = is_start[:, :S]
-    is_start[:, 0] = 1
-    rows = [torch.nonzero(r).flatten().tolist() + [S] for r in is_start.cpu()]
+    rows = [[0] + [int(i) for i in numpy.flatnonzero(r[1:S]) + 1] + [S] for r in flags]
     return None if all(r == [0, S] for r in rows) else rows
 
 

@@ -10,7 +10,7 @@ from torch import Tensor
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron_ring import get_layout
-from megatron_ring.megatron.data.documents import LastAnswer
+from megatron_ring.megatron.data.documents import LastAnswer, params_on_host
 
 __all__ = ["apply_packed_rope"]
 
@@ -18,7 +18,7 @@ __all__ = ["apply_packed_rope"]
 def _doc_positions(pos: Tensor, cu: Tensor) -> Tensor:
     """Position of each global stream position ``pos`` inside its document (boundaries ``cu``); tokens
     past ``cu[-1]`` (end padding) count from ``cu[-1]``."""
-    cu = cu.detach().to("cpu", torch.int64)
+    cu = cu.to(torch.int64)
     return pos - cu[(torch.searchsorted(cu, pos, right=True) - 1).clamp_(0, len(cu) - 1)]
 
 
@@ -48,12 +48,19 @@ def apply_packed_rope(rotary: RotaryEmbedding, config: Any, query: Tensor, key: 
 
 
 def _positions(params: Any, layout: str, world: int, rank: int, t: int, device: Any) -> tuple[Tensor, Tensor, int]:
-    """Each local token's position in its document, for Q and K (on ``device``), and one more than the largest."""
+    """Each local token's position in its document, for Q and K (on ``device``, one host-to-device copy), and one
+    more than the largest; from the params' values on the host (:func:`~.documents.params_on_host`: one read)."""
+    host = params_on_host(params)
     pos = get_layout(layout).positions(t * world, world, rank)
-    rel = [_doc_positions(pos, padded if padded is not None else cu)
-           for padded, cu in ((params.cu_seqlens_q_padded, params.cu_seqlens_q),
-                              (params.cu_seqlens_kv_padded, params.cu_seqlens_kv))]
-    return rel[0].to(device), rel[1].to(device), int(max(rel[0].max(), rel[1].max())) + 1
+    rel = []
+    for side in ("q", "kv"):
+        cu = host[f"cu_seqlens_{side}_padded"]
+        cu = cu if cu is not None else host[f"cu_seqlens_{side}"]
+        rel.append(_doc_positions(pos, torch.tensor(cu if cu is not None else host["cu_seqlens_q"])))
+    both = torch.stack(rel)
+    longest = int(both.max()) + 1
+    both = both.to(device)
+    return both[0], both[1], longest
 
 
 _LAST_POSITIONS = LastAnswer()

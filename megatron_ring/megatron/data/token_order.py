@@ -41,7 +41,7 @@ import torch
 
 from megatron_ring import DocumentZigzag, get_layout
 from megatron_ring.megatron import compat
-from megatron_ring.megatron.data.documents import LastAnswer
+from megatron_ring.megatron.data.documents import LastAnswer, params_on_host
 
 __all__ = ["TokenOrderError", "refuse_mla_packed_ring_split", "thd_get_partitioned_indices", "attention_layout", "data_layout",
            "megatron_thd_layout", "check_sequence_split", "ROPE_TYPES",
@@ -177,10 +177,15 @@ def megatron_thd_layout(cp_size: int, layout: Any, packed_seq_params: Any, split
         return get_layout("zigzag")
     if split != "document":
         raise ValueError(f"split must be 'sequence' or 'document', got {split!r}")
-    padded = packed_seq_params.cu_seqlens_q_padded
     # every layer of a micro-batch asks with the same params: read on the host once, the same layout object after
-    return _LAST_LAYOUT.get(packed_seq_params, (cp_size, getattr(layout, "name", layout)), lambda: attention_layout(
-        "thd", cp_size, layout, padded if padded is not None else packed_seq_params.cu_seqlens_q))
+    return _LAST_LAYOUT.get(packed_seq_params, (cp_size, getattr(layout, "name", layout)),
+                            lambda: _document_layout(cp_size, layout, packed_seq_params))
+
+
+def _document_layout(cp_size: int, layout: Any, packed_seq_params: Any):
+    host = params_on_host(packed_seq_params)
+    padded = host["cu_seqlens_q_padded"]
+    return attention_layout("thd", cp_size, layout, padded if padded is not None else host["cu_seqlens_q"])
 
 
 _LAST_LAYOUT = LastAnswer()
