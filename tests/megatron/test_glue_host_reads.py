@@ -7,7 +7,7 @@ packed RoPE's positions on the device) while the params hold the same tensors, u
 tier (``HostReadCounter``: reads of values derived from the tainted params and inputs), through
 ``RingDotProductAttention`` at CP = 1 (the one-rank loopback ring), three layers per micro-batch: the first layer
 makes ONE read (the params' ``cu_seqlens*`` concatenated on their device and copied to the host together,
-``documents.params_on_host``), the other two read nothing; a new batch's tensors, or a tensor changed in place, are
+``documents.params_on_host``) and computes packed RoPE's angles, the other two read nothing and reuse the angles; a new batch's tensors, or a tensor changed in place, are
 read again. Measured with this file's counter: at 4a4987b every layer made 2 reads (plain), 5 (padded documents), 4
 (packed RoPE), 7 (both); at cd876f9 the first layer of a micro-batch did, the others none. Negative control: with the
 answers not kept, every layer reads. The same for stock Megatron's per-document split of packed batches (its layout),
@@ -102,13 +102,20 @@ def _batches(padded: bool):
 @pytest.mark.parametrize("rope,padded", [(False, False), (False, True), (True, False), (True, True)],
                          ids=["plain", "padded", "rope", "rope-padded"])
 def test_the_glue_reads_packed_params_once_per_micro_batch(one_rank_group, rope, padded):  # noqa: F811
-    reads, outs = _reads(_layers(rope), _batches(padded))
+    from megatron_ring.megatron.data import packed_rope
+
+    angles = []  # packed RoPE's angles (rotary.get_emb, index_select) are computed once per micro-batch too
+    with pytest.MonkeyPatch.context() as mp:
+        real = packed_rope._freqs
+        mp.setattr(packed_rope, "_freqs", lambda *a: (angles.append(1), real(*a))[1])
+        reads, outs = _reads(_layers(rope), _batches(padded))
+        kept_angles = len(angles)
+        # the negative control: the answers not kept, every layer reads; the same outputs and gradients, bit for bit
+        mp.setattr(documents.LastAnswer, "get", lambda self, owner, key, compute, **kw: compute())
+        fresh, fresh_outs = _reads(_layers(rope), _batches(padded))
     for per_layer in reads:
         assert per_layer == [1] + [0] * (LAYERS - 1), reads
-    # the negative control: the answers not kept, every layer reads; the same outputs and gradients, bit for bit
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(documents.LastAnswer, "get", lambda self, owner, key, compute, tensors=None: compute())
-        fresh, fresh_outs = _reads(_layers(rope), _batches(padded))
+    assert (kept_angles, len(angles) - kept_angles) == ((3, 3 * LAYERS) if rope else (0, 0))
     assert all(n > 0 for per_layer in fresh for n in per_layer), fresh
     assert len(outs) == len(fresh_outs) and all(torch.equal(a, b) for a, b in zip(outs, fresh_outs))
     print(f"reads per layer call, kept: {reads}; not kept: {fresh}")
@@ -135,7 +142,7 @@ def test_the_stock_split_layout_is_read_once_per_micro_batch():
     reads, got = calls([first] * LAYERS + [second] * LAYERS)
     assert reads == [1, 0, 0] * 2 and got[0] is got[1] is got[2] and got[3] is got[5] and got[3] is not got[0], reads
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(documents.LastAnswer, "get", lambda self, owner, key, compute, tensors=None: compute())
+        mp.setattr(documents.LastAnswer, "get", lambda self, owner, key, compute, **kw: compute())
         fresh, made = calls([first] * LAYERS)
     assert fresh == [1] * LAYERS and made[0] is not made[1]
     assert made[0].positions(64, 2, 1).tolist() == got[0].positions(64, 2, 1).tolist()

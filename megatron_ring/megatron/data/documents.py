@@ -45,9 +45,11 @@ class LastAnswer:
     def __init__(self) -> None:
         self._last: tuple = (None, (), None, None)
 
-    def get(self, owner: Any, key: tuple, compute: Any, tensors: tuple | None = None) -> Any:
+    def get(self, owner: Any, key: tuple, compute: Any, tensors: tuple | None = None, also: tuple = ()) -> Any:
+        """``also``: more tensors to watch, beside ``tensors`` (a module's buffer the answer is computed from)."""
         if tensors is None:
             tensors = tuple(getattr(owner, name, None) for name in _PARAMS_TENSORS)
+        tensors = tuple(tensors) + tuple(also)
         if any(t is not None and t.is_inference() for t in tensors):
             return compute()
         seen = (key, tuple(None if t is None else t._version for t in tensors))

@@ -28,23 +28,28 @@ def apply_packed_rope(rotary: RotaryEmbedding, config: Any, query: Tensor, key: 
     over ``group``): token at global stream position p of a document starting at c gets angle p - c.
 
     Document starts come from ``params.cu_seqlens_q_padded`` (``_kv_padded`` for K) when set, else
-    ``cu_seqlens_q`` / ``_kv``: the positions Megatron's own THD RoPE gives at CP = 1. The positions are read from
-    ``params`` by the first layer of a micro-batch and kept on the device (:class:`~.documents.LastAnswer`): the
-    later layers make no host read and no host-to-device copy."""
+    ``cu_seqlens_q`` / ``_kv``: the positions Megatron's own THD RoPE gives at CP = 1. The angles of Q and K
+    (``rotary.get_emb`` at the positions) are computed by the first layer of a micro-batch and kept on the device
+    (:class:`~.documents.LastAnswer`, watching the params' tensors and ``rotary.inv_freq``): the later layers make no
+    host read, no host-to-device copy and no device op for them."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
     world = group.size() if group is not None else 1
     rank = group.rank() if group is not None else 0
     t = query.size(0)
-    rel_q, rel_k, longest = _LAST_POSITIONS.get(params, (layout, world, rank, t, str(query.device)),
-                                                lambda: _positions(params, layout, world, rank, t, query.device))
+    freqs = _LAST_FREQS.get(params, (layout, world, rank, t, str(query.device), id(rotary)),
+                            lambda: _freqs(rotary, params, layout, world, rank, t, query.device),
+                            also=(getattr(rotary, "inv_freq", None),))
+    return tuple(apply_rotary_pos_emb(x.unsqueeze(1), f, config=config, cu_seqlens=None, cp_group=group).squeeze(1)
+                 for x, f in zip((query, key), freqs))
+
+
+def _freqs(rotary: RotaryEmbedding, params: Any, layout: str, world: int, rank: int, t: int,
+           device: Any) -> tuple[Tensor, Tensor]:
+    """The RoPE angles ``[t, 1, 1, dim]`` of this rank's Q and K tokens."""
+    rel_q, rel_k, longest = _positions(params, layout, world, rank, t, device)
     emb = rotary.get_emb(longest)
-    out = []
-    for x, rel in ((query, rel_q), (key, rel_k)):
-        freqs = emb.index_select(0, rel)  # [t, 1, 1, dim]
-        out.append(apply_rotary_pos_emb(x.unsqueeze(1), freqs, config=config, cu_seqlens=None,
-                                        cp_group=group).squeeze(1))
-    return out[0], out[1]
+    return emb.index_select(0, rel_q), emb.index_select(0, rel_k)
 
 
 def _positions(params: Any, layout: str, world: int, rank: int, t: int, device: Any) -> tuple[Tensor, Tensor, int]:
@@ -63,4 +68,4 @@ def _positions(params: Any, layout: str, world: int, rank: int, t: int, device: 
     return both[0], both[1], longest
 
 
-_LAST_POSITIONS = LastAnswer()
+_LAST_FREQS = LastAnswer()
