@@ -24,7 +24,8 @@ fixed per call, and the medians over rounds of the within-round ratios B/A with 
 ``RingDotProductAttention`` forward+backward at CP = 1, and the same ``ring_attention`` call made directly)
 against its own library, order alternating; printed: each revision's median per mode and the medians over rounds
 of the within-round ratios B/A with their spread, and whether the layer's outputs and gradients are
-bit-identical between the revisions.
+bit-identical between the revisions. ``--layer-packed``: the same on a packed THD batch of three documents, and
+the first layer of a micro-batch (new ``PackedSeqParams`` each call) beside the later ones.
 
     python scripts/bench_revisions.py 59a641f HEAD --gpu-rows --rounds 3
     python scripts/bench_revisions.py A B --trees /path/to/tree_a /path/to/tree_b --gpu-rows
@@ -213,10 +214,10 @@ HOST_TIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, 
 LAYER_HOST_TIME = os.path.join(os.path.dirname(HOST_TIME), "layer_host_time.py")
 
 
-def _host_time(tree: str, iters: int, timeout: float, script: str = HOST_TIME) -> Any:
+def _host_time(tree: str, iters: int, timeout: float, script: str = HOST_TIME, extra: tuple = ()) -> Any:
     """One run of a host-time row (this checkout's ``script``) against the library in ``tree``."""
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, os.path.abspath(script), "--json", "--iters", str(iters)], env=env,
+    res = subprocess.run([sys.executable, os.path.abspath(script), "--json", "--iters", str(iters), *extra], env=env,
                          cwd=tree, capture_output=True, text=True, timeout=timeout)
     if res.returncode:
         raise RuntimeError(f"host-time run failed in {tree}:\n{res.stderr[-2000:]}")
@@ -256,15 +257,17 @@ def _layer_host_time_rows(trees: list[str], a) -> list[dict]:
     runs: dict[int, list[dict]] = {0: [], 1: []}
     for rnd in range(a.rounds):
         for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
-            runs[i].append(_host_time(trees[i], a.iters, a.timeout, LAYER_HOST_TIME))
-    row: dict[str, Any] = dict(outputs_identical=len({r["outputs_sha256"] for r in runs[0] + runs[1]}) == 1)
-    for key in ("layer_s", "ring_s", "glue_s"):
+            runs[i].append(_host_time(trees[i], a.iters, a.timeout, LAYER_HOST_TIME,
+                                      ("--packed",) if a.layer_packed else ()))
+    row: dict[str, Any] = dict(outputs_identical=len({r["outputs_sha256"] for r in runs[0] + runs[1]}) == 1,
+                               packed=a.layer_packed)
+    for key in ("layer_s", "ring_s", "glue_s") + (("first_layer_s", "first_glue_s") if a.layer_packed else ()):
         xa, xb = [r[key] for r in runs[0]], [r[key] for r in runs[1]]
         ratios = [b / x for x, b in zip(xa, xb)]
         row[key] = dict(a=statistics.median(xa), b=statistics.median(xb), ratio=statistics.median(ratios),
                         ratio_min=min(ratios), ratio_max=max(ratios), a_rounds=xa, b_rounds=xb)
         m = row[key]
-        print(f"{key[:-2]:>5} fwd+bwd: {a.rev_a} {m['a'] * 1e3:.3f} ms  {a.rev_b} {m['b'] * 1e3:.3f} ms  ratio "
+        print(f"{key[:-2]:>11} fwd+bwd: {a.rev_a} {m['a'] * 1e3:.3f} ms  {a.rev_b} {m['b'] * 1e3:.3f} ms  ratio "
               f"{m['ratio']:.3f} ({m['ratio_min']:.3f}-{m['ratio_max']:.3f})", flush=True)
     print("layer outputs and gradients: " + ("bit-identical" if row["outputs_identical"] else "DIFFERENT"), flush=True)
     return [row]
@@ -373,6 +376,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--layer-host-time", action="store_true", help="compare the host time of one Megatron "
                     "core-attention layer call, glue and engine (lab/megatron_ring_lab/bench/layer_host_time.py; "
                     "--iters calls, default 400)")
+    ap.add_argument("--layer-packed", action="store_true", help="with --layer-host-time: a packed THD batch of "
+                    "three documents, the later layers of a micro-batch (same params) and its first (new params)")
     ap.add_argument("--outputs", action="store_true", help="check that the two revisions' outputs and gradients "
                     "are bit-identical (OUTPUT_CASES) instead of timing")
     ap.add_argument("--gpu-rows", action="store_true", help="compare the GPU benchmark rows (a CUDA GPU; see the "

@@ -60,6 +60,15 @@ def test_layer_host_time_row_times_the_layer_and_the_bare_call():
     assert len(r["outputs_sha256"]) == 64 and (r["heads"], r["kv_heads"]) == (2, 1)
 
 
+def test_layer_host_time_row_on_a_packed_batch():
+    """``--layer-packed``: the layer on a packed THD batch, the later layers (same params) and the first (new)."""
+    rows = benchmark.main(["--layer-host-time", "--layer-packed", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+                           "--iters", "20"])
+    (r,) = rows
+    assert r["packed"] and r["seq"] == 64 and r["first_layer_s"] > 0 and r["layer_s"] > 0
+    assert r["first_glue_s"] == pytest.approx(r["first_layer_s"] - r["ring_s"])
+
+
 def test_instant_kernel_leaves_the_engine_running_unchanged():
     """The host-time row's kernel does nothing, yet the engine runs its whole schedule: every merge,
     wire copy and gradient add happens (zero kernel results give zero gradients; the ring's bytes move)."""

@@ -10,7 +10,11 @@ made directly (``ring``); ``glue`` = layer - ring. Medians of the calling thread
 load does not count). ``device="cuda"`` (``--device cuda``): the same calls on the GPU, bf16, timed by the wall
 clock from launch to return with the device idle before each call (autograd runs a CUDA backward on its own
 thread, whose CPU time the calling thread's clock would miss); what the host spends per layer call, the
-kernels' time excluded. Also printed: a hash of the layer's output and input gradients (the same bytes before and
+kernels' time excluded. ``packed=True`` (``--packed``): a packed THD batch of three documents, as Megatron passes it
+(``[t, 1, h, d]`` and ``PackedSeqParams`` with its ``cu_seqlens`` on the device); ``layer`` then calls the layer with
+the same params every time (a micro-batch's later layers), ``first_layer`` with new params each call (the first
+layer of each micro-batch: it reads them on the host), and ``ring`` passes ``ring_attention`` the boundaries as a
+host tensor, kept. Also printed: a hash of the layer's output and input gradients (the same bytes before and
 after a change: ``scripts/bench_revisions.py --layer-host-time`` compares them).
 
 This file imports only public pieces of the library (``ring_attention``, ``RingDotProductAttention``) and
@@ -49,8 +53,16 @@ def _layer(heads: int, kv_heads: int, head_dim: int):
                                    pg_collection=SimpleNamespace(cp=None, tp=SimpleNamespace(size=lambda: 1)))
 
 
+def _packed_params(seq: int, dev: torch.device):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, seq // 3, seq - seq // 4, seq], dtype=torch.int32, device=dev)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), max_seqlen_q=seq // 2,
+                           max_seqlen_kv=seq // 2)
+
+
 def layer_host_times(seq: int = 16, batch: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
-                     iters: int = 400, warmup: int = 20, device: str = "cpu") -> dict[str, Any]:
+                     iters: int = 400, warmup: int = 20, device: str = "cpu", packed: bool = False) -> dict[str, Any]:
     """Median seconds of host time of one forward+backward, through the layer and directly (see the module doc:
     this thread's CPU time on CPU, launch to return on CUDA)."""
     from megatron_ring import ring_attention
@@ -65,18 +77,32 @@ def layer_host_times(seq: int = 16, batch: int = 1, heads: int = 4, kv_heads: in
     k, v = (made(seq, batch, kv_heads, head_dim).requires_grad_() for _ in range(2))
     dout = made(seq, batch, heads * head_dim)
 
+    params = _packed_params(seq, dev) if packed else None
+    host_cu = params.cu_seqlens_q.cpu().long() if packed else None
+    if packed and batch != 1:
+        raise ValueError("packed: one stream (batch 1)")
+
     def through_layer():
-        layer(q, k, v, None).backward(dout)
+        layer(q, k, v, None, packed_seq_params=params).backward(dout.view(seq, -1) if packed else dout)
+
+    def first_layer():  # new params, as the first layer of each micro-batch gets them
+        layer(q, k, v, None, packed_seq_params=_packed_params(seq, dev)).backward(dout.view(seq, -1))
 
     def direct():
+        if packed:
+            ring_attention(q[:, 0], k[:, 0], v[:, 0], causal=True, layout="zigzag", qkv_format="thd", cu_seqlens=host_cu,
+                           softmax_scale=layer.softmax_scale).backward(dout.view(seq, heads, head_dim))
+            return
         ring_attention(q, k, v, causal=True, layout="zigzag", qkv_format="sbhd",
                        softmax_scale=layer.softmax_scale).backward(dout.view(seq, batch, heads, head_dim))
 
     through_layer()
     digest = hashlib.sha256()
-    for t in (layer(q, k, v, None).detach(), q.grad, k.grad, v.grad):
+    for t in (layer(q, k, v, None, packed_seq_params=params).detach(), q.grad, k.grad, v.grad):
         digest.update(t.float().cpu().contiguous().numpy().tobytes())
     modes = {"layer": through_layer, "ring": direct}
+    if packed:
+        modes["first_layer"] = first_layer
     for _ in range(warmup):
         for call in modes.values():
             call()
@@ -92,13 +118,21 @@ def layer_host_times(seq: int = 16, batch: int = 1, heads: int = 4, kv_heads: in
                 call()
                 times[mode].append((clock() - t0) * 1e-9)
     layer_s, ring_s = statistics.median(times["layer"]), statistics.median(times["ring"])
-    return dict(seq=seq, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, iters=iters,
-                device=dev.type, dtype=str(dtype).removeprefix("torch."), layer_s=layer_s, ring_s=ring_s, glue_s=layer_s - ring_s, outputs_sha256=digest.hexdigest())
+    row = dict(seq=seq, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, iters=iters,
+               device=dev.type, dtype=str(dtype).removeprefix("torch."), packed=packed, layer_s=layer_s, ring_s=ring_s,
+               glue_s=layer_s - ring_s, outputs_sha256=digest.hexdigest())
+    if packed:
+        row["first_layer_s"] = statistics.median(times["first_layer"])
+        row["first_glue_s"] = row["first_layer_s"] - ring_s
+    return row
 
 
 def format_layer_host_time(row: dict[str, Any]) -> str:
-    return (f"layer fwd+bwd {row['layer_s'] * 1e3:.3f} ms | ring_attention alone {row['ring_s'] * 1e3:.3f} ms | "
-            f"glue {row['glue_s'] * 1e3:.3f} ms | outputs sha256 {row['outputs_sha256'][:16]}")
+    first = (f"first layer of a micro-batch {row['first_layer_s'] * 1e3:.3f} ms (glue {row['first_glue_s'] * 1e3:.3f} "
+             "ms) | " if row.get("packed") else "")
+    return (f"{'packed THD, ' if row.get('packed') else ''}layer fwd+bwd {row['layer_s'] * 1e3:.3f} ms | "
+            f"ring_attention alone {row['ring_s'] * 1e3:.3f} ms | glue {row['glue_s'] * 1e3:.3f} ms | {first}"
+            f"outputs sha256 {row['outputs_sha256'][:16]}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -109,9 +143,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--head-dim", type=int, default=8)
     ap.add_argument("--iters", type=int, default=400)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 on the GPU, wall clock")
+    ap.add_argument("--packed", action="store_true", help="a packed THD batch of three documents (see the module doc)")
     ap.add_argument("--json", action="store_true", help="print the row as one JSON line (RESULT ...)")
     a = ap.parse_args(argv)
-    row = layer_host_times(a.seq, 1, a.heads, a.kv_heads, a.head_dim, a.iters, device=a.device)
+    seq = a.seq if a.seq != 16 or not a.packed else 64
+    row = layer_host_times(seq, 1, a.heads, a.kv_heads, a.head_dim, a.iters, device=a.device, packed=a.packed)
     print("RESULT " + json.dumps(row) if a.json else format_layer_host_time(row), flush=True)
     return row
 

@@ -340,6 +340,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--layer-device", default="cpu", choices=("cpu", "cuda"),
                     help="with --layer-host-time: cuda runs the calls on the GPU in bf16 (host time from launch to "
                          "return, the device idle before each call)")
+    ap.add_argument("--layer-packed", action="store_true",
+                    help="with --layer-host-time: a packed THD batch of three documents (64 tokens), the later layers "
+                         "of a micro-batch (the same PackedSeqParams) and its first (new params each call)")
     ap.add_argument("--torch-ring", action="store_true",
                     help="ours vs PyTorch's own context-parallel ring, side by side, for --seq (one or more "
                          "values with --torch-ring-seqs) x --world-sizes x causal and not "
@@ -384,12 +387,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         from megatron_ring_lab.bench import layer_host_time as lh
 
         iters = a.iters if a.iters != 5 else 400
-        print(f"# layer host time: RingDotProductAttention fwd+bwd at CP=1 (loopback), [16, 1, {a.heads}, "
-              f"{a.head_dim}] sbhd causal on {a.layer_device}, vs ring_attention directly; one thread; medians of "
-              f"{iters} calls",
-              flush=True)
-        row = lh.layer_host_times(heads=a.heads, kv_heads=a.kv_heads or a.heads, head_dim=a.head_dim, iters=iters,
-                                  device=a.layer_device)
+        shape = f"[64, 1, {a.heads}, {a.head_dim}] packed THD, 3 documents," if a.layer_packed else \
+            f"[16, 1, {a.heads}, {a.head_dim}] sbhd"
+        print(f"# layer host time: RingDotProductAttention fwd+bwd at CP=1 (loopback), {shape} causal on "
+              f"{a.layer_device}, vs ring_attention directly; one thread; medians of {iters} calls", flush=True)
+        row = lh.layer_host_times(seq=64 if a.layer_packed else 16, heads=a.heads, kv_heads=a.kv_heads or a.heads,
+                                  head_dim=a.head_dim, iters=iters, device=a.layer_device, packed=a.layer_packed)
         print(lh.format_layer_host_time(row), flush=True)
         if a.json:
             with open(a.json, "w") as f:
