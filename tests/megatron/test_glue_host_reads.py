@@ -213,3 +213,33 @@ def test_inference_mode_tensors_are_derived_at_every_call(monkeypatch):
         assert documents.packed_cu_seqlens(params).tolist() == want_cu
         assert reader(mask, None, "zigzag") == want_rows
     assert made == ["_packed_cu_seqlens", "_documents"] * 2
+
+
+def test_an_answer_made_in_inference_mode_is_not_kept(one_rank_group, monkeypatch):  # noqa: F811
+    """A layer called under ``torch.inference_mode()`` (generation) makes its answers there: they are not kept, so a
+    later training call with the same params computes its own (tensors made in inference mode may not be used in
+    autograd: Megatron's fused RoPE saves the angles for the backward), and gets the same outputs and gradients as a
+    call that never saw inference mode. Negative control: kept, the training call would reuse the inference-mode
+    angles (the count of computed angles tells)."""
+    from megatron_ring.megatron.data import packed_rope
+    from megatron_ring_lab.cpu import megatron_cpu
+
+    made = []
+    real = packed_rope._freqs
+    monkeypatch.setattr(packed_rope, "_freqs", lambda *a: made.append(torch.is_inference_mode_enabled()) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(64, 1, 4, 8, generator=g)
+    k, v = (torch.randn(64, 1, 2, 8, generator=g) for _ in range(2))
+    got = []
+    for first_in_inference in (True, False):
+        layer, params = _layers(True)[0], _params(True)
+        with megatron_cpu():
+            if first_in_inference:
+                with torch.inference_mode():
+                    layer(q, k, v, None, packed_seq_params=params)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = layer(*leaves, None, packed_seq_params=params)
+            out.square().sum().backward()
+        got.append([out.detach(), *(t.grad for t in leaves)])
+    assert made == [True, False, False], made  # the training call made its own angles
+    assert all(torch.equal(a, b) for a, b in zip(*got))

@@ -40,7 +40,8 @@ class LastAnswer:
     params and mask, so only the first layer reads them on the host: on a GPU each read waits for the device, and the
     host can no longer run ahead of it. One answer is kept (weak references to the owner and the tensors).
     Inference-mode tensors have no version counter: computed every call (as the engine's ``host_values`` reads
-    them)."""
+    them); so are answers asked for under ``torch.inference_mode()`` (tensors made there may not be used outside it:
+    packed RoPE's angles in a training step after an inference-mode call on the same params)."""
 
     def __init__(self) -> None:
         self._last: tuple = (None, (), None, None)
@@ -50,8 +51,8 @@ class LastAnswer:
         if tensors is None:
             tensors = tuple(getattr(owner, name, None) for name in _PARAMS_TENSORS)
         tensors = tuple(tensors) + tuple(also)
-        if any(t is not None and t.is_inference() for t in tensors):
-            return compute()
+        if torch.is_inference_mode_enabled() or any(t is not None and t.is_inference() for t in tensors):
+            return compute()  # an answer made in inference mode may not be used outside it (autograd refuses it)
         seen = (key, tuple(None if t is None else t._version for t in tensors))
         ref, refs, last_seen, answer = self._last
         if ref is not None and ref() is owner and last_seen == seen and all(
