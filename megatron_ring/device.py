@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["DeviceOps", "CudaOps", "ops_for", "use"]
+__all__ = ["DeviceOps", "CudaOps", "ops_for", "use", "to_device"]
 
 
 class DeviceOps:
@@ -75,6 +75,11 @@ class DeviceOps:
 
     def give_host(self, host: torch.Tensor) -> None:
         """``host`` (from :meth:`to_host`) has been read: the device may reuse it for a later copy."""
+
+    def to_device(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``x``, a host tensor (the plan's indices, positions: small), copied to ``device`` without making the host
+        wait for the device where the device can."""
+        return x.to(device)
 
     def capability(self, device: torch.device) -> tuple[int, int] | None:
         """The compute architecture ``(major, minor)`` (None: not a GPU)."""
@@ -170,6 +175,15 @@ class CudaOps(DeviceOps):
         if len(free) < self.PINNED_PER_SHAPE:
             free.append(host)
 
+    def to_device(self, x, device):
+        # From pageable host memory a copy makes the host wait for the device's queue (what torch's sync debug mode
+        # flags); from pinned memory, non_blocking, it does not, and torch's pinned-memory allocator keeps the staging
+        # buffer until the copy has run. Under graph capture a replay would copy again from that buffer, long reused:
+        # a plain copy there (which capture refuses: warm up first, as docs/cuda_graphs.md says).
+        if x.device.type != "cpu" or not torch.cuda.is_available() or self.capturing(device):
+            return x.to(device)
+        return x.pin_memory().to(device, non_blocking=True)
+
     def capability(self, device):
         return torch.cuda.get_device_capability(device)
 
@@ -235,3 +249,10 @@ def use(device_type: str, ops: DeviceOps) -> Iterator[DeviceOps]:
             _override.pop(device_type, None)
         else:
             _override[device_type] = before
+
+
+def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` (:meth:`DeviceOps.to_device`: on CUDA from pinned memory, the host not made to
+    wait). Every host-to-device copy of the library's plan tensors goes through here."""
+    device = torch.device(device)
+    return ops_for(device).to_device(x, device)

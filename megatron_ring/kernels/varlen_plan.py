@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_ring.device import to_device
+
 __all__ = ["VarlenCall", "SegmentPlan", "plan_for", "build_plan", "visible_in_segment", "kernel_window"]
 
 
@@ -131,7 +133,7 @@ class SegmentPlan:
         key = (torch.device(device), b)
         got = self._on.get(key)
         if got is None:
-            got = self._on[key] = [tuple(torch.tensor(c, dtype=torch.int32).to(device) for c in call.batched(b))
+            got = self._on[key] = [tuple(to_device(torch.tensor(c, dtype=torch.int32), device) for c in call.batched(b))
                                    for call in self.calls]
         return got
 

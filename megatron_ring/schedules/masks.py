@@ -27,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_ring.device import to_device
 from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView, TaskKind
 
 __all__ = ["AttentionMask", "BlockMask", "schedule", "visible_pairs", "needed_steps", "doc_ids", "DocumentZigzag"]
@@ -118,7 +119,7 @@ class BlockMask:
         if device.type == "cpu":
             return self.qpos, self.qdoc, self.kpos, self.kdoc
         if device not in self._on:
-            self._on[device] = tuple(t.to(device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))
+            self._on[device] = tuple(to_device(t, device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))
         return self._on[device]
 
     def allowed(self, device: torch.device | str = "cpu", rows: slice = slice(None),

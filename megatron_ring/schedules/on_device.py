@@ -3,9 +3,11 @@ signature and device and then reused.
 
 The schedule is planned on the host, from host index tensors. A kernel that needs them (an explicit mask,
 position-keyed dropout) needs them on the device; copying them at every call is a host-to-device copy from
-pageable memory, which synchronises the host with the device. Here each one is copied at its first use and
-kept (an LRU of ``_SIZE`` entries, keyed by what the tensor is a function of, never by object identity), so a
-steady-state call makes no host-to-device copy. Tensors are small: one int64 per local token.
+pageable memory, which synchronises the host with the device. Here each one is copied at its first use and kept
+(an LRU of ``_SIZE`` entries, keyed by what the tensor is a function of, never by object identity), so a
+steady-state call makes no host-to-device copy; and that first copy goes through the device seam
+(:func:`~megatron_ring.device.to_device`: on CUDA from pinned memory, non_blocking), so it does not make the host
+wait either. Tensors are small: one int64 per local token.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from collections import OrderedDict
 from typing import Callable
 
 import torch
+
+from megatron_ring.device import to_device
 
 __all__ = ["cached_on", "positions_on", "clear"]
 
@@ -27,7 +31,7 @@ def cached_on(key: tuple, make: Callable[[], torch.Tensor], device: torch.device
     if hit is not None:
         _CACHE.move_to_end(full)
         return hit
-    t = _CACHE[full] = make().to(device)
+    t = _CACHE[full] = to_device(make(), device)
     if len(_CACHE) > _SIZE:
         _CACHE.popitem(last=False)
     return t

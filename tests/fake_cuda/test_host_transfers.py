@@ -36,21 +36,26 @@ CASES = [Case(P=4), Case(P=4, wire="fp8"), Case(P=4, heads=(8, 2), kv_pieces=2),
          Case(kernel="auto", P=4, fmt="thd", dtype=torch.float32)]  # fp32 on CUDA: masked tasks on the math kernel
 
 
-def transfers_per_call(case: Case, calls: int = 3) -> list[dict]:
+def transfers_per_call(case: Case, calls: int = 3, seam: list | None = None) -> list[dict]:
     """Host<->device transfers of each of ``calls`` forward+backward calls of ``case`` (one fake device and
-    one fake mode for all: the caches persist from call to call as on a GPU)."""
+    one fake mode for all: the caches persist from call to call as on a GPU). ``seam``: gets, per call, the
+    host-to-device copies made through the device seam (``device.to_device``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rank = case.P // 2
     _plan_on_host(case, rank)
     out_counts = []
-    with device.use("cuda", FakeCuda()), FakeTensorMode(allow_non_fake_inputs=True):
+    dev = FakeCuda()
+    with device.use("cuda", dev), FakeTensorMode(allow_non_fake_inputs=True):
         for _ in range(calls):
             q, k, v, kw, leaves = _inputs(case)
+            before = dev.log["to_device"]
             with HostTransferCounter() as counter:
                 out = ring_attention(q, k, v, ring=LoopbackRing(case.P, rank, q.device), **kw)
                 fake_backward(out, torch.randn_like(out), leaves)
             out_counts.append(dict(counter.counts))
+            if seam is not None:
+                seam.append(dev.log["to_device"] - before)
     return out_counts
 
 
@@ -60,8 +65,22 @@ def test_no_host_transfer_after_the_first_call(case):
     assert per_call[1:] == [{}, {}], per_call
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_the_first_calls_copies_go_through_the_seam(case):
+    """The first call of a signature copies the plan's index tensors to the device: each copy goes through the
+    device seam (``device.to_device``), which on CUDA copies from pinned memory without making the host wait (a
+    copy from pageable memory waits for the device's queue; packed batches with new documents make one in every
+    micro-batch's first layer). Not vacuous: the cases with documents, dropout or a causal window copy something."""
+    seam: list[int] = []
+    per_call = transfers_per_call(case, calls=2, seam=seam)
+    copies = [sum(n for what, n in c.items() if what.startswith("host->device")) for c in per_call]
+    assert copies == seam, (per_call, seam)
+    if case.fmt == "thd" or case.dropout or (case.window and case.causal):
+        assert copies[0] > 0
+
+
 def _copy_every_call(self, device="cpu"):
-    return tuple(t.to(device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))
+    return tuple(t.to(device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))  # the seam bypassed, as before
 
 
 def _cum_every_call(self, device, b):

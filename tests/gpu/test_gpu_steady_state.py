@@ -1,5 +1,6 @@
 """On a GPU, after one warm-up call: no host synchronisation in steady state (torch's sync debug mode set to
-"error" around a forward+backward: BSHD, THD with documents, dropout with a device seed), and one layer call
+"error" around a forward+backward: BSHD, THD with documents, dropout with a device seed; and the first call of a new
+document layout, whose plan copies go to the device from pinned memory), and one layer call
 (loopback ring, zigzag causal, bf16) captured into a CUDA graph, forward and forward+backward, whose
 replays follow new inputs (vs eager calls within the derived bound). GPU only (tests/gpu/conftest.py)."""
 import pytest
@@ -38,6 +39,25 @@ def test_no_host_sync_in_steady_state(name):
     fmt = kw.get("qkv_format", "bshd")
     _fwd_bwd(kw, *_inputs(fmt))  # warm-up: plans, index tensors and kernel choice are made once per signature
     inputs = _inputs(fmt, seed=1)  # made before the check: a pageable host-to-device copy would count
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _fwd_bwd(kw, *inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(t.grad).all() for t in inputs)
+
+
+def test_a_new_document_layout_makes_no_host_sync():
+    """Packed batches bring new documents every micro-batch: a new signature, whose plan's index tensors the first
+    call copies to the device. Those copies go through the device seam (``device.to_device``: pinned memory,
+    non_blocking), so even that first call makes no host synchronisation (the boundaries given as a host list: a
+    CUDA tensor would be read once, by design)."""
+    kw = dict(qkv_format="thd", cu_seqlens=[0, 100, 700, 1000])
+    _fwd_bwd(kw, *_inputs("thd"))  # warm-up with other documents: kernel choices and status patterns made once
+    kw = dict(qkv_format="thd", cu_seqlens=[0, 64, 300, 999])
+    inputs = _inputs("thd", seed=1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

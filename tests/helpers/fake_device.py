@@ -118,6 +118,10 @@ class FakeCuda(DeviceOps):
         host._host_copy = True  # a host copy: reading it is no device sync (HostReadCounter)
         return host, self.record_event()
 
+    def to_device(self, x, device):
+        self.log["to_device"] += 1  # a host-to-device copy through the seam (CUDA: pinned, non_blocking)
+        return x.to(device)
+
     def capability(self, device):
         return self.cap
 

@@ -23,7 +23,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from megatron_ring import get_layout
+from megatron_ring import get_layout, to_device
 
 __all__ = ["LastAnswer", "params_on_host", "packed_cu_seqlens", "real_rows", "DocumentsFromMask", "documents_from_mask",
            "document_mask", "packed_batch"]
@@ -152,7 +152,7 @@ def _real_rows(params: Any, layout: Any, world: int, rank: int, t_local: int, de
         starts, ends, total = padded
         pos = (get_layout(layout) if isinstance(layout, str) else layout).positions(t_local * world, world, rank)
         doc = (torch.searchsorted(starts, pos, right=True) - 1).clamp(min=0)
-        rows = ((pos >= starts[doc]) & (pos < ends[doc]) & (pos < total)).to(device)
+        rows = to_device((pos >= starts[doc]) & (pos < ends[doc]) & (pos < total), device)
     return rows
 
 
@@ -187,7 +187,7 @@ def _documents(mask: torch.Tensor, group: Any, layout: str) -> list[list[int]] |
     if s_local * cp != S:
         raise ValueError(f"attention_mask has {s_local} query rows and {S} keys; with CP={cp} shard it with "
                          "get_batch_on_this_cp_rank (queries split, keys whole)")
-    pos = get_layout(layout).positions(S, cp, rank).to(mask.device)
+    pos = to_device(get_layout(layout).positions(S, cp, rank), mask.device)
     visible = ~mask[:, 0]  # [b, s_local, S]
     j = torch.arange(S, device=mask.device)
     start = torch.where(visible, j, S).amin(-1)  # first visible key of each local query

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from megatron_ring import get_layout
+from megatron_ring import get_layout, to_device
 from megatron_ring.megatron.data.documents import LastAnswer, params_on_host
 
 __all__ = ["apply_packed_rope"]
@@ -64,7 +64,7 @@ def _positions(params: Any, layout: str, world: int, rank: int, t: int, device: 
         rel.append(_doc_positions(pos, torch.tensor(cu if cu is not None else host["cu_seqlens_q"])))
     both = torch.stack(rel)
     longest = int(both.max()) + 1
-    both = both.to(device)
+    both = to_device(both, device)
     return both[0], both[1], longest
 
 
