@@ -31,14 +31,8 @@ def _fwd_bwd(kw, q, k, v):
     out.float().square().sum().backward()
 
 
-@pytest.mark.parametrize("name", sorted(SYNC_CASES))
-def test_no_host_sync_in_steady_state(name):
-    kw = dict(SYNC_CASES[name])
-    if kw.get("dropout_seed") == "device":
-        kw["dropout_seed"] = torch.tensor(7, device="cuda")
-    fmt = kw.get("qkv_format", "bshd")
-    _fwd_bwd(kw, *_inputs(fmt))  # warm-up: plans, index tensors and kernel choice are made once per signature
-    inputs = _inputs(fmt, seed=1)  # made before the check: a pageable host-to-device copy would count
+def _fwd_bwd_without_host_sync(kw, inputs):
+    """One forward+backward under torch's sync debug mode "error" (any host synchronisation raises)."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -47,6 +41,17 @@ def test_no_host_sync_in_steady_state(name):
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert all(torch.isfinite(t.grad).all() for t in inputs)
+
+
+@pytest.mark.parametrize("name", sorted(SYNC_CASES))
+def test_no_host_sync_in_steady_state(name):
+    kw = dict(SYNC_CASES[name])
+    if kw.get("dropout_seed") == "device":
+        kw["dropout_seed"] = torch.tensor(7, device="cuda")
+    fmt = kw.get("qkv_format", "bshd")
+    _fwd_bwd(kw, *_inputs(fmt))  # warm-up: plans, index tensors and kernel choice are made once per signature
+    inputs = _inputs(fmt, seed=1)  # made before the check: a pageable host-to-device copy would count
+    _fwd_bwd_without_host_sync(kw, inputs)
 
 
 def test_a_new_document_layout_makes_no_host_sync():
@@ -58,14 +63,7 @@ def test_a_new_document_layout_makes_no_host_sync():
     _fwd_bwd(kw, *_inputs("thd"))  # warm-up with other documents: kernel choices and status patterns made once
     kw = dict(qkv_format="thd", cu_seqlens=[0, 64, 300, 999])
     inputs = _inputs("thd", seed=1)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _fwd_bwd(kw, *inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    assert all(torch.isfinite(t.grad).all() for t in inputs)
+    _fwd_bwd_without_host_sync(kw, inputs)
 
 
 def test_negative_control_sync_debug_mode_catches_a_host_read():
