@@ -61,12 +61,13 @@ def _packed_params(seq: int, dev: torch.device):
                            max_seqlen_kv=seq // 2)
 
 
-def layer_host_times(seq: int = 16, batch: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
+def layer_host_times(seq: int | None = None, batch: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
                      iters: int = 400, warmup: int = 20, device: str = "cpu", packed: bool = False) -> dict[str, Any]:
     """Median seconds of host time of one forward+backward, through the layer and directly (see the module doc:
-    this thread's CPU time on CPU, launch to return on CUDA)."""
+    this thread's CPU time on CPU, launch to return on CUDA). ``seq``: tokens (default 16, packed 64)."""
     from megatron_ring import ring_attention
 
+    seq = seq or (64 if packed else 16)
     torch.set_num_threads(1)
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -137,7 +138,7 @@ def format_layer_host_time(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=None, help="tokens (default 16; --packed: 64)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=8)
@@ -146,8 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--packed", action="store_true", help="a packed THD batch of three documents (see the module doc)")
     ap.add_argument("--json", action="store_true", help="print the row as one JSON line (RESULT ...)")
     a = ap.parse_args(argv)
-    seq = a.seq if a.seq != 16 or not a.packed else 64
-    row = layer_host_times(seq, 1, a.heads, a.kv_heads, a.head_dim, a.iters, device=a.device, packed=a.packed)
+    row = layer_host_times(a.seq, 1, a.heads, a.kv_heads, a.head_dim, a.iters, device=a.device, packed=a.packed)
     print("RESULT " + json.dumps(row) if a.json else format_layer_host_time(row), flush=True)
     return row
 

@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"[16, 1, {a.heads}, {a.head_dim}] sbhd"
         print(f"# layer host time: RingDotProductAttention fwd+bwd at CP=1 (loopback), {shape} causal on "
               f"{a.layer_device}, vs ring_attention directly; one thread; medians of {iters} calls", flush=True)
-        row = lh.layer_host_times(seq=64 if a.layer_packed else 16, heads=a.heads, kv_heads=a.kv_heads or a.heads,
+        row = lh.layer_host_times(heads=a.heads, kv_heads=a.kv_heads or a.heads,
                                   head_dim=a.head_dim, iters=iters, device=a.layer_device, packed=a.layer_packed)
         print(lh.format_layer_host_time(row), flush=True)
         if a.json:

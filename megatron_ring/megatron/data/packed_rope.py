@@ -16,9 +16,8 @@ __all__ = ["apply_packed_rope"]
 
 
 def _doc_positions(pos: Tensor, cu: Tensor) -> Tensor:
-    """Position of each global stream position ``pos`` inside its document (boundaries ``cu``); tokens
+    """Position of each global stream position ``pos`` inside its document (boundaries ``cu``, int64); tokens
     past ``cu[-1]`` (end padding) count from ``cu[-1]``."""
-    cu = cu.to(torch.int64)
     return pos - cu[(torch.searchsorted(cu, pos, right=True) - 1).clamp_(0, len(cu) - 1)]
 
 
@@ -46,26 +45,16 @@ def apply_packed_rope(rotary: RotaryEmbedding, config: Any, query: Tensor, key: 
 
 def _freqs(rotary: RotaryEmbedding, params: Any, layout: str, world: int, rank: int, t: int,
            device: Any) -> tuple[Tensor, Tensor]:
-    """The RoPE angles ``[t, 1, 1, dim]`` of this rank's Q and K tokens."""
-    rel_q, rel_k, longest = _positions(params, layout, world, rank, t, device)
-    emb = rotary.get_emb(longest)
-    return emb.index_select(0, rel_q), emb.index_select(0, rel_k)
-
-
-def _positions(params: Any, layout: str, world: int, rank: int, t: int, device: Any) -> tuple[Tensor, Tensor, int]:
-    """Each local token's position in its document, for Q and K (on ``device``, one host-to-device copy), and one
-    more than the largest; from the params' values on the host (:func:`~.documents.params_on_host`: one read)."""
+    """The RoPE angles ``[t, 1, 1, dim]`` of this rank's Q and K tokens, each at its position in its document: from
+    the params' values on the host (:func:`~.documents.params_on_host`: one read), one host-to-device copy."""
     host = params_on_host(params)
     pos = get_layout(layout).positions(t * world, world, rank)
-    rel = []
-    for side in ("q", "kv"):
-        cu = host[f"cu_seqlens_{side}_padded"]
-        cu = cu if cu is not None else host[f"cu_seqlens_{side}"]
-        rel.append(_doc_positions(pos, torch.tensor(cu if cu is not None else host["cu_seqlens_q"])))
-    both = torch.stack(rel)
-    longest = int(both.max()) + 1
-    both = to_device(both, device)
-    return both[0], both[1], longest
+    starts = [next(host[n] for n in (f"cu_seqlens_{side}_padded", f"cu_seqlens_{side}", "cu_seqlens_q")
+                   if host[n] is not None) for side in ("q", "kv")]
+    rel = torch.stack([_doc_positions(pos, torch.tensor(cu)) for cu in starts])
+    emb = rotary.get_emb(int(rel.max()) + 1)
+    rel = to_device(rel, device)
+    return emb.index_select(0, rel[0]), emb.index_select(0, rel[1])
 
 
 _LAST_FREQS = LastAnswer()
