@@ -41,6 +41,14 @@ list op, copies, other) beside the one-GPU reference's attention kernels, and th
 backward, and under cProfile the attention ops, other ops, Triton, this library's Python, the rest). ``--trees A B``: two prepared trees (``rev_a``, ``rev_b`` then only name them), for a machine without
 this repository's git history (a lent GPU gets the working tree only).
 
+    .venv/bin/python scripts/bench_revisions.py 3d3bfe4 HEAD --plan-time --rounds 3
+
+``--plan-time``: per round each revision runs THIS checkout's ``lab/megatron_ring_lab/bench/plan_time.py`` (host
+time to plan a new document layout, the first layer of every micro-batch on a packed batch: ring tasks and segment
+plans on the GPU's whole-block path, slowest rank, ``--iters`` new mixes per row) against its own library, order
+alternating; printed per row of its grid: each revision's median and the median over rounds of the within-round
+ratio B/A with its spread, and the masked tasks with a segment plan in each.
+
     .venv/bin/python scripts/bench_revisions.py aa3e893 HEAD --outputs
 
 ``--outputs``: no timing; checks that the two revisions compute bit-identical results. Per world size
@@ -212,6 +220,7 @@ def _spawn(tree: str, world: int, worker: str, payload, timeout: float) -> list:
 HOST_TIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "lab", "megatron_ring_lab", "bench",
                          "host_time.py")
 LAYER_HOST_TIME = os.path.join(os.path.dirname(HOST_TIME), "layer_host_time.py")
+PLAN_TIME = os.path.join(os.path.dirname(HOST_TIME), "plan_time.py")
 
 
 def _host_time(tree: str, iters: int, timeout: float, script: str = HOST_TIME, extra: tuple = ()) -> Any:
@@ -271,6 +280,28 @@ def _layer_host_time_rows(trees: list[str], a) -> list[dict]:
               f"{m['ratio']:.3f} ({m['ratio_min']:.3f}-{m['ratio_max']:.3f})", flush=True)
     print("layer outputs and gradients: " + ("bit-identical" if row["outputs_identical"] else "DIFFERENT"), flush=True)
     return [row]
+
+
+def _plan_time_rows(trees: list[str], a) -> list[dict]:
+    """``--plan-time`` (see the module doc)."""
+    runs: dict[int, list[list[dict]]] = {0: [], 1: []}
+    for rnd in range(a.rounds):
+        for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
+            runs[i].append(_host_time(trees[i], a.iters, a.timeout, PLAN_TIME))
+    rows = []
+    for n, first in enumerate(runs[0][0]):
+        xa, xb = [r[n]["plan_ms"] for r in runs[0]], [r[n]["plan_ms"] for r in runs[1]]
+        ratios = [b / x for x, b in zip(xa, xb)]
+        row = {k: first[k] for k in ("P", "tokens_per_rank", "layout", "mix", "docs")}
+        row.update(a_ms=statistics.median(xa), b_ms=statistics.median(xb), ratio=statistics.median(ratios),
+                   ratio_min=min(ratios), ratio_max=max(ratios), a_rounds=xa, b_rounds=xb,
+                   planned=(runs[0][0][n]["masked"], runs[0][0][n]["planned"], runs[1][0][n]["planned"]))
+        rows.append(row)
+        print(f"P={row['P']} {row['tokens_per_rank']:>5} per rank {row['layout']:>8} {row['mix']:>5} ({row['docs']:.0f} "
+              f"docs): {a.rev_a} {row['a_ms']:.1f} ms  {a.rev_b} {row['b_ms']:.1f} ms  ratio {row['ratio']:.3f} "
+              f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}); masked tasks {row['planned'][0]}, planned "
+              f"{row['planned'][1]} / {row['planned'][2]}", flush=True)
+    return rows
 
 
 GPU_WORKER = r"""
@@ -378,6 +409,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "--iters calls, default 400)")
     ap.add_argument("--layer-packed", action="store_true", help="with --layer-host-time: a packed THD batch of "
                     "three documents, the later layers of a micro-batch (same params) and its first (new params)")
+    ap.add_argument("--plan-time", action="store_true", help="compare the host time to plan a new document layout "
+                    "(lab/megatron_ring_lab/bench/plan_time.py; --iters new mixes per row, default 5)")
     ap.add_argument("--outputs", action="store_true", help="check that the two revisions' outputs and gradients "
                     "are bit-identical (OUTPUT_CASES) instead of timing")
     ap.add_argument("--gpu-rows", action="store_true", help="compare the GPU benchmark rows (a CUDA GPU; see the "
@@ -394,6 +427,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         a.iters = 200
     if a.layer_host_time and a.iters == 3:
         a.iters = 400
+    if a.plan_time and a.iters == 3:
+        a.iters = 5
     if a.gpu_rows and a.iters == 3:
         a.iters = 7
     with tempfile.TemporaryDirectory() as tmp:
@@ -407,8 +442,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             trees = made
         try:
             rows = _host_time_rows(trees, a) if a.host_time else _output_rows(trees, a) if a.outputs else \
-                _layer_host_time_rows(trees, a) if a.layer_host_time else _gpu_rows(trees, a) if a.gpu_rows else []
-            for world in ([] if a.host_time or a.outputs or a.layer_host_time or a.gpu_rows else a.world_sizes):
+                _layer_host_time_rows(trees, a) if a.layer_host_time else _gpu_rows(trees, a) if a.gpu_rows else \
+                _plan_time_rows(trees, a) if a.plan_time else []
+            for world in ([] if a.host_time or a.outputs or a.layer_host_time or a.gpu_rows or a.plan_time
+                          else a.world_sizes):
                 for causal in (True, False):
                     cfg = dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, iters=a.iters, causal=causal)
                     t = {0: [], 1: []}

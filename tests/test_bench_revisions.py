@@ -1,5 +1,6 @@
-"""scripts/bench_revisions.py ``--gpu-rows`` with ``--trees``: one worker per tree, rounds interleaved, a row per
-size. Run here on CPU (``--gpu-device cpu``: the script's plumbing, not a GPU figure), both trees this checkout."""
+"""scripts/bench_revisions.py with ``--trees``: ``--gpu-rows`` (one worker per tree, rounds interleaved, a row per
+size) and ``--plan-time`` (this checkout's planning row against each tree). Run here on CPU (``--gpu-device cpu``:
+the script's plumbing, not a GPU figure), both trees this checkout."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,3 +25,14 @@ def test_gpu_rows_of_two_trees_on_cpu(capsys):
     # the host-time breakdown (every device) beside the kernel one (CUDA only: no such table here)
     assert "host ms of the slowest rank's call by kind (forward / backward / attention_ops" in out
     assert "kernel GPU ms" not in out
+
+
+@pytest.mark.slow  # two worker processes
+def test_plan_time_of_two_trees(capsys):
+    spec = importlib.util.spec_from_file_location("bench_revisions", os.path.join(ROOT, "scripts", "bench_revisions.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["A", "B", "--trees", ROOT, ROOT, "--plan-time", "--rounds", "1", "--iters", "1"])
+    assert len(rows) == 6 and all(r["a_ms"] > 0 and r["b_ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert all(r["planned"][0] == r["planned"][1] == r["planned"][2] for r in rows)
+    assert "P=8  8192 per rank  striped   web" in capsys.readouterr().out

@@ -183,3 +183,20 @@ def test_window_compute_rows_run_the_engines_block_calls():
 
     rows = run_window_compute(2, 64, dict(heads=2, head_dim=8, layouts=["striped"]), reps=1)
     assert {r["case"] for r in rows} >= {"full causal"} and all(r["compute_ms"] > 0 for r in rows)
+
+
+def test_plan_time_row_plans_new_mixes_on_every_rank():
+    """``--plan-time``: the planning of a new document layout (tasks and segment plans, whole blocks), the slowest
+    rank, a new mix each time; both mixes fill the stream; the CLI gives a row per size and mix."""
+    from megatron_ring_lab.bench import plan_time as pt
+    from megatron_ring_lab.benchmark import main
+
+    for mix in pt.MIXES.values():
+        assert sum(mix(4096, seed=2)) == 4096
+    assert len(pt.short_lengths(8192)) > len(pt.packed_lengths(8192))
+    row = pt.plan_times(2, 256, mixes=2)
+    assert row["plan_ms"] > 0 and len(row["plan_ms_mixes"]) == 2 and row["docs"] > 1
+    assert row["masked"] >= 1 and row["planned"] == row["masked"]  # every masked task has a segment plan
+    assert "| 2 | 256 | striped | web |" in pt.format_plan_time([row])
+    rows = main(["--plan-time", "--world-sizes", "1", "2", "--tokens-per-rank", "128", "--iters", "1"])
+    assert [(r["P"], r["mix"], r["layout"]) for r in rows] == [(2, "web", "striped"), (2, "short", "striped")]

@@ -125,3 +125,38 @@ def test_thd_with_4d_tensors_and_cu_without_thd():
         ring_attention(q, q, q, qkv_format="thd", cu_seqlens=torch.tensor([0, 16]))
     with pytest.raises(ValueError, match="qkv_format='thd'"):
         ring_attention(q, q, q, qkv_format="bshd", cu_seqlens=torch.tensor([0, 16]))
+
+
+def _runs_row_by_row(pos: torch.Tensor, tile: int) -> list[tuple[int, int]]:
+    """The rule of ``masks._runs`` spelled out row by row (the library finds the stride changes with tensor ops):
+    a run keeps its first stride; the row after a jump opens the next run; runs are cut into tiles."""
+    n, d = len(pos), (pos[1:] - pos[:-1]).tolist()
+    cuts, a = [0], 0
+    while a < n - 1:
+        m = a + 1
+        while m < n - 1 and d[m] == d[a]:
+            m += 1
+        if m >= n - 1:
+            break
+        cuts.append(m + 1)
+        a = m + 1
+    cuts.append(n)
+    return [(x, min(x + tile, b)) for a, b in zip(cuts, cuts[1:]) for x in range(a, b, tile)]
+
+
+def test_row_runs_follow_the_row_by_row_rule():
+    """``_runs`` (rows of one position stride, cut into tiles) equals the rule spelled out row by row: every
+    layout's positions at P = 1..8, and random rows with jumps; a wrong rule (no cut at a jump) does not."""
+    rnd = random.Random(0)
+    cases = [(get_layout(name).positions(s * world, world, r), tile) for name in LAYOUTS for world in (1, 2, 4, 8)
+             for s in (2, 6, 64) for r in range(world) for tile in (1, 5, s)]
+    for _ in range(500):
+        n = rnd.randint(0, 30)
+        pos = torch.tensor(sorted(rnd.sample(range(100), n)))
+        if n > 3 and rnd.random() < 0.5:
+            pos = torch.cat([pos[: n // 2], pos[n // 2:] + rnd.randint(1, 9)])
+        cases.append((pos, rnd.randint(1, 8)))
+    for pos, tile in cases:
+        assert masks._runs(pos, tile) == _runs_row_by_row(pos, tile), (pos.tolist(), tile)
+    zigzag = get_layout("zigzag").positions(16, 2, 0)  # two chunks: a jump between them
+    assert masks._runs(zigzag, 8) != [(0, min(8, len(zigzag)))]

@@ -273,3 +273,59 @@ def test_the_kernel_lse_option_only_moves_the_fix_ups():
             assert all(torch.equal(a, b) for a, b in zip(grads, grads_k))
             seen += bool(torch.isneginf(lse).any())
     assert seen, "no task had a row that sees no key: the case checks nothing"
+
+
+def test_plans_of_a_real_length_mix_at_whole_blocks_equal_the_plans_from_the_matrix():
+    """The row-range path works on whole documents at once (tensor ops over the rows): at whole blocks of 256 rows
+    with many short documents and a web-like mix (P = 4, every layout, causal and not, a window with documents),
+    each plan equals the one the matrix gives, call for call, and covers exactly the mask's pairs."""
+    from megatron_ring_lab.bench.plan_time import packed_lengths, short_lengths
+
+    s, world, planned = 256, 4, 0
+    for lay, mix, (causal, window) in itertools.product(
+            ("contiguous", "zigzag", "striped"), (packed_lengths, short_lengths),
+            ((True, None), (False, None), (True, (90, 0)))):
+        cu = [0]
+        for n in mix(s * world, seed=3):
+            cu.append(cu[-1] + n)
+        if mix is short_lengths:
+            cu = [c for c in cu if c <= s * world - 7] + [s * world - 7]  # padding at the end
+        rule = AttentionMask(causal, tuple(cu), window)
+        for r, src in itertools.product(range(world), repeat=2):
+            for task in schedule(get_layout(lay), rule, world, r, src, s, s):
+                if task.kind is not TaskKind.MASKED or varlen_plan._row_spans(task.mask) is None:
+                    continue
+                fast = varlen_plan.build_plan(task.mask)
+                ok = task.mask.allowed()
+                slow = varlen_plan._build(ok, task.mask.qdoc.tolist(), task.mask.kdoc.tolist())
+                assert fast is not None and slow is not None, (lay, rule, r, src)
+                assert fast.calls == tuple(slow), (lay, rule, r, src)
+                assert torch.equal(fast.visible(*ok.shape), ok)
+                planned += 1
+    assert planned > 100, planned
+
+
+def test_the_row_range_check_refuses_a_plan_that_misses():
+    """The row-range path's check (``_spans_match``, each row's band against the mask's range, without the
+    matrix) accepts the plan it built and refuses it with one call's window or one segment moved by a key."""
+    rule = AttentionMask(True, (0, 50, 90, 160, 250), (30, 0))
+    layout = get_layout("striped")
+    checked = 0
+    for src in range(2):
+        for task in schedule(layout, rule, 2, 1, src, 128, 128):
+            spans = varlen_plan._row_spans(task.mask)
+            plan = varlen_plan.build_plan(task.mask) if task.kind is TaskKind.MASKED else None
+            if plan is None or spans is None or not plan.calls:
+                continue
+            calls = list(plan.calls)
+            assert varlen_plan._spans_match(calls, spans)
+            c = calls[0]
+            left, right = c.window
+            wider = dataclasses.replace(c, window=(left + 1 if left >= 0 else 3, right))
+            assert not varlen_plan._spans_match([wider] + calls[1:], spans)
+            i = next(i for i in range(1, len(c.cum_k)) if c.cum_k[i] - c.cum_k[i - 1] > 1 and
+                     c.cum_q[i] > c.cum_q[i - 1])
+            moved = dataclasses.replace(c, cum_k=c.cum_k[:i] + (c.cum_k[i] - 1,) + c.cum_k[i + 1:])
+            assert not varlen_plan._spans_match([moved] + calls[1:], spans)
+            checked += 1
+    assert checked >= 1

@@ -209,46 +209,96 @@ def _needs(spans: list, qa: int, ka: int, sk: int):
     return (qa, qa + sq, ka, ka + sk), right, left
 
 
-def _row_spans(mask) -> tuple[list[int], list[int]] | None:
-    """Per query row, its visible key rows ``[lo, hi)`` as lists (``BlockMask.row_ranges``); None where the
-    mask's rows have no such ranges (then the plan is built from the ``[rows, keys]`` matrix)."""
-    got = mask.row_ranges()
-    return None if got is None else (got[0].tolist(), got[1].tolist())
+def _row_spans(mask) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per query row, its visible key rows ``[lo, hi)`` (``BlockMask.row_ranges``, int64 host tensors); None where
+    the mask's rows have no such ranges (then the plan is built from the ``[rows, keys]`` matrix)."""
+    return mask.row_ranges()
 
 
-def _spans_segment(spans: tuple[list[int], list[int]]):
-    """:func:`_segment` from row spans (see :func:`_row_spans`) instead of the matrix."""
-    lo_all, hi_all = spans
-
-    def segment(qa: int, qb: int, ka: int, kb: int):
-        rows = [a for a in range(qa, qb) if hi_all[a] > lo_all[a]]
-        if not rows:
-            return None
-        ra, rb = rows[0], rows[-1] + 1
-        ca = min(lo_all[a] for a in rows)
-        cb = max(hi_all[a] for a in rows)
-        if ca < ka or cb > kb:
-            return "inexpressible"  # keys of another document: not this segment's
-        return _needs([(lo_all[a] - ca, hi_all[a] - ca) if hi_all[a] > lo_all[a] else None
-                       for a in range(ra, rb)], ra, ca, cb - ca)
-    return segment
+def _ordered(doc: torch.Tensor) -> bool:
+    """Whether the documents (padding, -1, left out) do not decrease along the rows."""
+    d = doc[doc >= 0]
+    return len(d) < 2 or bool((d[1:] >= d[:-1]).all())
 
 
-def _spans_match(calls: list[VarlenCall], spans: tuple[list[int], list[int]]) -> bool:
+def _doc_runs(doc: torch.Tensor) -> dict[int, tuple[int, int]]:
+    """:func:`_runs` of a tensor of ids that do not decrease (:func:`_ordered`), without a loop over rows."""
+    at = torch.nonzero(doc >= 0).flatten()
+    ids, counts = torch.unique_consecutive(doc[at], return_counts=True)
+    ends = counts.cumsum(0)
+    first, last = at[ends - counts], at[ends - 1] + 1
+    return dict(zip(ids.tolist(), zip(first.tolist(), last.tolist())))
+
+
+def _spans_segments(spans: tuple[torch.Tensor, torch.Tensor], qdoc: torch.Tensor, kdoc: torch.Tensor):
+    """Every document's :func:`_segment`, from the rows' spans instead of the matrix and for all documents at once
+    (tensor ops over the rows, a loop over the documents only): per document present in both the query and key
+    rows, in order, ``(rows, right, left)`` (as :func:`_needs`), leaving out those that see nothing; None when the
+    documents are out of order along the rows or a segment is inexpressible."""
+    if not (_ordered(qdoc) and _ordered(kdoc)):
+        return None  # documents out of order along the rows: not consecutive segments
+    qruns, kruns = _doc_runs(qdoc), _doc_runs(kdoc)
+    docs = [d for d in sorted(qruns) if d in kruns]
+    if not docs:
+        return []
+    lo, hi = spans
+    big = len(lo) + len(kdoc) + 1
+    qa, qb = (torch.tensor([qruns[d][i] for d in docs]) for i in (0, 1))
+    ka, kb = (torch.tensor([kruns[d][i] for d in docs]) for i in (0, 1))
+    rows = torch.arange(len(lo))
+    seg = (torch.searchsorted(qa, rows, right=True) - 1).clamp(min=0)  # a row's document (if it is in one's run)
+    live = (hi > lo) & (rows >= qa[seg]) & (rows < qb[seg])  # rows of a segment that see a key
+    n = len(docs)
+
+    def per_seg(values: torch.Tensor, where: torch.Tensor, how: str, fill: int) -> torch.Tensor:
+        """Per segment, ``how`` (amin, amax) of ``values`` over its rows where ``where`` (else ``fill``)."""
+        return torch.full((n,), fill, dtype=torch.long).scatter_reduce(0, seg, torch.where(where, values, fill), how)
+
+    ra, rb = per_seg(rows, live, "amin", big), per_seg(rows + 1, live, "amax", -1)
+    ca, cb = per_seg(lo, live, "amin", big), per_seg(hi, live, "amax", -1)
+    seen = rb >= 0
+    if bool(((ca < ka) | (cb > kb))[seen].any()):
+        return None  # keys of another document: not this segment's
+    sq, sk = rb - ra, cb - ca
+    shift = sk - sq
+    # _needs: the first row whose upper bound is effective fixes the right window, the first whose lower one is the left
+    r_row = per_seg(rows, live & (hi < cb[seg]), "amin", big)
+    l_row = per_seg(rows, live & (lo > ca[seg]), "amin", big)
+    r_has, l_has = r_row < big, l_row < big
+    r_at, l_at = r_row.clamp(max=len(lo) - 1), l_row.clamp(max=len(lo) - 1)
+    right = hi[r_at] - 1 - ca - (r_row - ra) - shift
+    left = (l_row - ra) + shift - (lo[l_at] - ca)
+    if bool(((right < 0) & r_has & seen).any() or ((left < 0) & l_has & seen).any()):
+        return None
+    out = []
+    for i, (ok, r0, r1, c0, c1, rh, rv, lh, lv) in enumerate(zip(*(t.tolist() for t in (
+            seen, ra, rb, ca, cb, r_has, right, l_has, left)))):
+        if ok:
+            out.append(((r0, r1, c0, c1), _Need(rv, 0) if rh else _Need(None, r1 - r0 - 1),
+                        _Need(lv, 0) if lh else _Need(None, c1 - c0 - 1)))
+    return out
+
+
+def _spans_match(calls: list[VarlenCall], spans: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """Whether the calls compute exactly the rows' spans: per segment row, the kernel's band (its window
     rewrites included) against the mask's range; rows no call covers must see nothing."""
     lo_all, hi_all = spans
-    got = [(0, 0)] * len(lo_all)
+    got_lo, got_hi = torch.zeros_like(lo_all), torch.zeros_like(hi_all)
     for c in calls:
         left, right = kernel_window(c.causal, *c.window, c.kernel_max_k)
-        for qa, qb, ka, kb in zip(c.cum_q, c.cum_q[1:], c.cum_k, c.cum_k[1:]):
-            sk, shift = kb - ka, (kb - ka) - (qb - qa)
-            for a in range(qb - qa):
-                lo = 0 if left < 0 else max(0, a + shift - left)
-                hi = sk if right < 0 else min(sk, a + shift + right + 1)
-                row, base = c.q.start + qa + a, c.kv.start + ka
-                got[row] = (base + lo, base + hi) if hi > lo else (0, 0)
-    return got == list(zip(lo_all, hi_all))
+        cq, ck = torch.tensor(c.cum_q), torch.tensor(c.cum_k)
+        nq = cq[1:] - cq[:-1]
+        sk = torch.repeat_interleave(ck[1:] - ck[:-1], nq)  # per row of the call: its segment's keys,
+        shift = sk - torch.repeat_interleave(nq, nq)  # keys - queries,
+        a = torch.arange(int(cq[-1])) - torch.repeat_interleave(cq[:-1], nq)  # the row within its segment,
+        base = torch.repeat_interleave(ck[:-1], nq) + c.kv.start  # and its first key
+        lo = torch.zeros_like(a) if left < 0 else (a + shift - left).clamp(min=0)
+        hi = sk if right < 0 else torch.minimum(sk, a + shift + right + 1)
+        vis = hi > lo
+        rows = slice(c.q.start + int(cq[0]), c.q.start + int(cq[-1]))
+        got_lo[rows] = torch.where(vis, base + lo, 0)
+        got_hi[rows] = torch.where(vis, base + hi, 0)
+    return torch.equal(got_lo, lo_all) and torch.equal(got_hi, hi_all)
 
 
 def _join(a: _Need, b: _Need) -> _Need | None:
@@ -301,12 +351,13 @@ def build_plan(mask) -> SegmentPlan | None:
     A task whose query rows jump in position stride (zigzag's two chunks in one task) and that has no plan
     as a whole gets one plan per run of query rows of one stride: those calls share key rows (their dK/dV
     are added, :attr:`SegmentPlan.shared_keys`)."""
-    qdoc, kdoc = mask.qdoc.tolist(), mask.kdoc.tolist()
     spans = _row_spans(mask)
     if spans is not None:  # one run of keys: the plan from row ranges, no [rows, keys] matrix (whole blocks)
-        whole = _build_calls(_spans_segment(spans), qdoc, kdoc, len(qdoc), len(kdoc))
+        segs = _spans_segments(spans, mask.qdoc, mask.kdoc)
+        whole = None if segs is None else _group_calls(segs, len(mask.qdoc), len(mask.kdoc))
         if whole is not None and _spans_match(whole, spans):
             return SegmentPlan(tuple(whole), shared_keys=not whole)  # no call: rows see nothing, out 0
+    qdoc, kdoc = mask.qdoc.tolist(), mask.kdoc.tolist()
     ok = mask.allowed()
     whole = _build(ok, qdoc, kdoc)
     if whole:
@@ -392,7 +443,7 @@ def _build_calls(segment, qdoc: list[int], kdoc: list[int], sq: int, sk: int) ->
             any(b < a for a, b in zip(kdoc, kdoc[1:]) if a >= 0 and b >= 0):
         return None  # documents out of order along the rows: not consecutive segments
     qruns, kruns = _runs(qdoc), _runs(kdoc)
-    groups: list[tuple[list, _Need, _Need]] = []
+    segs = []
     for d, (qa, qb) in sorted(qruns.items()):
         if d not in kruns:
             continue
@@ -401,21 +452,29 @@ def _build_calls(segment, qdoc: list[int], kdoc: list[int], sq: int, sk: int) ->
             continue
         if seg == "inexpressible":
             return None
-        rows, right, left = seg
+        segs.append(seg)
+    return _group_calls(segs, sq, sk)
+
+
+def _group_calls(segs: list, sq: int, sk: int) -> list[VarlenCall]:
+    """The calls of one plan over ``sq`` query and ``sk`` key rows from its documents' segments, in order
+    (``(rows, right, left)``, :func:`_needs`): consecutive segments whose windows agree share a call."""
+    groups: list[tuple[list, _Need, _Need]] = []
+    for rows, right, left in segs:
         if groups:
-            segs, r0, l0 = groups[-1]
+            members, r0, l0 = groups[-1]
             r1, l1 = _join(r0, right), _join(l0, left)
             if r1 is not None and l1 is not None:
-                groups[-1] = (segs + [rows], r1, l1)
+                groups[-1] = (members + [rows], r1, l1)
                 continue
         groups.append(([rows], right, left))
     if not groups:
         return []  # nothing visible: no call (rows no call covers see no key)
     calls = []
-    for i, (segs, right, left) in enumerate(groups):
-        q0 = 0 if i == 0 else segs[0][0]
-        k0 = 0 if i == 0 else segs[0][2]
+    for i, (members, right, left) in enumerate(groups):
+        q0 = 0 if i == 0 else members[0][0]
+        k0 = 0 if i == 0 else members[0][2]
         q1 = sq if i == len(groups) - 1 else groups[i + 1][0][0][0]
         k1 = sk if i == len(groups) - 1 else groups[i + 1][0][0][2]
-        calls.append(_call(segs, slice(q0, q1), slice(k0, k1), right, left))
+        calls.append(_call(members, slice(q0, q1), slice(k0, k1), right, left))
     return calls

@@ -21,6 +21,7 @@ block-diagonal masked calls, not one call per document). Schedules are cached pe
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -164,12 +165,12 @@ def _runs(pos: torch.Tensor, tile: int) -> list[tuple[int, int]]:
     its first row; the row after a jump opens the next run)."""
     n = len(pos)
     cuts = [0]
-    d = (pos[1:] - pos[:-1]).tolist()
+    d = pos[1:] - pos[:-1]
+    changes = ((d[1:] != d[:-1]).nonzero().flatten() + 1).tolist()  # rows m whose stride d[m] is not d[m - 1]
     a = 0
-    while a < n - 1:  # the run [a, m] keeps the stride d[a]
-        m = a + 1
-        while m < n - 1 and d[m] == d[a]:
-            m += 1
+    while a < n - 1:  # the run [a, m] keeps the stride d[a]: m is the first change after a
+        i = bisect.bisect_right(changes, a)
+        m = changes[i] if i < len(changes) else n - 1
         if m >= n - 1:
             break
         cuts.append(m + 1)

@@ -19,6 +19,9 @@ A row (:func:`gpu_row`) reports, besides the efficiency:
   (their host work, cuDNN's included), ``host_ms_other_ops`` (every other torch op, autograd's engine),
   ``host_ms_triton`` (Triton's launches), ``host_ms_ours`` (this library's Python), ``host_ms_python`` (the rest)
   and ``host_ops`` (torch ops called from Python per call);
+* ``host_ms_new_documents`` (packed rows): host time of the slowest rank's call on a NEW document mix each call
+  (launched, not waited for): the first layer of every micro-batch, which plans its ring afresh (the planning alone:
+  ``--plan-time``, :mod:`megatron_ring_lab.bench.plan_time`);
 * ``peak_gib``: peak GPU memory of one call above what the inputs hold;
 * ``graphed_*`` (``graphed=True``): the same call captured once into a CUDA graph and replayed (forward and
   backward, ``torch.autograd.grad``), its time and efficiency; a capture that fails is reported, not raised;
@@ -30,11 +33,11 @@ A row (:func:`gpu_row`) reports, besides the efficiency:
 
 ``device="cpu"`` runs the same row on CPU (host clock; no launches, memory or graphs): how the lab's tests
 check it without a GPU. Every field ran on an H200 on 2026-11-27 (docs/performance.md has the table), except the
-kernel breakdown by kind and the host split, added after that run.
+kernel breakdown by kind, the host split and
+``host_ms_new_documents``, added after that run.
 """
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from typing import Any, Callable
@@ -45,19 +48,9 @@ import torch.nn.functional as F
 from megatron_ring.api import ring_attention
 from megatron_ring.schedules.layouts import get_layout
 from megatron_ring.transport.ring import LoopbackRing
+from megatron_ring_lab.bench.plan_time import packed_lengths
 
 __all__ = ["gpu_row", "packed_lengths", "kernel_kind", "KERNEL_KINDS", "host_split", "host_kind", "HOST_KINDS"]
-
-
-def packed_lengths(seq: int, seed: int = 0) -> list[int]:
-    """A real document-length mix filling ``seq`` tokens: 80% short documents (exponential, mean seq/128),
-    20% long ones (uniform seq/16 .. seq/4); every document at most a quarter of the stream."""
-    rnd = random.Random(seed)
-    lens: list[int] = []
-    while sum(lens) < seq:
-        draw = rnd.expovariate(128 / seq) if rnd.random() < 0.8 else rnd.uniform(seq / 16, seq / 4)
-        lens.append(max(1, min(seq - sum(lens), seq // 4, int(draw))))
-    return lens
 
 
 def _timer(dev: torch.device) -> Callable[[Callable[[], Any], int], tuple[float, float]]:
@@ -135,6 +128,24 @@ def _host_parts(call: Callable[[], torch.Tensor], dev: torch.device, iters: int)
         bwd.append((time.perf_counter() - t0) * 1e3)
     _drain(dev)
     return statistics.median(fwd), statistics.median(bwd)
+
+
+def _host_new_documents(call: Callable[..., torch.Tensor], dev: torch.device, seq: int, iters: int) -> float:
+    """Median host ms of a forward+backward on a NEW document mix each call (launched, not waited for): what the
+    first layer of every micro-batch pays on a packed batch, its planning included (the row's other times reuse
+    one mix's plan)."""
+    ms = []
+    for i in range(iters):
+        cu = [0]
+        for n in packed_lengths(seq, seed=1 + i):
+            cu.append(cu[-1] + n)
+        kw = dict(qkv_format="thd", cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+        _drain(dev)
+        t0 = time.perf_counter()
+        call(kw=kw).sum().backward()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    _drain(dev)
+    return statistics.median(ms)
 
 
 def _drain(dev: torch.device) -> None:
@@ -295,6 +306,8 @@ def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
         call().sum().backward()
 
     row["host_ms_forward"], row["host_ms_backward"] = _host_parts(call, dev, iters)
+    if docs:
+        row["host_ms_new_documents"] = _host_new_documents(call, dev, seq, iters)
     try:
         row.update(host_split(step, dev))
     except Exception as exc:  # noqa: BLE001 - a diagnostic that fails is reported, the row's figures kept

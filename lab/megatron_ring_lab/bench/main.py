@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="--gpu-row: V's head dim where it differs from Q/K's (MLA, e.g. --head-dim 192 --v-head-dim "
                          "128; dense rows only)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    ap.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default="zigzag")
+    ap.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default=None,
+                    help="default zigzag (--plan-time: striped)")
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--comm-dtype", nargs="+", default=["none"], choices=list(COMM_DTYPE_ALIASES),
                     help="wire dtype(s) for K/V (any spelling ring_attention accepts)")
@@ -343,6 +344,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--layer-packed", action="store_true",
                     help="with --layer-host-time: a packed THD batch of three documents (64 tokens), the later layers "
                          "of a micro-batch (the same PackedSeqParams) and its first (new params each call)")
+    ap.add_argument("--plan-time", action="store_true",
+                    help="host time to plan a new document layout (the first layer of every micro-batch on a packed "
+                         "batch: ring tasks and segment plans, the GPU's whole-block path), the slowest rank, "
+                         "--world-sizes x --tokens-per-rank (default 2048 8192), --layout (default striped), web "
+                         "and short document mixes; --iters new mixes per row (megatron_ring_lab.bench.plan_time)")
     ap.add_argument("--torch-ring", action="store_true",
                     help="ours vs PyTorch's own context-parallel ring, side by side, for --seq (one or more "
                          "values with --torch-ring-seqs) x --world-sizes x causal and not "
@@ -355,6 +361,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                          "ours on one seeded global batch of this mix (megatron_ring_lab.bench.dynamic_cp); "
                          "MEGATRON_RING_DYNAMIC_DOCS / _SCALE / _SEED change its 64 documents / 16 / 0")
     a = ap.parse_args(argv)
+    a.layout = a.layout or ("striped" if a.plan_time else "zigzag")
     if a.dynamic_cp:
         from megatron_ring_lab.bench.dynamic_cp import format_dynamic, run_dynamic_cp
 
@@ -379,6 +386,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"thread; fwd+bwd medians of {a.iters} (slowest rank), modes interleaved; ours/x: median of "
               f"per-iteration ratios; MiB: peak per rank, each mode alone", flush=True)
         rows = tr.run_torch_ring(ps, seqs, heads=a.heads, head_dim=a.head_dim, iters=a.iters, timeout=a.timeout)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return rows
+    if a.plan_time:
+        from megatron_ring_lab.bench import plan_time as pt
+
+        grid = [(p, t, a.layout, mix) for p in a.world_sizes if p > 1
+                for t in (a.tokens_per_rank or [2048, 8192]) for mix in pt.MIXES]
+        print(f"# plan time of a new document layout: one process, 1 thread; per row the median over {a.iters} new "
+              f"mixes of the slowest rank", flush=True)
+        rows = pt.run_plan_time(grid, mixes=a.iters)
+        print(pt.format_plan_time(rows), flush=True)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=2)

@@ -1,0 +1,128 @@
+"""Host time to plan a new document layout (``python -m megatron_ring_lab.benchmark --plan-time``).
+
+A packed batch brings new documents, so a new signature, in every micro-batch: the first layer's call of each
+micro-batch plans its ring afresh on the host (the tasks of every ring step, and for each masked task the segment
+plan of the variable-length kernel), the later layers reuse that plan. On a GPU that host time comes before the
+first kernel of the micro-batch can launch; the GPU row (``--gpu-row --gpu-docs``) does not see it, as it times
+one document mix over and over.
+
+What is timed: for each of ``mixes`` new document mixes and each rank, the planning that rank's first call does
+on the GPU's path (whole blocks on a variable-length kernel): ``schedule(layout, rule, P, rank, src, s, s)`` for
+every ring step, then ``plan_for`` of each masked task; per mix the slowest rank (the ring waits for it); the row
+gives the median over mixes. Two document mixes: ``web`` (:func:`packed_lengths`: 80% short documents, 20% long
+ones up to a quarter of the stream) and ``short`` (many short documents, exponential lengths of mean 512 tokens).
+
+This module imports only the library's planning pieces (``schedule``, ``AttentionMask``, ``get_layout``,
+``plan_for``) and nothing of ``megatron_ring_lab``, so ``scripts/bench_revisions.py --plan-time`` runs this very
+file against an older revision of the library, side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from megatron_ring.kernels.varlen_plan import plan_for
+from megatron_ring.schedules.layouts import TaskKind, get_layout
+from megatron_ring.schedules.masks import AttentionMask, schedule
+
+__all__ = ["packed_lengths", "short_lengths", "plan_times", "run_plan_time", "format_plan_time", "MIXES"]
+
+
+def packed_lengths(seq: int, seed: int = 0) -> list[int]:
+    """A real document-length mix filling ``seq`` tokens: 80% short documents (exponential, mean seq/128),
+    20% long ones (uniform seq/16 .. seq/4); every document at most a quarter of the stream."""
+    rnd = random.Random(seed)
+    lens: list[int] = []
+    while sum(lens) < seq:
+        draw = rnd.expovariate(128 / seq) if rnd.random() < 0.8 else rnd.uniform(seq / 16, seq / 4)
+        lens.append(max(1, min(seq - sum(lens), seq // 4, int(draw))))
+    return lens
+
+
+def short_lengths(seq: int, seed: int = 0, mean: int = 512) -> list[int]:
+    """Many short documents filling ``seq`` tokens: exponential lengths of mean ``mean`` tokens."""
+    rnd = random.Random(seed)
+    lens: list[int] = []
+    while sum(lens) < seq:
+        lens.append(max(1, min(seq - sum(lens), int(rnd.expovariate(1 / mean)))))
+    return lens
+
+
+#: the document mixes of a row, by name
+MIXES = {"web": packed_lengths, "short": short_lengths}
+
+
+def _cu(lengths: list[int]) -> tuple[int, ...]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return tuple(cu)
+
+
+def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: str = "web", mixes: int = 5,
+               causal: bool = True, window: tuple[int, int] | None = None) -> dict[str, Any]:
+    """One row (see the module doc): ``plan_ms``, the median over ``mixes`` new document mixes of the slowest
+    rank's planning; ``docs``, the mixes' median document count; ``masked`` and ``planned``, the slowest rank's
+    masked tasks and those with a segment plan (the others fall back to the math kernel) in the last mix."""
+    seq, lay = world * tokens_per_rank, get_layout(layout)
+    per_mix, docs, masked, planned = [], [], 0, 0
+    for seed in range(1, mixes + 1):  # a new mix each time: nothing of the last one's plan is reused
+        cu = _cu(MIXES[mix](seq, seed))
+        docs.append(len(cu) - 1)
+        rule = AttentionMask(causal, cu, window)
+        slowest = (-1.0, 0, 0)
+        for rank in range(world):
+            n_masked = n_planned = 0
+            t0 = time.perf_counter()
+            for step in range(world):
+                for task in schedule(lay, rule, world, rank, (rank - step) % world, tokens_per_rank,
+                                     tokens_per_rank):
+                    if task.kind is TaskKind.MASKED:
+                        n_masked += 1
+                        n_planned += plan_for(task.mask) is not None
+            ms = (time.perf_counter() - t0) * 1e3
+            slowest = max(slowest, (ms, n_masked, n_planned))
+        per_mix.append(slowest[0])
+        masked, planned = slowest[1], slowest[2]
+    return dict(P=world, tokens_per_rank=tokens_per_rank, layout=layout, mix=mix, causal=causal,
+                window=list(window) if window else None, docs=statistics.median(docs),
+                plan_ms=statistics.median(per_mix), plan_ms_mixes=per_mix, masked=masked, planned=planned)
+
+
+#: the rows ``scripts/bench_revisions.py --plan-time`` compares: (P, tokens per rank, layout, mix)
+GRID = [(4, 2048, "striped", "web"), (8, 2048, "striped", "short"), (4, 8192, "striped", "web"),
+        (8, 8192, "striped", "web"), (8, 8192, "striped", "short"), (8, 8192, "zigzag", "web")]
+
+
+def run_plan_time(grid=GRID, mixes: int = 5) -> list[dict[str, Any]]:
+    return [plan_times(p, t, layout, mix, mixes) for p, t, layout, mix in grid]
+
+
+def format_plan_time(rows: list[dict[str, Any]]) -> str:
+    lines = ["| P | tokens per rank | layout | mix | docs | masked tasks (planned) | plan ms (slowest rank) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['P']} | {r['tokens_per_rank']} | {r['layout']} | {r['mix']} | {r['docs']:.0f} | "
+                     f"{r['masked']} ({r['planned']}) | {r['plan_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=5, help="new document mixes per row")
+    ap.add_argument("--json", action="store_true", help="print one RESULT line of JSON (scripts/bench_revisions.py)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = run_plan_time(mixes=a.iters)
+    print("RESULT " + json.dumps(rows) if a.json else format_plan_time(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
