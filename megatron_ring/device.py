@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["DeviceOps", "CudaOps", "ops_for", "use", "to_device"]
+__all__ = ["DeviceOps", "CudaOps", "ops_for", "use", "to_device", "held_under_capture", "CAPTURED"]
 
 
 class DeviceOps:
@@ -256,3 +256,17 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     wait). Every host-to-device copy of the library's plan tensors goes through here."""
     device = torch.device(device)
     return ops_for(device).to_device(x, device)
+
+
+#: device tensors a CUDA graph reads at every replay that were made before its capture (the plans' index tensors and
+#: status patterns, kept in caches that evict): held for the process (:func:`held_under_capture`)
+CAPTURED: dict[int, torch.Tensor] = {}
+
+
+def held_under_capture(device: torch.device | str, *tensors: torch.Tensor) -> None:
+    """Where ``device``'s stream is being captured into a CUDA graph, hold ``tensors`` for the process: the graph
+    reads them at every replay, and a cache that later evicted them would free memory the replay still reads."""
+    device = torch.device(device)
+    if ops_for(device).capturing(device):
+        for t in tensors:
+            CAPTURED[id(t)] = t

@@ -595,3 +595,32 @@ def test_calls_without_backward_are_judged_at_a_later_call(monkeypatch, then):
         msg = got[at]
         assert msg and "made different calls" in msg and "EARLIER call" in msg, (rank, got)
         assert ("global rank(s) 1 called it otherwise" in msg) if rank != 1 else ("0, 2 called it otherwise" in msg)
+
+
+@pytest.mark.parametrize("capturing", [True, False])
+def test_plan_tensors_a_capture_reads_are_held_whatever_the_caches_evict(capturing):
+    """A CUDA graph reads the plan's device tensors made before its capture (a masked task's ``cum_seq_q/k`` on the
+    variable-length kernel, dropout's global positions, the status patterns) at every replay; the caches holding them
+    evict (by count and bytes), which would free memory the replay still reads. Read under capture, each is held for
+    the process (``device.CAPTURED``); eagerly (the negative control) none is."""
+    from megatron_ring.kernels import varlen, varlen_plan
+    from megatron_ring.schedules import masks, on_device
+
+    for cache in (masks._CACHE, on_device._CACHE):
+        cache.clear()
+    varlen_plan._PLANS.clear()
+    ids_before = set(device.CAPTURED)
+    q = torch.randn(24, 2, 8)
+    with varlen.cpu_stand_in(), device.use("cpu", FakeCuda(capturing=capturing)):
+        ring_attention(q, q, q, ring=LoopbackRing(2, 0, q.device), qkv_format="thd", cu_seqlens=[0, 11, 30, 48],
+                       layout="striped", causal=True)
+        ring_attention(q[None], q[None], q[None], ring=LoopbackRing(2, 0, q.device), causal=True, dropout_p=0.1,
+                       dropout_seed=3)
+    cum = [t for plan in list(varlen_plan._PLANS.values()) if plan is not None
+           for got in plan._on.values() for pair in got for t in pair]
+    positions = [t for key, (t, _) in on_device._CACHE._entries.items() if key[0][0] == "positions"]
+    assert cum and positions
+    held = [id(t) in device.CAPTURED for t in cum + positions]
+    assert all(held) if capturing else not any(held), held
+    if not capturing:
+        assert set(device.CAPTURED) == ids_before

@@ -160,3 +160,51 @@ def test_row_runs_follow_the_row_by_row_rule():
         assert masks._runs(pos, tile) == _runs_row_by_row(pos, tile), (pos.tolist(), tile)
     zigzag = get_layout("zigzag").positions(16, 2, 0)  # two chunks: a jump between them
     assert masks._runs(zigzag, 8) != [(0, min(8, len(zigzag)))]
+
+
+def test_the_schedule_cache_is_bounded_in_bytes(monkeypatch):
+    """A packed batch brings new documents, so new schedules, every micro-batch: the cache keeps the recent ones up
+    to its bound on the bytes their masks hold (here 1 MiB), not 4096 of any size; an evicted schedule is made again
+    alike. Negative control: bounded by the count only, all 24 stay."""
+    from megatron_ring.schedules.bounded import BoundedLRU
+
+    layout, s = get_layout("striped"), 4096
+
+    def plan_all(cache):
+        monkeypatch.setattr(masks, "_CACHE", cache)
+        first = None
+        for seed in range(24):
+            cu = (0, 100 + seed, 2 * s - 50, 2 * s)
+            tasks = schedule(layout, AttentionMask(True, cu), 2, 0, 1, s, s)
+            first = first or (cu, tasks)
+        return first
+
+    cache = BoundedLRU(4096, 1 << 20, masks._held_bytes)
+    cu, tasks = plan_all(cache)
+    per_schedule = masks._held_bytes(tasks)
+    assert per_schedule >= 4 * 8 * s // 2  # the masks' index vectors (int64)
+    assert cache.held <= 1 << 20 and len(cache) == (1 << 20) // per_schedule < 24
+    again = schedule(layout, AttentionMask(True, cu), 2, 0, 1, s, s)  # evicted: planned anew, alike
+    assert again is not tasks and [(t.q, t.kv, t.kind) for t in again] == [(t.q, t.kv, t.kind) for t in tasks]
+    unbounded = BoundedLRU(4096, 1 << 40, masks._held_bytes)
+    plan_all(unbounded)
+    assert len(unbounded) == 24
+
+
+def test_bounded_lru_keeps_the_newest_within_both_bounds():
+    from megatron_ring.schedules.bounded import BoundedLRU
+
+    c = BoundedLRU(3, 10, len)
+    for k in "abc":
+        c.put(k, "xx")
+    assert c.get("a") == "xx"  # now the most recent
+    c.put("d", "xx")  # four entries: the oldest ("b") goes
+    assert c.get("b") is None and len(c) == 3 and c.held == 6
+    c.put("e", "x" * 9)  # 15 bytes: the oldest go until 10 or one entry is left
+    assert [c.get(k) is not None for k in "acde"] == [False, False, False, True] and c.held == 9
+    c.put("f", "x" * 50)  # the newest is always kept, whatever its size
+    assert len(c) == 1 and c.get("f") and c.held == 50
+    c.put("f", "x")  # replacing an entry replaces its weight
+    assert c.held == 1
+    c.clear()
+    assert len(c) == 0 and c.held == 0

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_ring.core.status import CAPTURED, OK, defer, spread_codes, tag_value, values_of
+from megatron_ring.core.status import OK, defer, spread_codes, tag_value, values_of
 from megatron_ring.device import ops_for
 from megatron_ring.errors import RingInputError
 from megatron_ring.schedules.on_device import cached_on
@@ -55,10 +55,7 @@ def backward_pattern(tag: int, dtype: torch.dtype, device: torch.device) -> torc
         t = t.remainder_(count).add_(lo)
         return t.to(dtype) if bits is None else t.to(bits).view(dtype)
 
-    t = cached_on(("backward status", tag, dtype), make, device)
-    if ops_for(device).capturing(device):
-        CAPTURED[id(t)] = t
-    return t
+    return cached_on(("backward status", tag, dtype), make, device)  # under capture: held for the process
 
 
 class BackwardTag:

@@ -65,7 +65,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from megatron_ring.device import DeviceOps, ops_for
+from megatron_ring.device import CAPTURED, DeviceOps, ops_for
 from megatron_ring.core.buffers import POOL, SlotSet
 from megatron_ring.schedules.on_device import cached_on
 from megatron_ring.wire.codecs import KVCodec, KVSpec
@@ -117,15 +117,7 @@ def status_pattern(value: float, rank: int, world: int, dtype: torch.dtype, devi
         t[world].fill_(value)
         return t
 
-    t = cached_on(("status", value, rank, world, dtype), make, device)
-    if ops_for(device).capturing(device):  # a CUDA graph reads it at every replay: never freed under it
-        CAPTURED[id(t)] = t
-    return t
-
-
-#: the patterns a CUDA graph captured a read of (:func:`status_pattern`): kept for the process, whatever the cache
-#: evicts (one small tensor per signature captured)
-CAPTURED: dict[int, torch.Tensor] = {}
+    return cached_on(("status", value, rank, world, dtype), make, device)  # under capture: held for the process
 
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_ring.device import to_device
+from megatron_ring.device import held_under_capture, to_device
 
 __all__ = ["VarlenCall", "SegmentPlan", "plan_for", "build_plan", "visible_in_segment", "kernel_window"]
 
@@ -135,6 +135,7 @@ class SegmentPlan:
         if got is None:
             got = self._on[key] = [tuple(to_device(torch.tensor(c, dtype=torch.int32), device) for c in call.batched(b))
                                    for call in self.calls]
+        held_under_capture(device, *(t for pair in got for t in pair))  # a CUDA graph reading them: kept
         return got
 
     def visible(self, sq: int, sk: int) -> torch.Tensor:

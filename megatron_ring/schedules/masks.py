@@ -22,13 +22,13 @@ block-diagonal masked calls, not one call per document). Schedules are cached pe
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from megatron_ring.device import to_device
+from megatron_ring.device import held_under_capture, to_device
+from megatron_ring.schedules.bounded import BoundedLRU
 from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView, TaskKind
 
 __all__ = ["AttentionMask", "BlockMask", "schedule", "visible_pairs", "needed_steps", "doc_ids", "DocumentZigzag"]
@@ -121,6 +121,7 @@ class BlockMask:
             return self.qpos, self.qdoc, self.kpos, self.kdoc
         if device not in self._on:
             self._on[device] = tuple(to_device(t, device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))
+        held_under_capture(device, *self._on[device])  # a CUDA graph reading them: kept, whatever the cache evicts
         return self._on[device]
 
     def allowed(self, device: torch.device | str = "cpu", rows: slice = slice(None),
@@ -307,8 +308,21 @@ def _merge_rows(tasks: list[BlockTask]) -> list[BlockTask]:
     return out
 
 
-_CACHE: "OrderedDict[tuple, tuple[BlockTask, ...]]" = OrderedDict()
-_CACHE_SIZE = 4096
+def _held_bytes(tasks: tuple[BlockTask, ...]) -> int:
+    """Host bytes a schedule's masks hold: the storages of their index vectors (each counted once)."""
+    storages = {}
+    for t in tasks:
+        mask = t.explicit_mask()
+        if mask is not None:
+            for v in (mask.qpos, mask.qdoc, mask.kpos, mask.kdoc):
+                st = v.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+#: schedules by signature: at most 4096, and masks holding at most 256 MiB of index vectors (a packed batch's new
+#: documents make new schedules every micro-batch; at 8K rows per rank a schedule's masks hold about 256 KiB)
+_CACHE = BoundedLRU(4096, 256 << 20, _held_bytes)
 
 
 def default_tile(s: int) -> int:
@@ -328,16 +342,12 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
     key = (layout.name, rule, world, rank, src, s, tile)
     hit = _CACHE.get(key)
     if hit is not None:
-        _CACHE.move_to_end(key)
         return hit
     seq = s * world
     qpos, kpos = layout.positions(seq, world, rank), layout.positions(seq, world, src)
     tasks = _tasks(rule, qpos, kpos, tile or _band_tile(rule, qpos, kpos, s) or default_tile(s),
                    shapes=tile is None or tile < s)
-    _CACHE[key] = tasks
-    if len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return tasks
+    return _CACHE.put(key, tasks)
 
 
 def _band_tile(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, s: int) -> int | None:

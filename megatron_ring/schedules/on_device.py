@@ -4,36 +4,33 @@ signature and device and then reused.
 The schedule is planned on the host, from host index tensors. A kernel that needs them (an explicit mask,
 position-keyed dropout) needs them on the device; copying them at every call is a host-to-device copy from
 pageable memory, which synchronises the host with the device. Here each one is copied at its first use and kept
-(an LRU of ``_SIZE`` entries, keyed by what the tensor is a function of, never by object identity), so a
+(an LRU bounded in entries and bytes, keyed by what the tensor is a function of, never by object identity), so a
 steady-state call makes no host-to-device copy; and that first copy goes through the device seam
 (:func:`~megatron_ring.device.to_device`: on CUDA from pinned memory, non_blocking), so it does not make the host
 wait either. Tensors are small: one int64 per local token.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable
 
 import torch
 
-from megatron_ring.device import to_device
+from megatron_ring.device import held_under_capture, to_device
+from megatron_ring.schedules.bounded import BoundedLRU
 
 __all__ = ["cached_on", "positions_on", "clear"]
 
-_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_SIZE = 1024
+#: at most 1024 tensors and 64 MiB (a layout that carries documents, e.g. the per-document zigzag, is new every
+#: micro-batch)
+_CACHE = BoundedLRU(1024, 64 << 20, lambda t: t.untyped_storage().nbytes())
 
 
 def cached_on(key: tuple, make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
     """``make()`` (a host tensor) on ``device``, copied once per ``(key, device)``."""
     full = (key, torch.device(device))
     hit = _CACHE.get(full)
-    if hit is not None:
-        _CACHE.move_to_end(full)
-        return hit
-    t = _CACHE[full] = to_device(make(), device)
-    if len(_CACHE) > _SIZE:
-        _CACHE.popitem(last=False)
+    t = hit if hit is not None else _CACHE.put(full, to_device(make(), device))
+    held_under_capture(device, t)  # a CUDA graph reading it: kept, whatever the cache evicts
     return t
 
 
