@@ -158,56 +158,12 @@ def plan_for(mask) -> SegmentPlan | None:
         return plan
 
 
-def _runs(ids: list[int]) -> dict[int, tuple[int, int]]:
-    """Each id's run ``(start, stop)`` (ids contiguous and non-decreasing; -1: padding, left out)."""
-    out: dict[int, tuple[int, int]] = {}
-    for i, d in enumerate(ids):
-        if d < 0:
-            continue
-        a, _ = out.get(d, (i, i))
-        out[d] = (a, i + 1)
-    return out
-
-
 @dataclass
 class _Need:
     """What one segment needs of one window side: ``exact`` (that value) or any value >= ``least`` (or -1)."""
 
     exact: int | None
     least: int
-
-
-def _segment(ok: torch.Tensor, qa: int, qb: int, ka: int, kb: int):
-    """A document's query rows ``[qa, qb)`` and key rows ``[ka, kb)`` trimmed to the rows that see a key and
-    the keys some row sees; with what its right and left window need. None when nothing is visible."""
-    sub = ok[qa:qb, ka:kb]
-    rows = sub.any(1).nonzero().flatten().tolist()
-    cols = sub.any(0).nonzero().flatten().tolist()
-    if not rows:
-        return None
-    ra, rb, ca, cb = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
-    spans = [(row.index(True), len(row) - row[::-1].index(True)) if True in row else None
-             for row in sub[ra:rb, ca:cb].tolist()]
-    return _needs(spans, qa + ra, ka + ca, cb - ca)
-
-
-def _needs(spans: list, qa: int, ka: int, sk: int):
-    """A trimmed segment (rows from ``qa``, ``sk`` keys from ``ka``; ``spans``: per row its visible keys
-    ``[lo, hi)`` relative to ``ka``, None: none) with what its right and left window need."""
-    sq = len(spans)
-    shift = sk - sq
-    right, left = _Need(None, sq - 1), _Need(None, sk - 1)
-    for a, span in enumerate(spans):
-        if span is None:
-            continue
-        lo, hi = span[0], span[1] - 1
-        if hi < sk - 1:  # the row's upper bound is effective: right = hi - a - shift
-            right = _Need(hi - a - shift, 0) if right.exact is None else right
-        if lo > 0:
-            left = _Need(a + shift - lo, 0) if left.exact is None else left
-    if (right.exact is not None and right.exact < 0) or (left.exact is not None and left.exact < 0):
-        return "inexpressible"
-    return (qa, qa + sq, ka, ka + sk), right, left
 
 
 def _row_spans(mask) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -223,7 +179,8 @@ def _ordered(doc: torch.Tensor) -> bool:
 
 
 def _doc_runs(doc: torch.Tensor) -> dict[int, tuple[int, int]]:
-    """:func:`_runs` of a tensor of ids that do not decrease (:func:`_ordered`), without a loop over rows."""
+    """Each document's run of rows ``(start, stop)`` (ids that do not decrease, :func:`_ordered`; -1: padding, left
+    out), without a loop over rows."""
     at = torch.nonzero(doc >= 0).flatten()
     ids, counts = torch.unique_consecutive(doc[at], return_counts=True)
     ends = counts.cumsum(0)
@@ -231,23 +188,29 @@ def _doc_runs(doc: torch.Tensor) -> dict[int, tuple[int, int]]:
     return dict(zip(ids.tolist(), zip(first.tolist(), last.tolist())))
 
 
-def _spans_segments(spans: tuple[torch.Tensor, torch.Tensor], qdoc: torch.Tensor, kdoc: torch.Tensor):
-    """Every document's :func:`_segment`, from the rows' spans instead of the matrix and for all documents at once
-    (tensor ops over the rows, a loop over the documents only): per document present in both the query and key
-    rows, in order, ``(rows, right, left)`` (as :func:`_needs`), leaving out those that see nothing; None when the
-    documents are out of order along the rows or a segment is inexpressible."""
+def _segments(qdoc: torch.Tensor, kdoc: torch.Tensor, spans):
+    """The segments of a plan, one per document present in both the query and key rows, in order, for all
+    documents at once (tensor ops over the rows, a loop over the documents only): each document's rows and keys
+    trimmed to the rows that see a key and the keys some row sees, ``((qa, qb, ka, kb), right, left)`` with what its
+    right and left window need (:class:`_Need`: the first row whose upper, or lower, bound is effective fixes it);
+    those that see nothing left out. None when the documents are out of order along the rows or a segment is
+    inexpressible (its keys are not its document's, or it needs a window below 0).
+
+    ``spans``: each query row's visible keys ``[lo, hi)`` (``lo == hi``: none): the mask's row ranges
+    (:func:`_row_spans`), or a function of each row's document's key run (``ka``, ``kb`` per row) giving them
+    within it (:func:`_matrix_spans`)."""
     if not (_ordered(qdoc) and _ordered(kdoc)):
         return None  # documents out of order along the rows: not consecutive segments
     qruns, kruns = _doc_runs(qdoc), _doc_runs(kdoc)
     docs = [d for d in sorted(qruns) if d in kruns]
     if not docs:
         return []
-    lo, hi = spans
-    big = len(lo) + len(kdoc) + 1
     qa, qb = (torch.tensor([qruns[d][i] for d in docs]) for i in (0, 1))
     ka, kb = (torch.tensor([kruns[d][i] for d in docs]) for i in (0, 1))
-    rows = torch.arange(len(lo))
+    rows = torch.arange(len(qdoc))
     seg = (torch.searchsorted(qa, rows, right=True) - 1).clamp(min=0)  # a row's document (if it is in one's run)
+    lo, hi = spans(ka[seg], kb[seg]) if callable(spans) else spans
+    big = len(lo) + len(kdoc) + 1
     live = (hi > lo) & (rows >= qa[seg]) & (rows < qb[seg])  # rows of a segment that see a key
     n = len(docs)
 
@@ -262,7 +225,7 @@ def _spans_segments(spans: tuple[torch.Tensor, torch.Tensor], qdoc: torch.Tensor
         return None  # keys of another document: not this segment's
     sq, sk = rb - ra, cb - ca
     shift = sk - sq
-    # _needs: the first row whose upper bound is effective fixes the right window, the first whose lower one is the left
+    # the first row whose upper bound is effective fixes the right window, the first whose lower one the left
     r_row = per_seg(rows, live & (hi < cb[seg]), "amin", big)
     l_row = per_seg(rows, live & (lo > ca[seg]), "amin", big)
     r_has, l_has = r_row < big, l_row < big
@@ -272,12 +235,25 @@ def _spans_segments(spans: tuple[torch.Tensor, torch.Tensor], qdoc: torch.Tensor
     if bool(((right < 0) & r_has & seen).any() or ((left < 0) & l_has & seen).any()):
         return None
     out = []
-    for i, (ok, r0, r1, c0, c1, rh, rv, lh, lv) in enumerate(zip(*(t.tolist() for t in (
-            seen, ra, rb, ca, cb, r_has, right, l_has, left)))):
+    for ok, r0, r1, c0, c1, rh, rv, lh, lv in zip(*(t.tolist() for t in (
+            seen, ra, rb, ca, cb, r_has, right, l_has, left))):
         if ok:
             out.append(((r0, r1, c0, c1), _Need(rv, 0) if rh else _Need(None, r1 - r0 - 1),
                         _Need(lv, 0) if lh else _Need(None, c1 - c0 - 1)))
     return out
+
+
+def _matrix_spans(ok: torch.Tensor):
+    """:func:`_segments`' ``spans`` from the ``[rows, keys]`` matrix: each row's first and last visible key within
+    its document's key run."""
+    def spans(ka: torch.Tensor, kb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = torch.arange(ok.shape[1])
+        m = ok & (cols >= ka[:, None]) & (cols < kb[:, None])
+        seen = m.any(1)
+        lo = m.to(torch.uint8).argmax(1)  # the first maximum: the first visible key
+        hi = ok.shape[1] - m.flip(1).to(torch.uint8).argmax(1)
+        return torch.where(seen, lo, 0), torch.where(seen, hi, 0)
+    return spans
 
 
 def _spans_match(calls: list[VarlenCall], spans: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -354,11 +330,11 @@ def build_plan(mask) -> SegmentPlan | None:
     are added, :attr:`SegmentPlan.shared_keys`)."""
     spans = _row_spans(mask)
     if spans is not None:  # one run of keys: the plan from row ranges, no [rows, keys] matrix (whole blocks)
-        segs = _spans_segments(spans, mask.qdoc, mask.kdoc)
+        segs = _segments(mask.qdoc, mask.kdoc, spans)
         whole = None if segs is None else _group_calls(segs, len(mask.qdoc), len(mask.kdoc))
         if whole is not None and _spans_match(whole, spans):
             return SegmentPlan(tuple(whole), shared_keys=not whole)  # no call: rows see nothing, out 0
-    qdoc, kdoc = mask.qdoc.tolist(), mask.kdoc.tolist()
+    qdoc, kdoc = mask.qdoc, mask.kdoc
     ok = mask.allowed()
     whole = _build(ok, qdoc, kdoc)
     if whole:
@@ -383,7 +359,7 @@ def _pairs(cuts: list[int]) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def _greedy(ok: torch.Tensor, qdoc: list[int], kdoc: list[int], a: int, b: int):
+def _greedy(ok: torch.Tensor, qdoc: torch.Tensor, kdoc: torch.Tensor, a: int, b: int):
     """Query rows ``[a, b)`` as consecutive pieces, each as long as a plan of its own allows (a key stride
     that differs from the rows' makes a window's bounds step unevenly); None past :data:`MAX_CALLS` pieces."""
     pieces = []
@@ -425,10 +401,11 @@ def _cuts(ok: torch.Tensor, qpos: list[int], kpos: list[int]) -> list[int]:
     return [0] + [i for i in range(1, len(sig)) if sig[i] != sig[i - 1]] + [len(sig)]
 
 
-def _build(ok: torch.Tensor, qdoc: list[int], kdoc: list[int]) -> list[VarlenCall] | None:
+def _build(ok: torch.Tensor, qdoc: torch.Tensor, kdoc: torch.Tensor) -> list[VarlenCall] | None:
     """The calls of one plan for the pairs ``ok`` (query and key rows consecutive), verified; or None."""
     sq, sk = ok.shape
-    calls = _build_calls(lambda *rows: _segment(ok, *rows), qdoc, kdoc, sq, sk)
+    segs = _segments(qdoc, kdoc, _matrix_spans(ok))
+    calls = None if segs is None else _group_calls(segs, sq, sk)
     if not calls:
         return calls
     seen = torch.zeros(sq, sk, dtype=torch.bool)
@@ -437,29 +414,9 @@ def _build(ok: torch.Tensor, qdoc: list[int], kdoc: list[int]) -> list[VarlenCal
     return calls if torch.equal(seen, ok) else None
 
 
-def _build_calls(segment, qdoc: list[int], kdoc: list[int], sq: int, sk: int) -> list[VarlenCall] | None:
-    """The calls of one plan (not verified): ``segment(qa, qb, ka, kb)`` trims one document's rows and keys
-    (:func:`_segment`); None when the documents are out of order or a segment is inexpressible."""
-    if any(b < a for a, b in zip(qdoc, qdoc[1:]) if a >= 0 and b >= 0) or \
-            any(b < a for a, b in zip(kdoc, kdoc[1:]) if a >= 0 and b >= 0):
-        return None  # documents out of order along the rows: not consecutive segments
-    qruns, kruns = _runs(qdoc), _runs(kdoc)
-    segs = []
-    for d, (qa, qb) in sorted(qruns.items()):
-        if d not in kruns:
-            continue
-        seg = segment(qa, qb, *kruns[d])
-        if seg is None:
-            continue
-        if seg == "inexpressible":
-            return None
-        segs.append(seg)
-    return _group_calls(segs, sq, sk)
-
-
 def _group_calls(segs: list, sq: int, sk: int) -> list[VarlenCall]:
     """The calls of one plan over ``sq`` query and ``sk`` key rows from its documents' segments, in order
-    (``(rows, right, left)``, :func:`_needs`): consecutive segments whose windows agree share a call."""
+    (:func:`_segments`): consecutive segments whose windows agree share a call."""
     groups: list[tuple[list, _Need, _Need]] = []
     for rows, right, left in segs:
         if groups:
