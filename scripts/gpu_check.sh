@@ -12,6 +12,8 @@
 #      variable-length flash (megatron_ring_lab.bench.gpu);
 #   5. the Megatron layer's host time per call on the GPU (RingDotProductAttention forward+backward at CP = 1 vs
 #      the same ring_attention call made directly: the glue's share; megatron_ring_lab.bench.layer_host_time);
+#   6. the host time to plan a new document layout on this machine's CPU (what the first layer of every packed
+#      micro-batch pays, P = 4 8 at the same tokens per rank; megatron_ring_lab.bench.plan_time);
 # and print one table (tests/gpu/check_table.py); exit 1 if any step failed or ran out of its time budget.
 # Needs no download and no venv: the project venv if there is one, else the system python3 (torch with CUDA,
 # megatron-core, pytest; pytest-timeout is used only where installed). Budget: each step under `timeout`,
@@ -71,6 +73,9 @@ fi
 timeout 90 "$PY" -m megatron_ring_lab.benchmark --layer-host-time --layer-device cuda --heads 32 --kv-heads 8 \
   --head-dim 128 --iters 300 > "$OUT/layer.txt" 2>&1
 echo $? > "$OUT/layer.rc"
+timeout 60 "$PY" -m megatron_ring_lab.benchmark --plan-time --world-sizes 4 8 --tokens-per-rank $TOKENS --iters 3 \
+  > "$OUT/plan.txt" 2>&1
+echo $? > "$OUT/plan.rc"
 timeout 120 "$PY" -m megatron_ring_lab.benchmark --gpu-row --world-sizes 2 4 8 --tokens-per-rank $TOKENS \
   --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --causal --iters 3 --gpu-docs --graphed \
   > "$OUT/bench.json" 2> "$OUT/bench.err"

@@ -16,7 +16,11 @@ BENCH = [{"P": 2, "efficiency": 0.9, "ring_ms": 1.5}, {"P": 4, "efficiency": 0.8
 LAYER = "# layer host time: ...\nlayer fwd+bwd 1.465 ms | ring_attention alone 1.398 ms | glue 0.067 ms | outputs sha256 3d\n"
 
 
-def _fabricate(tmp_path, pytest_rc=0, bench_rc=0, nccl=None, bench=BENCH, layer=(0, LAYER)):
+PLAN = ("# plan time of a new document layout: ...\n| P | tokens per rank | layout | mix | docs | masked tasks (planned) "
+        "| plan ms (slowest rank) |\n|---|---|---|---|---|---|---|\n| 8 | 8192 | striped | web | 25 | 8 (8) | 25.7 |\n")
+
+
+def _fabricate(tmp_path, pytest_rc=0, bench_rc=0, nccl=None, bench=BENCH, layer=(0, LAYER), plan=(0, PLAN)):
     (tmp_path / "pytest.txt").write_text("...\n" + ("FAILED tests/gpu/test_x.py::t - boom\n" if pytest_rc else "")
                                          + ("1 failed, 9 passed" if pytest_rc else "10 passed") + " in 3.0s\n")
     (tmp_path / "pytest.rc").write_text(f"{pytest_rc}\n")
@@ -26,6 +30,9 @@ def _fabricate(tmp_path, pytest_rc=0, bench_rc=0, nccl=None, bench=BENCH, layer=
     if layer is not None:
         (tmp_path / "layer.txt").write_text(layer[1])
         (tmp_path / "layer.rc").write_text(f"{layer[0]}\n")
+    if plan is not None:
+        (tmp_path / "plan.txt").write_text(plan[1])
+        (tmp_path / "plan.rc").write_text(f"{plan[0]}\n")
     if nccl is not None:
         (tmp_path / "nccl.txt").write_text("\n".join(json.dumps(r) for r in nccl[1]) + "\n")
         (tmp_path / "nccl.rc").write_text(f"{nccl[0]}\n")
@@ -36,12 +43,15 @@ def test_all_green_is_one_table_and_exit_0(tmp_path, capsys):
     assert check_table.main([_fabricate(tmp_path), "1"]) == 0
     text = capsys.readouterr().out
     assert text.count("check ") == 1 and "bench P=4" in text and "10 passed" in text and "glue 0.067 ms" in text
+    assert any(ln.startswith("plan a new document layout") and ln.endswith("8, 8192, striped, web, 25, 8 (8), 25.7")
+               and " ok " in ln for ln in text.splitlines()), text
     assert "ring over NCCL" in text and "skipped" in text
 
 
 @pytest.mark.parametrize("broken", [dict(pytest_rc=1), dict(pytest_rc=124), dict(bench_rc=124), dict(bench=[]),
                                     dict(bench_rc=2), dict(nccl=(0, [])), dict(layer=(124, "")),
-                                    dict(layer=(0, "Traceback ...\n")),
+                                    dict(layer=(0, "Traceback ...\n")), dict(plan=(124, "")),
+                                    dict(plan=(0, "Traceback ...\n")),
                                     dict(nccl=(0, [{"case": "p2p", "max_err": 1.0, "ms": 2, "ok": False}]))])
 def test_any_failed_or_timed_out_step_exits_1(tmp_path, capsys, broken):
     assert check_table.main([_fabricate(tmp_path, **broken), "2"]) == 1

@@ -2,7 +2,7 @@
 
 ``python tests/gpu/check_table.py OUT NGPU`` where ``OUT`` holds, per step that ran, its log and a ``<step>.rc``
 file (the step's exit status; 124 = its time budget ran out): ``pytest.txt``, ``nccl.txt``, ``te.txt``,
-``layer.txt`` (the layer host-time row), ``bench.json`` (+ ``bench.err``). A step whose rc file is absent did not run (a skipped row says why)."""
+``layer.txt`` (the layer host-time row), ``plan.txt`` (the planning rows), ``bench.json`` (+ ``bench.err``). A step whose rc file is absent did not run (a skipped row says why)."""
 from __future__ import annotations
 
 import json
@@ -54,6 +54,14 @@ def rows(out: str) -> list[tuple[str, str, str]]:
         row = [ln for ln in lines if ln.startswith("layer fwd+bwd")]
         res.append(("layer host time", (row or lines or ["no output"])[-1][:300],
                     _status(rc) if rc or row else "FAIL no row"))
+    rc = _rc(out, "plan")
+    if rc is not None:
+        lines = (_read(out, "plan.txt") or "").strip().splitlines()
+        found = [ln for ln in lines if ln.startswith("| ") and ln[2:3].isdigit()]  # the table's rows
+        for ln in found:
+            res.append(("plan a new document layout", ln.strip("| ").replace(" | ", ", "), _status(rc)))
+        if rc or not found:
+            res.append(("plan time", (lines or ["no output"])[-1][:300], _status(rc) if rc else "FAIL no row"))
     rc, text = _rc(out, "bench"), _read(out, "bench.json") or ""
     try:
         bench = json.loads(text[text.index("["):])
