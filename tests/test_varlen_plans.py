@@ -329,3 +329,31 @@ def test_the_row_range_check_refuses_a_plan_that_misses():
             assert not varlen_plan._spans_match([moved] + calls[1:], spans)
             checked += 1
     assert checked >= 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_per_document_zigzag_runs_one_task_per_ring_step(world, monkeypatch):
+    """Megatron's per-document zigzag (``DocumentZigzag``, ``--sft`` packing: two chunks of every document per rank)
+    cuts a block into two runs of rows per document; on a variable-length kernel the whole block is ONE masked task
+    where the kernel takes its mask in one plan (``schedules.masks.schedule(..., one_task=)``), instead of a task per
+    pair of runs. A web-like mix padded to multiples of 2P (fillers their own documents), causal: within the bound of
+    float64, at most one task per rank and ring step, forward and backward, none on the math kernel. Negative
+    control: with the kernel's test refusing, the block's runs make many more tasks (the same results)."""
+    from megatron_ring.core import plan as plan_module
+    from megatron_ring_lab.bench.plan_time import _megatron_padded, packed_lengths
+
+    T = 128 * world
+    slots, cu = _megatron_padded(packed_lengths(T, seed=world), world, T)
+    layout = DocumentZigzag(slots)
+    calls = {}
+    for one in (True, False):
+        if not one:
+            monkeypatch.setattr(plan_module, "one_task", lambda mask: False)
+        varlen.COUNTS.clear()
+        with varlen.cpu_stand_in():
+            rows = _ring(world, layout, True, list(cu), None, (4, 2), torch.float32, 7, T=T)
+        assert all(err <= bound for _, err, bound in rows), rows
+        assert varlen.COUNTS.get("math", 0) == 0, varlen.COUNTS
+        calls[one] = varlen.COUNTS["varlen_cpu"]
+    # per rank forward and backward, one task per step at most (P threads)
+    assert calls[True] <= 2 * world * world < calls[False], calls

@@ -13,6 +13,7 @@ from megatron_ring.transport.ring import Transport
 from megatron_ring.kernels.block import BlockKernel, ReversedKernel
 from megatron_ring.kernels.head_dim import pads_to
 from megatron_ring.kernels.varlen import masked_kernel, whole_blocks
+from megatron_ring.kernels.varlen_plan import one_task
 from megatron_ring.schedules.layouts import Schedule, TaskKind
 from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
 from megatron_ring.schedules.on_device import positions_on
@@ -68,7 +69,11 @@ class RingPlan:
         src = (self.ring.rank - step) % self.ring.world
         if self.mask is None:
             return self.layout.block_tasks(self.causal, self.ring.world, self.ring.rank, src, s)
-        return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s, s if whole else None)
+        if not whole:
+            return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s)
+        # on the variable-length kernel a whole block whose mask it takes in one plan is one task
+        return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s, s,
+                        one_task if self.dropout is None else None)
 
     def steps(self, s: int) -> int:
         """Ring steps to run: fewer than P when no rank needs the K/V of the farther ranks (windows)."""

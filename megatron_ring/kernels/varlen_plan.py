@@ -321,6 +321,29 @@ def _call(segs: list[tuple[int, int, int, int]], q: slice, kv: slice, right: _Ne
     return VarlenCall(q, kv, tuple(cq), tuple(ck), causal, (lft, r))
 
 
+def _rows_plan(mask) -> SegmentPlan | None:
+    """The plan from the rows' ranges (:func:`_row_spans`; no ``[rows, keys]`` matrix), checked against them; None
+    where the keys' positions do not increase or that plan does not match."""
+    spans = _row_spans(mask)
+    if spans is None:
+        return None
+    segs = _segments(mask.qdoc, mask.kdoc, spans)
+    calls = None if segs is None else _group_calls(segs, len(mask.qdoc), len(mask.kdoc))
+    if calls is None or not _spans_match(calls, spans):
+        return None
+    return SegmentPlan(tuple(calls), shared_keys=not calls)  # no call: rows see nothing, out 0
+
+
+def one_task(mask) -> bool:
+    """Whether a whole block's mask runs as ONE task on the variable-length kernel: it has a plan from its rows'
+    ranges, found without the ``[rows, keys]`` matrix (kept for the kernel, as :func:`plan_for` keeps plans).
+    The engine hands it to the schedule (``schedules.masks.schedule(..., one_task=)``)."""
+    plan = _rows_plan(mask)
+    if plan is not None:
+        _PLANS[mask] = plan
+    return plan is not None
+
+
 def build_plan(mask) -> SegmentPlan | None:
     """The segment plan of a BlockMask (see the module doc), verified pair by pair; None if the mask has no
     exact plan (then the math kernel runs the task).
@@ -328,12 +351,9 @@ def build_plan(mask) -> SegmentPlan | None:
     A task whose query rows jump in position stride (zigzag's two chunks in one task) and that has no plan
     as a whole gets one plan per run of query rows of one stride: those calls share key rows (their dK/dV
     are added, :attr:`SegmentPlan.shared_keys`)."""
-    spans = _row_spans(mask)
-    if spans is not None:  # one run of keys: the plan from row ranges, no [rows, keys] matrix (whole blocks)
-        segs = _segments(mask.qdoc, mask.kdoc, spans)
-        whole = None if segs is None else _group_calls(segs, len(mask.qdoc), len(mask.kdoc))
-        if whole is not None and _spans_match(whole, spans):
-            return SegmentPlan(tuple(whole), shared_keys=not whole)  # no call: rows see nothing, out 0
+    plan = _rows_plan(mask)
+    if plan is not None:
+        return plan
     qdoc, kdoc = mask.qdoc, mask.kdoc
     ok = mask.allowed()
     whole = _build(ok, qdoc, kdoc)

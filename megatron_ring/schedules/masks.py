@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -331,23 +331,58 @@ def default_tile(s: int) -> int:
 
 
 def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: int, s: int,
-             tile: int | None = None) -> tuple[BlockTask, ...]:
+             tile: int | None = None, one_task: Callable[[BlockMask], bool] | None = None) -> tuple[BlockTask, ...]:
     """The tasks rank ``rank`` computes against the K/V block of rank ``src`` (cached). ``tile``: rows per tile
     (None: chosen here); ``tile = s``, whole blocks for a variable-length kernel, skips the pair-by-pair shape
-    checks (see :func:`_tasks`)."""
+    checks (see :func:`_tasks`). ``one_task`` (with ``tile = s``): the kernel's test of a whole block's mask; where
+    it passes, a block cut into many runs of rows is ONE masked task (:func:`_whole_block`), else the tasks of its
+    runs."""
     if rule.plain:
         return layout.block_tasks(rule.causal, world, rank, src, s)
     if isinstance(layout, ShardView):  # a strategy's view of several shards (schedules/views.py)
         return layout.masked_tasks(rule, world, rank, src, s)
-    key = (layout.name, rule, world, rank, src, s, tile)
+    one_task = one_task if tile == s else None
+    key = (layout.name, rule, world, rank, src, s, tile, one_task)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
     seq = s * world
     qpos, kpos = layout.positions(seq, world, rank), layout.positions(seq, world, src)
-    tasks = _tasks(rule, qpos, kpos, tile or _band_tile(rule, qpos, kpos, s) or default_tile(s),
-                   shapes=tile is None or tile < s)
+    tasks = None if one_task is None else _whole_block(rule, qpos, kpos, one_task)
+    if tasks is None:
+        tasks = _tasks(rule, qpos, kpos, tile or _band_tile(rule, qpos, kpos, s) or default_tile(s),
+                       shapes=tile is None or tile < s)
     return _CACHE.put(key, tasks)
+
+
+def _whole_block(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor,
+                 one_task: Callable[[BlockMask], bool]) -> tuple[BlockTask, ...] | None:
+    """A whole block whose rows or keys fall into more than two runs of one position stride, as one task: none where
+    no pair is visible, a full task where every pair is, else one masked task if ``one_task`` takes its mask. None
+    otherwise, or where the positions do not increase along the rows (then the block is cut into its runs,
+    :func:`_tasks`).
+
+    Runs of rows are what tiles and the triangle shapes need; a variable-length kernel needs none, and cutting at
+    every jump made a block of Megatron's per-document zigzag (two chunks per document) dozens of small calls, each
+    with its merge (P = 8, 8K rows per rank, a web-like mix of 25 documents: 193 masked tasks per forward, and
+    ~0.3 s to plan them on the host). A block of at most 2 x 2 runs (zigzag's two chunks) keeps them: its fully
+    visible runs run on the dense kernel, faster than the variable-length flash kernel where that is cuDNN."""
+    if len(qpos) < 2 or len(kpos) < 2 or not (bool((qpos[1:] > qpos[:-1]).all())
+                                              and bool((kpos[1:] > kpos[:-1]).all())):
+        return None
+    if len(_runs(qpos, len(qpos))) <= 2 and len(_runs(kpos, len(kpos))) <= 2:
+        return None
+    qdoc, kdoc = rule.doc_ids(qpos), rule.doc_ids(kpos)
+    pad = len(rule.cu_seqlens) if rule.cu_seqlens is not None else 1
+    qd, kd = torch.where(qdoc < 0, pad, qdoc), torch.where(kdoc < 0, pad, kdoc)  # padding sorts last
+    rows, keys = slice(0, len(qpos)), slice(0, len(kpos))
+    kind = _classify(rule, qpos, qd, kpos, kd, pad)
+    if kind == "none":
+        return ()
+    if kind == "full":
+        return (BlockTask(rows, keys, False),)
+    mask = BlockMask(rule, qpos, qdoc, kpos, kdoc)
+    return (MaskedTask(rows, keys, False, mask),) if one_task(mask) else None
 
 
 def _band_tile(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, s: int) -> int | None:

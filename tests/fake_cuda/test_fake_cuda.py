@@ -225,16 +225,19 @@ def kernel_calls(monkeypatch):
 
 def _task_kinds(case: Case, rank: int) -> set[str]:
     """The kinds of task rank ``rank`` computes in ``case`` ("dense": any kind but masked; "masked": documents,
-    unaligned window edges, which run on the variable-length flash kernel)."""
-    return _plan_on_host(case, rank)
+    unaligned window edges, which run on the variable-length flash kernel), in the schedule the engine uses:
+    tiles where the masked tasks fall back to the math kernel (fp32), whole blocks with dropout (its fused
+    kernels), else whole blocks, each one task where the variable-length kernel takes it."""
+    kinds = _plan_on_host(case, rank)
+    return kinds["tiles"] if case.dtype == torch.float32 else kinds["whole"] if case.dropout else kinds["one"]
 
 
-def _plan_on_host(case: Case, rank: int) -> set[str]:
+def _plan_on_host(case: Case, rank: int) -> dict[str, set[str]]:
     """Build the masked schedules (documents, windows) with real host tensors first: the engine plans on
     the host from CPU index tensors (cached per signature), which FakeTensorMode would make fake. Returns
-    the kinds of task the rank has (:func:`_task_kinds`)."""
+    the kinds of task the rank has in each schedule (:func:`_task_kinds`)."""
     from megatron_ring.call import attention_mask as _attention_mask
-    from megatron_ring.kernels.varlen_plan import plan_for
+    from megatron_ring.kernels.varlen_plan import one_task, plan_for
     from megatron_ring.schedules.layouts import TaskKind
     from megatron_ring.schedules.layouts import get_layout
     from megatron_ring.schedules.masks import needed_steps, schedule
@@ -243,18 +246,20 @@ def _plan_on_host(case: Case, rank: int) -> set[str]:
     total = s * case.P
     cu = [0, 37, total // 2 + 5, total - 9] if case.fmt == "thd" else None
     rule = _attention_mask(case.causal, cu, case.window, total)
-    kinds = {"dense"}
+    variants = {"tiles": (None, None), "whole": (s, None), "one": (s, one_task)}
+    kinds = {name: {"dense"} for name in variants}
     if not rule.plain:
-        kinds = set()
+        kinds = {name: set() for name in variants}
         lay = get_layout(case.layout)
         needed_steps(lay, rule, case.P, s)
         for t in range(case.P):
-            # tiles (math kernel, dropout) and whole blocks (a variable-length kernel: varlen.whole_blocks)
-            for tile in (None, s):
-                for task in schedule(lay, rule, case.P, rank, (rank - t) % case.P, s, tile):
+            # tiles (math kernel, dropout), whole blocks (fused dropout) and whole blocks as one task where the
+            # variable-length kernel takes it (varlen.whole_blocks: the engine's schedule without dropout)
+            for name, (tile, one) in variants.items():
+                for task in schedule(lay, rule, case.P, rank, (rank - t) % case.P, s, tile, one):
                     if task.kind is TaskKind.MASKED:
                         plan_for(task.mask)  # the masked task's segment plan (kernels/varlen_plan.py), host work
-                    kinds.add("masked" if task.kind is TaskKind.MASKED else "dense")
+                    kinds[name].add("masked" if task.kind is TaskKind.MASKED else "dense")
     return kinds
 
 

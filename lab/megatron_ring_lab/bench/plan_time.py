@@ -7,10 +7,12 @@ first kernel of the micro-batch can launch; the GPU row (``--gpu-row --gpu-docs`
 one document mix over and over.
 
 What is timed: for each of ``mixes`` new document mixes and each rank, the planning that rank's first call does
-on the GPU's path (whole blocks on a variable-length kernel): ``schedule(layout, rule, P, rank, src, s, s)`` for
-every ring step, then ``plan_for`` of each masked task; per mix the slowest rank (the ring waits for it); the row
-gives the median over mixes. Two document mixes: ``web`` (:func:`packed_lengths`: 80% short documents, 20% long
-ones up to a quarter of the stream) and ``short`` (many short documents, exponential lengths of mean 512 tokens).
+on the GPU's path (whole blocks on a variable-length kernel): ``schedule(layout, rule, P, rank, src, s, s,
+one_task=...)`` for every ring step (as the engine calls it, without dropout), then ``plan_for`` of each masked task;
+per mix the slowest rank (the ring waits for it); the row gives the median over mixes. Two document mixes: ``web``
+(:func:`packed_lengths`: 80% short documents, 20% long ones up to a quarter of the stream) and ``short`` (many
+short documents, exponential lengths of mean 512 tokens); the layouts: ``striped``, ``zigzag`` (over the whole
+stream) and ``doc-zigzag`` (Megatron's per-document zigzag, documents padded to multiples of 2P: ``--sft``).
 
 This module imports only the library's planning pieces (``schedule``, ``AttentionMask``, ``get_layout``,
 ``plan_for``) and nothing of ``megatron_ring_lab``, so ``scripts/bench_revisions.py --plan-time`` runs this very
@@ -30,7 +32,12 @@ import torch
 
 from megatron_ring.kernels.varlen_plan import plan_for
 from megatron_ring.schedules.layouts import TaskKind, get_layout
-from megatron_ring.schedules.masks import AttentionMask, schedule
+from megatron_ring.schedules.masks import AttentionMask, DocumentZigzag, schedule
+
+try:  # the engine's test of a whole block as one task (revisions before it cut every block into runs of rows)
+    from megatron_ring.kernels.varlen_plan import one_task
+except ImportError:
+    one_task = None
 
 __all__ = ["packed_lengths", "short_lengths", "plan_times", "run_plan_time", "format_plan_time", "MIXES"]
 
@@ -66,15 +73,39 @@ def _cu(lengths: list[int]) -> tuple[int, ...]:
     return tuple(cu)
 
 
+def _megatron_padded(lengths: list[int], world: int, seq: int) -> tuple[list[int], tuple[int, ...]]:
+    """Megatron's per-document packing (``--sft``): each document padded to a multiple of 2P and split zigzag on its
+    own. Returns the padded slots' boundaries (``cu_seqlens_padded``, what :class:`DocumentZigzag` takes) and the
+    ring's documents, each slot's filler a document of its own (as the Megatron glue makes them); documents past
+    ``seq`` are dropped, the rest of the stream is one more slot."""
+    c, slots, docs = 2 * world, [0], [0]
+    for n in lengths:
+        m = -(-n // c) * c
+        if slots[-1] + m > seq:
+            break
+        docs += [slots[-1] + n] + ([slots[-1] + m] if m > n else [])
+        slots.append(slots[-1] + m)
+    if slots[-1] < seq:
+        slots.append(seq)
+        docs.append(seq)
+    return slots, tuple(docs)
+
+
 def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: str = "web", mixes: int = 5,
                causal: bool = True, window: tuple[int, int] | None = None) -> dict[str, Any]:
     """One row (see the module doc): ``plan_ms``, the median over ``mixes`` new document mixes of the slowest
     rank's planning; ``docs``, the mixes' median document count; ``masked`` and ``planned``, the slowest rank's
-    masked tasks and those with a segment plan (the others fall back to the math kernel) in the last mix."""
-    seq, lay = world * tokens_per_rank, get_layout(layout)
+    masked tasks and those with a segment plan (the others fall back to the math kernel) in the last mix.
+    ``layout="doc-zigzag"``: Megatron's per-document zigzag (:class:`DocumentZigzag`) of the mix's documents each
+    padded to a multiple of 2P (:func:`_megatron_padded`)."""
+    seq = world * tokens_per_rank
     per_mix, docs, masked, planned = [], [], 0, 0
     for seed in range(1, mixes + 1):  # a new mix each time: nothing of the last one's plan is reused
-        cu = _cu(MIXES[mix](seq, seed))
+        if layout == "doc-zigzag":
+            slots, cu = _megatron_padded(MIXES[mix](seq, seed), world, seq)
+            lay = DocumentZigzag(slots)
+        else:
+            cu, lay = _cu(MIXES[mix](seq, seed)), get_layout(layout)
         docs.append(len(cu) - 1)
         rule = AttentionMask(causal, cu, window)
         slowest = (-1.0, 0, 0)
@@ -83,7 +114,7 @@ def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: s
             t0 = time.perf_counter()
             for step in range(world):
                 for task in schedule(lay, rule, world, rank, (rank - step) % world, tokens_per_rank,
-                                     tokens_per_rank):
+                                     tokens_per_rank, **({"one_task": one_task} if one_task else {})):
                     if task.kind is TaskKind.MASKED:
                         n_masked += 1
                         n_planned += plan_for(task.mask) is not None
@@ -98,7 +129,8 @@ def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: s
 
 #: the rows ``scripts/bench_revisions.py --plan-time`` compares: (P, tokens per rank, layout, mix)
 GRID = [(4, 2048, "striped", "web"), (8, 2048, "striped", "short"), (4, 8192, "striped", "web"),
-        (8, 8192, "striped", "web"), (8, 8192, "striped", "short"), (8, 8192, "zigzag", "web")]
+        (8, 8192, "striped", "web"), (8, 8192, "striped", "short"), (8, 8192, "zigzag", "web"),
+        (4, 2048, "doc-zigzag", "web"), (8, 8192, "doc-zigzag", "web")]
 
 
 def run_plan_time(grid=GRID, mixes: int = 5) -> list[dict[str, Any]]:
