@@ -162,6 +162,28 @@ def _kernel_arg(name: str):
     return K.CudaSDPAKernel() if name == "sdpa_cuda" else name
 
 
+def _documents(case: Case) -> list[int] | None:
+    """The global documents of a THD case (boundaries inside blocks, padding at the end); ``layout="doc-zigzag"``:
+    Megatron's per-document zigzag, documents padded to multiples of 2P, each filler a document of its own."""
+    if case.fmt != "thd":
+        return None
+    total, c = case.s_local * case.P, 2 * case.P
+    if case.layout == "doc-zigzag":
+        return [0, 2 * c - 3, 2 * c, 5 * c, total - 5, total]
+    return [0, 37, total // 2 + 5, total - 9]
+
+
+def _layout_of(case: Case):
+    """The case's layout: a name, or for ``"doc-zigzag"`` the :class:`~megatron_ring.DocumentZigzag` of the padded
+    documents' slots (:func:`_documents`)."""
+    if case.layout != "doc-zigzag":
+        return case.layout
+    from megatron_ring import DocumentZigzag
+
+    c = 2 * case.P
+    return DocumentZigzag([0, 2 * c, 5 * c, case.s_local * case.P])
+
+
 def _inputs(case: Case):
     b = 1 if case.fmt == "thd" else 2
     h, hk = case.heads
@@ -173,15 +195,14 @@ def _inputs(case: Case):
         return torch.randn(shape, device="cuda", dtype=case.dtype, requires_grad=True)
 
     q, k, v = make(h, dqk), make(hk, dqk), make(hk, dv)
-    kw = dict(causal=case.causal, layout=case.layout, qkv_format=case.fmt, comm_dtype=case.wire,
+    kw = dict(causal=case.causal, layout=_layout_of(case), qkv_format=case.fmt, comm_dtype=case.wire,
               kernel=_kernel_arg(case.kernel), kv_pieces=case.kv_pieces, head_chunks=case.head_chunks, window=case.window,
               comm_type=case.comm_type)
     leaves = [q, k, v]
     if case.fmt == "thd":  # documents over the global stream, boundaries inside blocks
-        total = s * case.P
         # host boundaries (a list): a CUDA tensor would cost one device-to-host read per call (the schedule is
         # planned on the host from them), which FakeTensorMode refuses
-        kw["cu_seqlens"] = [0, 37, total // 2 + 5, total - 9]  # as in _plan_on_host
+        kw["cu_seqlens"] = _documents(case)  # as in _plan_on_host
     if case.sink == "float":
         kw["softmax_offset"] = 0.0
     elif case.sink == "tensor":
@@ -244,13 +265,12 @@ def _plan_on_host(case: Case, rank: int) -> dict[str, set[str]]:
 
     s = case.s_local
     total = s * case.P
-    cu = [0, 37, total // 2 + 5, total - 9] if case.fmt == "thd" else None
-    rule = _attention_mask(case.causal, cu, case.window, total)
+    rule = _attention_mask(case.causal, _documents(case), case.window, total)
     variants = {"tiles": (None, None), "whole": (s, None), "one": (s, one_task)}
     kinds = {name: {"dense"} for name in variants}
     if not rule.plain:
         kinds = {name: set() for name in variants}
-        lay = get_layout(case.layout)
+        lay = get_layout(_layout_of(case))
         needed_steps(lay, rule, case.P, s)
         for t in range(case.P):
             # tiles (math kernel, dropout), whole blocks (fused dropout) and whole blocks as one task where the

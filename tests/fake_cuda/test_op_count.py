@@ -134,10 +134,11 @@ def count(case: Case, rank: int = 1, **seam) -> tuple[OpCounter, OpCounter]:
 def _case(name: str, P: int) -> Case:
     base = dict(kernel="auto", P=P, heads=(4, 4))  # MHA; "gqa": 8 query heads on 2 K/V heads
     return {"causal": Case(**base), "full": Case(**base, causal=False), "gqa": Case(**{**base, "heads": (8, 2)}),
-            "thd": Case(**base, fmt="thd"), "dropout": Case(**base, dropout=0.1)}[name]
+            "thd": Case(**base, fmt="thd"), "doc-zigzag": Case(**base, fmt="thd", layout="doc-zigzag"),
+            "dropout": Case(**base, dropout=0.1)}[name]
 
 
-NAMES = ("causal", "full", "gqa", "thd", "dropout")
+NAMES = ("causal", "full", "gqa", "thd", "doc-zigzag", "dropout")
 PS = (2, 4, 8)
 #: (attention ops, other ops of the first call, of a warm call) per case at the time of writing: may only go down
 CEILING = {
@@ -158,6 +159,10 @@ CEILING = {
     # to the device (4 / 6 / 6). Before the fix-ups moved: 20 / 40 / 60 first calls (34 / 62 / 94 before the
     # list op)
     ("thd", 2): (4, 16, 12), ("thd", 4): (10, 35, 29), ("thd", 8): (18, 55, 49),
+    # Megatron's per-document zigzag (THD at CP > 1, documents padded to multiples of 2P, fillers documents of their
+    # own): a block is one masked task per ring step (schedules.masks.schedule(..., one_task=)); cut into its runs of
+    # rows (two per document) it made 12 / 40 / 64 attention ops and 30 / 71 / 107 other ops first, 22 / 55 / 83 warm
+    ("doc-zigzag", 2): (4, 16, 12), ("doc-zigzag", 4): (8, 30, 22), ("doc-zigzag", 8): (16, 58, 42),
     # attention dropout (a device seed, folded in the kernels) on its fused kernels (kernels/dropout_triton.py): the
     # dense causal case's count on a warm call (the first also copies the global positions the mask is keyed on to
     # the device, once per signature: 2 / 4 / 8); on the torch kernel (materialised scores and hashes) a warm call
