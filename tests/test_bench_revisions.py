@@ -32,7 +32,10 @@ def test_plan_time_of_two_trees(capsys):
     spec = importlib.util.spec_from_file_location("bench_revisions", os.path.join(ROOT, "scripts", "bench_revisions.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    from megatron_ring_lab.bench.plan_time import GRID
+
     rows = mod.main(["A", "B", "--trees", ROOT, ROOT, "--plan-time", "--rounds", "1", "--iters", "1"])
-    assert len(rows) == 6 and all(r["a_ms"] > 0 and r["b_ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert len(rows) == len(GRID) and all(r["a_ms"] > 0 and r["b_ms"] > 0 and r["ratio"] > 0 for r in rows)
     assert all(r["planned"][0] == r["planned"][1] == r["planned"][2] for r in rows)
-    assert "P=8  8192 per rank  striped   web" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "P=8  8192 per rank  striped   web" in out and "P=8  8192 per rank doc-zigzag   web" in out
