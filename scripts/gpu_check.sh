@@ -8,8 +8,8 @@
 #      side by side (tests/gpu/te_cp_check.py: errors vs float64 and fwd+bwd times);
 #   4. the GPU benchmark rows (each rank's ring schedule on one GPU vs one-GPU attention, P = 2 4 8 at 2K and 8K
 #      tokens per rank, 32:8 GQA heads of 128, bf16, causal): efficiency eager and CUDA-graphed, host time and
-#      kernel launches per call, peak memory, and packed THD with a real document-length mix against one-GPU
-#      variable-length flash (megatron_ring_lab.bench.gpu);
+#      kernel launches per call, peak memory, and packed THD with a real document-length mix (striped, and
+#      Megatron's per-document zigzag) against one-GPU variable-length flash (megatron_ring_lab.bench.gpu);
 #   5. the Megatron layer's host time per call on the GPU (RingDotProductAttention forward+backward at CP = 1 vs
 #      the same ring_attention call made directly: the glue's share; megatron_ring_lab.bench.layer_host_time);
 #   6. the host time to plan a new document layout on this machine's CPU (what the first layer of every packed
@@ -17,7 +17,8 @@
 # and print one table (tests/gpu/check_table.py); exit 1 if any step failed or ran out of its time budget.
 # Needs no download and no venv: the project venv if there is one, else the system python3 (torch with CUDA,
 # megatron-core, pytest; pytest-timeout is used only where installed). Budget: each step under `timeout`,
-# under 8 minutes in all on one GPU. On a machine without a usable GPU it says so and exits 0.
+# under 10 minutes in all on one GPU (the steps ran in 3 minutes on an H200 before the planning step and the
+# per-document rows were added). On a machine without a usable GPU it says so and exits 0.
 # Env: MEGATRON_RING_VENV (default .venv), GPU_CHECK_SEQ (default 8192: the NCCL and TE checks),
 # GPU_CHECK_TOKENS_PER_RANK (default "2048 8192": the benchmark rows), GPU_CHECK_LOGS (a folder that keeps each
 # step's log; default: a temporary folder, removed at the end).
@@ -76,8 +77,9 @@ echo $? > "$OUT/layer.rc"
 timeout 60 "$PY" -m megatron_ring_lab.benchmark --plan-time --world-sizes 4 8 --tokens-per-rank $TOKENS --iters 3 \
   > "$OUT/plan.txt" 2>&1
 echo $? > "$OUT/plan.rc"
-timeout 120 "$PY" -m megatron_ring_lab.benchmark --gpu-row --world-sizes 2 4 8 --tokens-per-rank $TOKENS \
+timeout 150 "$PY" -m megatron_ring_lab.benchmark --gpu-row --world-sizes 2 4 8 --tokens-per-rank $TOKENS \
   --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --causal --iters 3 --gpu-docs --graphed \
+  --gpu-docs-layouts striped doc-zigzag \
   > "$OUT/bench.json" 2> "$OUT/bench.err"
 echo $? > "$OUT/bench.rc"
 "$PY" tests/gpu/check_table.py "$OUT" "$NGPU"

@@ -125,6 +125,22 @@ def test_gpu_row_runs_on_cpu_dense_and_packed():
         assert row["host_ms_triton"] == 0 and row["host_ops"] > 10  # no Triton on CPU
 
 
+def test_gpu_row_on_megatrons_per_document_zigzag_runs_on_cpu():
+    """``layout="doc-zigzag"`` (``--gpu-docs-layouts doc-zigzag``): the packed row in Megatron's per-document order,
+    documents padded to multiples of 2P, a new mix (and layout) per call for ``host_ms_new_documents``; refused by
+    name without packed documents."""
+    import pytest
+    import torch
+
+    from megatron_ring_lab.bench.gpu import gpu_row
+
+    row = gpu_row(2, 256, 4, 2, 16, torch.float32, "doc-zigzag", iters=1, docs=True, device="cpu")
+    assert row["layout"] == "doc-zigzag" and row["docs"] > 1 and row["efficiency"] > 0
+    assert row["host_ms_new_documents"] > 0 and row["reference"] == "per-document sdpa"
+    with pytest.raises(ValueError, match="add --gpu-docs"):
+        gpu_row(2, 256, 4, 2, 16, torch.float32, "doc-zigzag", iters=1, device="cpu")
+
+
 def test_gpu_row_with_mla_head_dims_runs_on_cpu():
     """``v_head_dim`` (``--v-head-dim``): V of another head dim, dense; a packed row with it is refused by name."""
     import pytest

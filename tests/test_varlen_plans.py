@@ -340,10 +340,10 @@ def test_megatron_per_document_zigzag_runs_one_task_per_ring_step(world, monkeyp
     float64, at most one task per rank and ring step, forward and backward, none on the math kernel. Negative
     control: with the kernel's test refusing, the block's runs make many more tasks (the same results)."""
     from megatron_ring.core import plan as plan_module
-    from megatron_ring_lab.bench.plan_time import _megatron_padded, packed_lengths
+    from megatron_ring_lab.bench.plan_time import megatron_padded, packed_lengths
 
     T = 128 * world
-    slots, cu = _megatron_padded(packed_lengths(T, seed=world), world, T)
+    slots, cu = megatron_padded(packed_lengths(T, seed=world), world, T)
     layout = DocumentZigzag(slots)
     calls = {}
     for one in (True, False):

@@ -27,7 +27,8 @@ A row (:func:`gpu_row`) reports, besides the efficiency:
   backward, ``torch.autograd.grad``), its time and efficiency; a capture that fails is reported, not raised;
 * packed documents (``docs=True``): ONE packed THD stream of ``seq`` tokens cut into a real document-length mix
   (:func:`packed_lengths`: web-like, documents at most a quarter of the stream), the ``striped`` layout by
-  default, against one-GPU variable-length flash on the same packed stream
+  default, or ``layout="doc-zigzag"``: Megatron's per-document zigzag (``--sft``: documents padded to multiples of
+  2P, :class:`~megatron_ring.DocumentZigzag`), against one-GPU variable-length flash on the same packed stream
   (``aten._flash_attention_forward`` with ``cum_seq_q/k``; a per-document loop of SDPA where that op is
   missing, named in ``reference``).
 
@@ -47,8 +48,9 @@ import torch.nn.functional as F
 
 from megatron_ring.api import ring_attention
 from megatron_ring.schedules.layouts import get_layout
+from megatron_ring.schedules.masks import DocumentZigzag
 from megatron_ring.transport.ring import LoopbackRing
-from megatron_ring_lab.bench.plan_time import packed_lengths
+from megatron_ring_lab.bench.plan_time import megatron_padded, packed_lengths
 
 __all__ = ["gpu_row", "packed_lengths", "kernel_kind", "KERNEL_KINDS", "host_split", "host_kind", "HOST_KINDS"]
 
@@ -130,22 +132,36 @@ def _host_parts(call: Callable[[], torch.Tensor], dev: torch.device, iters: int)
     return statistics.median(fwd), statistics.median(bwd)
 
 
-def _host_new_documents(call: Callable[..., torch.Tensor], dev: torch.device, seq: int, iters: int) -> float:
-    """Median host ms of a forward+backward on a NEW document mix each call (launched, not waited for): what the
-    first layer of every micro-batch pays on a packed batch, its planning included (the row's other times reuse
-    one mix's plan)."""
+def _host_new_documents(call: Callable[..., torch.Tensor], dev: torch.device, documents: Callable[[int], dict],
+                        iters: int) -> float:
+    """Median host ms of a forward+backward on a NEW document mix each call (``documents(seed)``: the call's
+    keywords; launched, not waited for): what the first layer of every micro-batch pays on a packed batch, its
+    planning included (the row's other times reuse one mix's plan)."""
     ms = []
     for i in range(iters):
-        cu = [0]
-        for n in packed_lengths(seq, seed=1 + i):
-            cu.append(cu[-1] + n)
-        kw = dict(qkv_format="thd", cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+        kw = documents(1 + i)
         _drain(dev)
         t0 = time.perf_counter()
         call(kw=kw).sum().backward()
         ms.append((time.perf_counter() - t0) * 1e3)
     _drain(dev)
     return statistics.median(ms)
+
+
+def _documents(layout: str, world: int, seq: int, seed: int) -> tuple[dict, list[int]]:
+    """A packed row's ``ring_attention`` keywords for the mix of ``seed`` (:func:`packed_lengths`), and its
+    documents (``cu_seqlens``). ``layout="doc-zigzag"``: Megatron's per-document zigzag (``--sft``): each document
+    padded to a multiple of 2P, its filler a document of its own (as the Megatron glue makes them), the layout the
+    :class:`~megatron_ring.DocumentZigzag` of the padded slots."""
+    lengths = packed_lengths(seq, seed)
+    if layout == "doc-zigzag":
+        slots, cu = megatron_padded(lengths, world, seq)
+        lay = DocumentZigzag(slots)
+    else:
+        cu, lay = [0], layout
+        for n in lengths:
+            cu.append(cu[-1] + n)
+    return dict(qkv_format="thd", cu_seqlens=torch.tensor(cu, dtype=torch.int32), layout=lay), list(cu)
 
 
 def _drain(dev: torch.device) -> None:
@@ -267,25 +283,21 @@ def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
         raise ValueError("a packed row with MLA head dims has no one-GPU reference (variable-length flash takes one "
                          "head dim): drop --v-head-dim or --gpu-docs")
     layout = layout or ("striped" if docs else "zigzag")
-    cu = None
-    if docs:
-        cu = [0]
-        for n in packed_lengths(seq):
-            cu.append(cu[-1] + n)
+    if layout == "doc-zigzag" and not docs:
+        raise ValueError("the per-document zigzag (doc-zigzag) is a layout of packed documents: add --gpu-docs")
+    docs_kw, cu = _documents(layout, world, seq, 0) if docs else (dict(layout=layout), None)
     q = torch.randn(1, seq, heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
     k = torch.randn(1, seq, kv_heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
     v = torch.randn(1, seq, kv_heads, dv, device=dev, dtype=dtype, requires_grad=True)
-    lay = get_layout(layout)
+    lay = get_layout(docs_kw["layout"])
     time_it = _timer(dev)
     per_rank = []  # (work ms, host ms, rank, its call, leaves)
     for r in range(world):
         pos = lay.positions(seq, world, r).to(dev)
         leaves = [(t[0, pos] if docs else t[:, pos]).detach().clone().requires_grad_() for t in (q, k, v)]
         ring = LoopbackRing(world, r, dev)
-        kw = dict(qkv_format="thd", cu_seqlens=torch.tensor(cu, dtype=torch.int32)) if docs else {}
-
-        def call(leaves=leaves, ring=ring, kw=kw):
-            return ring_attention(*leaves, causal=causal, layout=layout, ring=ring, kernel=kernel, **kw)
+        def call(leaves=leaves, ring=ring, kw=docs_kw):
+            return ring_attention(*leaves, causal=causal, ring=ring, kernel=kernel, **kw)
 
         def step(call=call):
             call().sum().backward()
@@ -307,7 +319,8 @@ def gpu_row(world: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
 
     row["host_ms_forward"], row["host_ms_backward"] = _host_parts(call, dev, iters)
     if docs:
-        row["host_ms_new_documents"] = _host_new_documents(call, dev, seq, iters)
+        row["host_ms_new_documents"] = _host_new_documents(
+            call, dev, lambda seed: _documents(layout, world, seq, seed)[0], iters)
     try:
         row.update(host_split(step, dev))
     except Exception as exc:  # noqa: BLE001 - a diagnostic that fails is reported, the row's figures kept

@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="with --gpu-row: rows at these tokens per rank (seq = tokens x P) instead of --seq")
     ap.add_argument("--gpu-docs", action="store_true", help="with --gpu-row: also a packed-THD row per size, a "
                     "real document-length mix vs one-GPU variable-length flash on the same stream")
+    ap.add_argument("--gpu-docs-layouts", nargs="+", default=["striped"], choices=["striped", "zigzag", "doc-zigzag"],
+                    help="with --gpu-docs: the packed rows' layouts (doc-zigzag: Megatron's per-document zigzag, "
+                         "documents padded to multiples of 2P as --sft packs them)")
     ap.add_argument("--graphed", action="store_true", help="with --gpu-row: also each call captured into a CUDA "
                     "graph and replayed (time, efficiency)")
     ap.add_argument("--breakdown", action="store_true",
@@ -449,9 +452,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         dtype = getattr(torch, DTYPES[a.dtype])
         rows = []
         for p, seq in sizes:
-            for docs in ((False, True) if a.gpu_docs else (False,)):
+            for docs, layout in [(False, a.layout)] + [(True, lay) for lay in (a.gpu_docs_layouts if a.gpu_docs else [])]:
                 rows.append(gpu_row(p, seq, a.heads, a.kv_heads or a.heads, a.head_dim, dtype,
-                                    None if docs else a.layout, a.causal, a.iters, docs=docs, graphed=a.graphed,
+                                    layout, a.causal, a.iters, docs=docs, graphed=a.graphed,
                                     v_head_dim=a.v_head_dim))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress, if a later row runs out of time
         print(json.dumps(rows, indent=2))

@@ -39,7 +39,8 @@ try:  # the engine's test of a whole block as one task (revisions before it cut 
 except ImportError:
     one_task = None
 
-__all__ = ["packed_lengths", "short_lengths", "plan_times", "run_plan_time", "format_plan_time", "MIXES"]
+__all__ = ["packed_lengths", "short_lengths", "megatron_padded", "plan_times", "run_plan_time", "format_plan_time",
+           "MIXES"]
 
 
 def packed_lengths(seq: int, seed: int = 0) -> list[int]:
@@ -73,7 +74,7 @@ def _cu(lengths: list[int]) -> tuple[int, ...]:
     return tuple(cu)
 
 
-def _megatron_padded(lengths: list[int], world: int, seq: int) -> tuple[list[int], tuple[int, ...]]:
+def megatron_padded(lengths: list[int], world: int, seq: int) -> tuple[list[int], tuple[int, ...]]:
     """Megatron's per-document packing (``--sft``): each document padded to a multiple of 2P and split zigzag on its
     own. Returns the padded slots' boundaries (``cu_seqlens_padded``, what :class:`DocumentZigzag` takes) and the
     ring's documents, each slot's filler a document of its own (as the Megatron glue makes them); documents past
@@ -97,12 +98,12 @@ def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: s
     rank's planning; ``docs``, the mixes' median document count; ``masked`` and ``planned``, the slowest rank's
     masked tasks and those with a segment plan (the others fall back to the math kernel) in the last mix.
     ``layout="doc-zigzag"``: Megatron's per-document zigzag (:class:`DocumentZigzag`) of the mix's documents each
-    padded to a multiple of 2P (:func:`_megatron_padded`)."""
+    padded to a multiple of 2P (:func:`megatron_padded`)."""
     seq = world * tokens_per_rank
     per_mix, docs, masked, planned = [], [], 0, 0
     for seed in range(1, mixes + 1):  # a new mix each time: nothing of the last one's plan is reused
         if layout == "doc-zigzag":
-            slots, cu = _megatron_padded(MIXES[mix](seq, seed), world, seq)
+            slots, cu = megatron_padded(MIXES[mix](seq, seed), world, seq)
             lay = DocumentZigzag(slots)
         else:
             cu, lay = _cu(MIXES[mix](seq, seed)), get_layout(layout)
