@@ -14,11 +14,12 @@ A leaf module: it imports nothing of the package, so every part (kernels, transp
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["DeviceOps", "CudaOps", "ops_for", "use", "to_device", "held_under_capture", "CAPTURED"]
+__all__ = ["DeviceOps", "CudaOps", "ops_for", "use", "to_device", "to_device_together", "held_under_capture",
+           "CAPTURED"]
 
 
 class DeviceOps:
@@ -256,6 +257,15 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     wait). Every host-to-device copy of the library's plan tensors goes through here."""
     device = torch.device(device)
     return ops_for(device).to_device(x, device)
+
+
+def to_device_together(xs: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Host tensors on ``device`` in ONE copy through :func:`to_device` where they share a dtype (views of one device
+    tensor, each contiguous), else one copy each: a plan's index tensors, which a first call copies together."""
+    if len({x.dtype for x in xs}) != 1:
+        return [to_device(x, device) for x in xs]
+    flat = to_device(torch.cat([x.reshape(-1) for x in xs]), device)
+    return [part.view(x.shape) for part, x in zip(flat.split([x.numel() for x in xs]), xs)]
 
 
 #: device tensors a CUDA graph reads at every replay that were made before its capture (the plans' index tensors and

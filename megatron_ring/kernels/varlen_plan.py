@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_ring.device import held_under_capture, to_device
+from megatron_ring.device import held_under_capture, to_device_together
 
 __all__ = ["VarlenCall", "SegmentPlan", "plan_for", "build_plan", "visible_in_segment", "kernel_window"]
 
@@ -120,7 +120,7 @@ class VarlenCall:
 @dataclass(frozen=True, eq=False)
 class SegmentPlan:
     """The calls of one masked task. ``cum(device, b)``: per call, its int32 ``(cum_q, cum_k)`` on ``device``
-    for batch size ``b``, copied there once."""
+    for batch size ``b``, copied there once (all of the plan's in one copy: views of one device tensor)."""
 
     calls: tuple[VarlenCall, ...]
     #: False: the calls' query rows, and their key rows, are consecutive and cover the task's once. True: the
@@ -133,8 +133,9 @@ class SegmentPlan:
         key = (torch.device(device), b)
         got = self._on.get(key)
         if got is None:
-            got = self._on[key] = [tuple(to_device(torch.tensor(c, dtype=torch.int32), device) for c in call.batched(b))
-                                   for call in self.calls]
+            cums = [torch.tensor(c, dtype=torch.int32) for call in self.calls for c in call.batched(b)]
+            on = to_device_together(cums, device) if cums else []  # one copy for the whole plan
+            got = self._on[key] = list(zip(on[0::2], on[1::2]))
         held_under_capture(device, *(t for pair in got for t in pair))  # a CUDA graph reading them: kept
         return got
 

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from megatron_ring.device import held_under_capture, to_device
+from megatron_ring.device import held_under_capture, to_device_together
 from megatron_ring.schedules.bounded import BoundedLRU
 from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView, TaskKind
 
@@ -115,12 +115,12 @@ class BlockMask:
     _on: dict = field(default_factory=dict, repr=False, compare=False)  # device -> the four vectors there
 
     def vectors(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
-        """``(qpos, qdoc, kpos, kdoc)`` on ``device`` (copied once per device)."""
+        """``(qpos, qdoc, kpos, kdoc)`` on ``device`` (copied once per device, the four in one copy)."""
         device = torch.device(device)
         if device.type == "cpu":
             return self.qpos, self.qdoc, self.kpos, self.kdoc
         if device not in self._on:
-            self._on[device] = tuple(to_device(t, device) for t in (self.qpos, self.qdoc, self.kpos, self.kdoc))
+            self._on[device] = tuple(to_device_together((self.qpos, self.qdoc, self.kpos, self.kdoc), device))
         held_under_capture(device, *self._on[device])  # a CUDA graph reading them: kept, whatever the cache evicts
         return self._on[device]
 

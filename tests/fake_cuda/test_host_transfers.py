@@ -112,3 +112,26 @@ def test_the_counter_sees_a_device_to_host_copy():
         torch.ones(4, device="cuda").to("cpu")
         torch.ones(4, device="cuda")[torch.arange(2)]  # a host index into a device tensor: copied there
     assert counter.counts == {"device->host aten::_to_copy": 1, "host->device aten::index": 1}
+
+
+def test_a_plans_index_tensors_are_copied_together():
+    """``device.to_device_together`` (a segment plan's cumulative lengths, a mask's four vectors): tensors of one dtype
+    in ONE copy through the seam, each a contiguous view of one device tensor with its values; of several dtypes, one
+    copy each (the negative control of the count)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    host = [torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32),
+            torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)]
+    dev = FakeCuda()
+    with device.use("cuda", dev):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            got = device.to_device_together(host, "cuda")
+            assert dev.log["to_device"] == 1
+            assert [(g.shape, g.dtype, g.device.type, g.is_contiguous()) for g in got] == \
+                [(h.shape, h.dtype, "cuda", True) for h in host]
+            assert len({g.untyped_storage()._cdata for g in got}) == 1  # one device tensor
+            device.to_device_together([host[0], host[1].long()], "cuda")
+            assert dev.log["to_device"] == 3
+        with device.use("cpu", dev):  # the values, on a device whose tensors can be read
+            got = device.to_device_together(host, "cpu")
+            assert all(torch.equal(g, h) for g, h in zip(got, host))
