@@ -120,7 +120,6 @@ def status_pattern(value: float, rank: int, world: int, dtype: torch.dtype, devi
     return cached_on(("status", value, rank, world, dtype), make, device)  # under capture: held for the process
 
 
-
 def status_buffers(codec: KVCodec, spec: KVSpec, count: int) -> SlotSet:
     """``count`` wire buffers with the status element before the codec's payload (:func:`status_elem`,
     :func:`payload_of`), as one set from the pool (give it back with ``POOL.give_set``; keyed by ``(codec, spec)``,

@@ -198,6 +198,14 @@ def _classify(rule: AttentionMask, qp, qd, kp, kd, pad: int) -> str:
     return "mixed"
 
 
+def _documents(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor):
+    """``(qdoc, kdoc, qd, kd, pad)``: the rows' and keys' documents (-1: padding), the same with padding as ``pad``,
+    the largest id (padding sorts last, as :func:`_classify` needs)."""
+    qdoc, kdoc = rule.doc_ids(qpos), rule.doc_ids(kpos)
+    pad = len(rule.cu_seqlens) if rule.cu_seqlens is not None else 1
+    return qdoc, kdoc, torch.where(qdoc < 0, pad, qdoc), torch.where(kdoc < 0, pad, kdoc), pad
+
+
 def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: int,
            shapes: bool = True) -> tuple[BlockTask, ...]:
     """Per query tile, its run of visible key tiles as kernel calls: adjacent full tiles make one full call;
@@ -208,9 +216,7 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
     ``shapes=False`` (whole blocks for a variable-length kernel): a tile pair mixed by its ranges is not
     looked at pair by pair (``[tile, tile]`` booleans: seconds at 8K rows) unless :func:`_band_shape` tells
     its shape from a vector; it is a masked call, which that kernel runs as fast as an unmasked one."""
-    qdoc, kdoc = rule.doc_ids(qpos), rule.doc_ids(kpos)
-    pad = len(rule.cu_seqlens) if rule.cu_seqlens is not None else 1
-    qd, kd = torch.where(qdoc < 0, pad, qdoc), torch.where(kdoc < 0, pad, kdoc)  # padding sorts last
+    qdoc, kdoc, qd, kd, pad = _documents(rule, qpos, kpos)
     ktiles = _runs(kpos, tile)
     bare = AttentionMask(rule.causal, None, rule.window)  # a tile pair within one document sees only this
     tasks: list[BlockTask] = []
@@ -372,9 +378,7 @@ def _whole_block(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor,
         return None
     if len(_runs(qpos, len(qpos))) <= 2 and len(_runs(kpos, len(kpos))) <= 2:
         return None
-    qdoc, kdoc = rule.doc_ids(qpos), rule.doc_ids(kpos)
-    pad = len(rule.cu_seqlens) if rule.cu_seqlens is not None else 1
-    qd, kd = torch.where(qdoc < 0, pad, qdoc), torch.where(kdoc < 0, pad, kdoc)  # padding sorts last
+    qdoc, kdoc, qd, kd, pad = _documents(rule, qpos, kpos)
     rows, keys = slice(0, len(qpos)), slice(0, len(kpos))
     kind = _classify(rule, qpos, qd, kpos, kd, pad)
     if kind == "none":
