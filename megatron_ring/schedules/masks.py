@@ -370,8 +370,8 @@ def _whole_block(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor,
 
     Runs of rows are what tiles and the triangle shapes need; a variable-length kernel needs none, and cutting at
     every jump made a block of Megatron's per-document zigzag (two chunks per document) dozens of small calls, each
-    with its merge (P = 8, 8K rows per rank, a web-like mix of 25 documents: 193 masked tasks per forward, and
-    ~0.3 s to plan them on the host). A block of at most 2 x 2 runs (zigzag's two chunks) keeps them: its fully
+    with its merge (P = 8, 8K rows per rank, a web-like mix: up to 212 masked tasks per forward, and ~0.3 s
+    to plan them on the host). A block of at most 2 x 2 runs (zigzag's two chunks) keeps them: its fully
     visible runs run on the dense kernel, faster than the variable-length flash kernel where that is cuDNN."""
     if len(qpos) < 2 or len(kpos) < 2 or not (bool((qpos[1:] > qpos[:-1]).all())
                                               and bool((kpos[1:] > kpos[:-1]).all())):

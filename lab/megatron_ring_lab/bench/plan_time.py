@@ -95,8 +95,9 @@ def megatron_padded(lengths: list[int], world: int, seq: int) -> tuple[list[int]
 def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: str = "web", mixes: int = 5,
                causal: bool = True, window: tuple[int, int] | None = None) -> dict[str, Any]:
     """One row (see the module doc): ``plan_ms``, the median over ``mixes`` new document mixes of the slowest
-    rank's planning; ``docs``, the mixes' median document count; ``masked`` and ``planned``, the slowest rank's
-    masked tasks and those with a segment plan (the others fall back to the math kernel) in the last mix.
+    rank's planning; ``docs``, the mixes' median document count; ``masked`` and ``planned``, in the last mix, the
+    most masked tasks of any rank's forward and how many of those have a segment plan (the others fall back to the
+    math kernel).
     ``layout="doc-zigzag"``: Megatron's per-document zigzag (:class:`DocumentZigzag`) of the mix's documents each
     padded to a multiple of 2P (:func:`megatron_padded`)."""
     seq = world * tokens_per_rank
@@ -109,7 +110,7 @@ def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: s
             cu, lay = _cu(MIXES[mix](seq, seed)), get_layout(layout)
         docs.append(len(cu) - 1)
         rule = AttentionMask(causal, cu, window)
-        slowest = (-1.0, 0, 0)
+        slowest, counts = -1.0, (0, 0)
         for rank in range(world):
             n_masked = n_planned = 0
             t0 = time.perf_counter()
@@ -119,10 +120,10 @@ def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: s
                     if task.kind is TaskKind.MASKED:
                         n_masked += 1
                         n_planned += plan_for(task.mask) is not None
-            ms = (time.perf_counter() - t0) * 1e3
-            slowest = max(slowest, (ms, n_masked, n_planned))
-        per_mix.append(slowest[0])
-        masked, planned = slowest[1], slowest[2]
+            slowest = max(slowest, (time.perf_counter() - t0) * 1e3)
+            counts = max(counts, (n_masked, n_planned))
+        per_mix.append(slowest)
+        masked, planned = counts
     return dict(P=world, tokens_per_rank=tokens_per_rank, layout=layout, mix=mix, causal=causal,
                 window=list(window) if window else None, docs=statistics.median(docs),
                 plan_ms=statistics.median(per_mix), plan_ms_mixes=per_mix, masked=masked, planned=planned)
@@ -139,7 +140,8 @@ def run_plan_time(grid=GRID, mixes: int = 5) -> list[dict[str, Any]]:
 
 
 def format_plan_time(rows: list[dict[str, Any]]) -> str:
-    lines = ["| P | tokens per rank | layout | mix | docs | masked tasks (planned) | plan ms (slowest rank) |",
+    lines = ["| P | tokens per rank | layout | mix | docs | masked tasks, most of a rank (planned) "
+             "| plan ms (slowest rank) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['P']} | {r['tokens_per_rank']} | {r['layout']} | {r['mix']} | {r['docs']:.0f} | "
