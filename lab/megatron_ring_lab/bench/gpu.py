@@ -48,9 +48,8 @@ import torch.nn.functional as F
 
 from megatron_ring.api import ring_attention
 from megatron_ring.schedules.layouts import get_layout
-from megatron_ring.schedules.masks import DocumentZigzag
 from megatron_ring.transport.ring import LoopbackRing
-from megatron_ring_lab.bench.plan_time import megatron_padded, packed_lengths
+from megatron_ring_lab.bench.plan_time import packed_documents, packed_lengths
 
 __all__ = ["gpu_row", "packed_lengths", "kernel_kind", "KERNEL_KINDS", "host_split", "host_kind", "HOST_KINDS"]
 
@@ -153,14 +152,7 @@ def _documents(layout: str, world: int, seq: int, seed: int) -> tuple[dict, list
     documents (``cu_seqlens``). ``layout="doc-zigzag"``: Megatron's per-document zigzag (``--sft``): each document
     padded to a multiple of 2P, its filler a document of its own (as the Megatron glue makes them), the layout the
     :class:`~megatron_ring.DocumentZigzag` of the padded slots."""
-    lengths = packed_lengths(seq, seed)
-    if layout == "doc-zigzag":
-        slots, cu = megatron_padded(lengths, world, seq)
-        lay = DocumentZigzag(slots)
-    else:
-        cu, lay = [0], layout
-        for n in lengths:
-            cu.append(cu[-1] + n)
+    cu, lay = packed_documents(layout, packed_lengths(seq, seed), world, seq)
     return dict(qkv_format="thd", cu_seqlens=torch.tensor(cu, dtype=torch.int32), layout=lay), list(cu)
 
 

@@ -39,8 +39,8 @@ try:  # the engine's test of a whole block as one task (revisions before it cut 
 except ImportError:
     one_task = None
 
-__all__ = ["packed_lengths", "short_lengths", "megatron_padded", "plan_times", "run_plan_time", "format_plan_time",
-           "MIXES"]
+__all__ = ["packed_lengths", "short_lengths", "megatron_padded", "packed_documents", "plan_times", "run_plan_time",
+           "format_plan_time", "MIXES"]
 
 
 def packed_lengths(seq: int, seed: int = 0) -> list[int]:
@@ -92,6 +92,16 @@ def megatron_padded(lengths: list[int], world: int, seq: int) -> tuple[list[int]
     return slots, tuple(docs)
 
 
+def packed_documents(layout: str, lengths: list[int], world: int, seq: int):
+    """A packed stream of documents of ``lengths`` as the ring takes it: ``(cu_seqlens, layout)``. ``"doc-zigzag"``:
+    Megatron's per-document zigzag (:func:`megatron_padded`; the layout its :class:`DocumentZigzag`), else the
+    documents as they are and ``layout`` itself."""
+    if layout == "doc-zigzag":
+        slots, cu = megatron_padded(lengths, world, seq)
+        return cu, DocumentZigzag(slots)
+    return _cu(lengths), layout
+
+
 def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: str = "web", mixes: int = 5,
                causal: bool = True, window: tuple[int, int] | None = None) -> dict[str, Any]:
     """One row (see the module doc): ``plan_ms``, the median over ``mixes`` new document mixes of the slowest
@@ -103,11 +113,8 @@ def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: s
     seq = world * tokens_per_rank
     per_mix, docs, masked, planned = [], [], 0, 0
     for seed in range(1, mixes + 1):  # a new mix each time: nothing of the last one's plan is reused
-        if layout == "doc-zigzag":
-            slots, cu = megatron_padded(MIXES[mix](seq, seed), world, seq)
-            lay = DocumentZigzag(slots)
-        else:
-            cu, lay = _cu(MIXES[mix](seq, seed)), get_layout(layout)
+        cu, lay = packed_documents(layout, MIXES[mix](seq, seed), world, seq)
+        lay = get_layout(lay)
         docs.append(len(cu) - 1)
         rule = AttentionMask(causal, cu, window)
         slowest, counts = -1.0, (0, 0)
