@@ -62,11 +62,13 @@ def test_nccl_deadline_never_blocks_the_host(one_rank_group, monkeypatch):
     exchange once it completes, and nothing fails."""
     work = NcclLikeWork()
     _one_work_backend(monkeypatch, work)
-    ring = ring_as(2, 4, coalesced=True, timeout_s=0.5)
+    # the deadline is far from what three launches cost on any host: had wait() blocked on the work (which completes
+    # only at finish() below), the deadline would expire first and the watchdog record a failure
+    ring = ring_as(2, 4, coalesced=True, timeout_s=5.0)
     t0 = time.monotonic()
     for step in range(3):
         ring.exchange(torch.zeros(4), torch.empty(4), "fwd_kv", step).wait()
-    assert time.monotonic() - t0 < 0.4  # returned before the work completed (and before the deadline)
+    assert time.monotonic() - t0 < 5.0 and ring.failure is None and ring.aborted == 0  # returned before the deadline
     assert work.wait_calls == [(), (), ()]  # never work.wait(timeout): that blocks NCCL's host thread
     work.finish()
     deadline = time.monotonic() + 5
