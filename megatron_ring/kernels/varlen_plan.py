@@ -27,6 +27,7 @@ import functools
 import weakref
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 
 from megatron_ring.device import held_under_capture, to_device_together
@@ -173,25 +174,34 @@ def _row_spans(mask) -> tuple[torch.Tensor, torch.Tensor] | None:
     return mask.row_ranges()
 
 
-def _ordered(doc: torch.Tensor) -> bool:
+def _host(t) -> numpy.ndarray:
+    """A host index vector as a numpy array (a view of a CPU tensor's memory, no copy): the plan's row-wise work
+    runs in numpy, whose calls on vectors of a few thousand rows cost a fraction of torch's (its per-call dispatch,
+    and a binary search that does not use the order of the values searched)."""
+    return t.numpy() if isinstance(t, torch.Tensor) else numpy.asarray(t)
+
+
+def _ordered(doc: numpy.ndarray) -> bool:
     """Whether the documents (padding, -1, left out) do not decrease along the rows."""
     d = doc[doc >= 0]
     return len(d) < 2 or bool((d[1:] >= d[:-1]).all())
 
 
-def _doc_runs(doc: torch.Tensor) -> dict[int, tuple[int, int]]:
-    """Each document's run of rows ``(start, stop)`` (ids that do not decrease, :func:`_ordered`; -1: padding, left
-    out), without a loop over rows."""
-    at = torch.nonzero(doc >= 0).flatten()
-    ids, counts = torch.unique_consecutive(doc[at], return_counts=True)
-    ends = counts.cumsum(0)
-    first, last = at[ends - counts], at[ends - 1] + 1
-    return dict(zip(ids.tolist(), zip(first.tolist(), last.tolist())))
+def _doc_runs(doc: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+    """Each document's run of rows: ``(ids, start, stop)`` (ids that do not decrease, :func:`_ordered`; -1: padding,
+    left out), without a loop over rows."""
+    at = numpy.flatnonzero(doc >= 0)
+    if not len(at):
+        return at, at, at
+    ids = doc[at]
+    new = numpy.flatnonzero(ids[1:] != ids[:-1]) + 1  # where a new document's run starts (besides the first)
+    first, last = numpy.concatenate(((0,), new)), numpy.concatenate((new, (len(ids),))) - 1
+    return ids[first], at[first], at[last] + 1
 
 
-def _segments(qdoc: torch.Tensor, kdoc: torch.Tensor, spans):
+def _segments(qdoc, kdoc, spans):
     """The segments of a plan, one per document present in both the query and key rows, in order, for all
-    documents at once (tensor ops over the rows, a loop over the documents only): each document's rows and keys
+    documents at once (array ops over the rows, a loop over the documents only): each document's rows and keys
     trimmed to the rows that see a key and the keys some row sees, ``((qa, qb, ka, kb), right, left)`` with what its
     right and left window need (:class:`_Need`: the first row whose upper, or lower, bound is effective fixes it);
     those that see nothing left out. None when the documents are out of order along the rows or a segment is
@@ -200,37 +210,42 @@ def _segments(qdoc: torch.Tensor, kdoc: torch.Tensor, spans):
     ``spans``: each query row's visible keys ``[lo, hi)`` (``lo == hi``: none): the mask's row ranges
     (:func:`_row_spans`), or a function of each row's document's key run (``ka``, ``kb`` per row) giving them
     within it (:func:`_matrix_spans`)."""
+    qdoc, kdoc = _host(qdoc), _host(kdoc)
     if not (_ordered(qdoc) and _ordered(kdoc)):
         return None  # documents out of order along the rows: not consecutive segments
-    qruns, kruns = _doc_runs(qdoc), _doc_runs(kdoc)
-    docs = [d for d in sorted(qruns) if d in kruns]
-    if not docs:
+    (qid, qa, qb), (kid, ka, kb) = _doc_runs(qdoc), _doc_runs(kdoc)
+    _, iq, ik = numpy.intersect1d(qid, kid, assume_unique=True, return_indices=True)
+    if not len(iq):
         return []
-    qa, qb = (torch.tensor([qruns[d][i] for d in docs]) for i in (0, 1))
-    ka, kb = (torch.tensor([kruns[d][i] for d in docs]) for i in (0, 1))
-    rows = torch.arange(len(qdoc))
-    seg = (torch.searchsorted(qa, rows, right=True) - 1).clamp(min=0)  # a row's document (if it is in one's run)
+    qa, qb, ka, kb = qa[iq], qb[iq], ka[ik], kb[ik]  # the documents in both, in order
+    n_rows = len(qdoc)
+    rows = numpy.arange(n_rows)
+    # a row's document (if it is in one's run): the segments' rows are consecutive, in order, so each segment's
+    # values reduce over one stretch of rows (``reduceat`` from its first row; the first stretch from row 0)
+    starts = numpy.concatenate(((0,), qa[1:]))
+    seg = numpy.repeat(numpy.arange(len(qa)), numpy.concatenate((starts[1:], (n_rows,))) - starts)
     lo, hi = spans(ka[seg], kb[seg]) if callable(spans) else spans
-    big = len(lo) + len(kdoc) + 1
+    lo, hi = _host(lo), _host(hi)
+    big = n_rows + len(kdoc) + 1
     live = (hi > lo) & (rows >= qa[seg]) & (rows < qb[seg])  # rows of a segment that see a key
-    n = len(docs)
 
-    def per_seg(values: torch.Tensor, where: torch.Tensor, how: str, fill: int) -> torch.Tensor:
-        """Per segment, ``how`` (amin, amax) of ``values`` over its rows where ``where`` (else ``fill``)."""
-        return torch.full((n,), fill, dtype=torch.long).scatter_reduce(0, seg, torch.where(where, values, fill), how)
+    def per_seg(values: numpy.ndarray, where: numpy.ndarray, how, fill: int) -> numpy.ndarray:
+        """Per segment, ``how`` (minimum, maximum) of ``values`` over its rows where ``where`` (else ``fill``)."""
+        return how.reduceat(numpy.where(where, values, fill), starts)
 
-    ra, rb = per_seg(rows, live, "amin", big), per_seg(rows + 1, live, "amax", -1)
-    ca, cb = per_seg(lo, live, "amin", big), per_seg(hi, live, "amax", -1)
+    mn, mx = numpy.minimum, numpy.maximum
+    ra, rb = per_seg(rows, live, mn, big), per_seg(rows + 1, live, mx, -1)
+    ca, cb = per_seg(lo, live, mn, big), per_seg(hi, live, mx, -1)
     seen = rb >= 0
     if bool(((ca < ka) | (cb > kb))[seen].any()):
         return None  # keys of another document: not this segment's
     sq, sk = rb - ra, cb - ca
     shift = sk - sq
     # the first row whose upper bound is effective fixes the right window, the first whose lower one the left
-    r_row = per_seg(rows, live & (hi < cb[seg]), "amin", big)
-    l_row = per_seg(rows, live & (lo > ca[seg]), "amin", big)
+    r_row = per_seg(rows, live & (hi < cb[seg]), mn, big)
+    l_row = per_seg(rows, live & (lo > ca[seg]), mn, big)
     r_has, l_has = r_row < big, l_row < big
-    r_at, l_at = r_row.clamp(max=len(lo) - 1), l_row.clamp(max=len(lo) - 1)
+    r_at, l_at = r_row.clip(max=n_rows - 1), l_row.clip(max=n_rows - 1)
     right = hi[r_at] - 1 - ca - (r_row - ra) - shift
     left = (l_row - ra) + shift - (lo[l_at] - ca)
     if bool(((right < 0) & r_has & seen).any() or ((left < 0) & l_has & seen).any()):
@@ -247,9 +262,9 @@ def _segments(qdoc: torch.Tensor, kdoc: torch.Tensor, spans):
 def _matrix_spans(ok: torch.Tensor):
     """:func:`_segments`' ``spans`` from the ``[rows, keys]`` matrix: each row's first and last visible key within
     its document's key run."""
-    def spans(ka: torch.Tensor, kb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def spans(ka: numpy.ndarray, kb: numpy.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         cols = torch.arange(ok.shape[1])
-        m = ok & (cols >= ka[:, None]) & (cols < kb[:, None])
+        m = ok & (cols >= torch.from_numpy(ka)[:, None]) & (cols < torch.from_numpy(kb)[:, None])
         seen = m.any(1)
         lo = m.to(torch.uint8).argmax(1)  # the first maximum: the first visible key
         hi = ok.shape[1] - m.flip(1).to(torch.uint8).argmax(1)
@@ -257,26 +272,26 @@ def _matrix_spans(ok: torch.Tensor):
     return spans
 
 
-def _spans_match(calls: list[VarlenCall], spans: tuple[torch.Tensor, torch.Tensor]) -> bool:
+def _spans_match(calls: list[VarlenCall], spans) -> bool:
     """Whether the calls compute exactly the rows' spans: per segment row, the kernel's band (its window
     rewrites included) against the mask's range; rows no call covers must see nothing."""
-    lo_all, hi_all = spans
-    got_lo, got_hi = torch.zeros_like(lo_all), torch.zeros_like(hi_all)
+    lo_all, hi_all = _host(spans[0]), _host(spans[1])
+    got_lo, got_hi = numpy.zeros_like(lo_all), numpy.zeros_like(hi_all)
     for c in calls:
         left, right = kernel_window(c.causal, *c.window, c.kernel_max_k)
-        cq, ck = torch.tensor(c.cum_q), torch.tensor(c.cum_k)
+        cq, ck = numpy.asarray(c.cum_q), numpy.asarray(c.cum_k)
         nq = cq[1:] - cq[:-1]
-        sk = torch.repeat_interleave(ck[1:] - ck[:-1], nq)  # per row of the call: its segment's keys,
-        shift = sk - torch.repeat_interleave(nq, nq)  # keys - queries,
-        a = torch.arange(int(cq[-1])) - torch.repeat_interleave(cq[:-1], nq)  # the row within its segment,
-        base = torch.repeat_interleave(ck[:-1], nq) + c.kv.start  # and its first key
-        lo = torch.zeros_like(a) if left < 0 else (a + shift - left).clamp(min=0)
-        hi = sk if right < 0 else torch.minimum(sk, a + shift + right + 1)
+        sk = numpy.repeat(ck[1:] - ck[:-1], nq)  # per row of the call: its segment's keys,
+        shift = sk - numpy.repeat(nq, nq)  # keys - queries,
+        a = numpy.arange(cq[-1]) - numpy.repeat(cq[:-1], nq)  # the row within its segment,
+        base = numpy.repeat(ck[:-1], nq) + c.kv.start  # and its first key
+        lo = numpy.zeros_like(a) if left < 0 else (a + shift - left).clip(min=0)
+        hi = sk if right < 0 else numpy.minimum(sk, a + shift + right + 1)
         vis = hi > lo
         rows = slice(c.q.start + int(cq[0]), c.q.start + int(cq[-1]))
-        got_lo[rows] = torch.where(vis, base + lo, 0)
-        got_hi[rows] = torch.where(vis, base + hi, 0)
-    return torch.equal(got_lo, lo_all) and torch.equal(got_hi, hi_all)
+        got_lo[rows] = numpy.where(vis, base + lo, 0)
+        got_hi[rows] = numpy.where(vis, base + hi, 0)
+    return bool(numpy.array_equal(got_lo, lo_all) and numpy.array_equal(got_hi, hi_all))
 
 
 def _join(a: _Need, b: _Need) -> _Need | None:

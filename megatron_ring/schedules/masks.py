@@ -25,6 +25,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy
 import torch
 
 from megatron_ring.device import held_under_capture, to_device_together
@@ -71,32 +72,34 @@ class AttentionMask:
         O(rows log keys) without the ``[rows, keys]`` matrix. Exact where the key positions increase and their
         documents do not decrease (one run of a layout: documents, causality and the window each leave a row
         one range of keys); None otherwise."""
-        big = torch.iinfo(torch.int64).max
-        kd = torch.where(kdoc < 0, big, kdoc.long())  # padding: no document, last along the rows
-        if len(kpos) > 1 and not (bool((kpos[1:] > kpos[:-1]).all()) and bool((kd[1:] >= kd[:-1]).all())):
+        kp, qp = kpos.numpy(), qpos.numpy()  # host vectors, in numpy (views): its sorted searches are the fast ones
+        kd = numpy.where(kdoc.numpy() < 0, numpy.iinfo(numpy.int64).max, kdoc.numpy())  # padding: last along the rows
+        if len(kp) > 1 and not (bool((kp[1:] > kp[:-1]).all()) and bool((kd[1:] >= kd[:-1]).all())):
             return None
-        qd = qdoc.long()
-        lo = torch.searchsorted(kd, qd)
-        hi = torch.searchsorted(kd, qd, right=True)
+        qd = qdoc.numpy()
+        # each document's key rows [cut[d], cut[d + 1]), looked up per row (padding rows: any, emptied below)
+        cut = numpy.searchsorted(kd, numpy.arange(int(qd.max(initial=0)) + 2))
+        at = numpy.maximum(qd, 0)
+        lo, hi = cut[at], cut[at + 1]
         if self.causal:
-            hi = torch.minimum(hi, torch.searchsorted(kpos, qpos, right=True))
+            hi = numpy.minimum(hi, numpy.searchsorted(kp, qp, side="right"))
         if self.window is not None:
             left, right = self.window
             if left >= 0:
-                lo = torch.maximum(lo, torch.searchsorted(kpos, qpos - left))
+                lo = numpy.maximum(lo, numpy.searchsorted(kp, qp - left))
             if right >= 0:
-                hi = torch.minimum(hi, torch.searchsorted(kpos, qpos + right, right=True))
-        empty = (hi <= lo) | (qdoc < 0)
-        return lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
+                hi = numpy.minimum(hi, numpy.searchsorted(kp, qp + right, side="right"))
+        empty = (hi <= lo) | (qd < 0)
+        return torch.from_numpy(numpy.where(empty, 0, lo)), torch.from_numpy(numpy.where(empty, 0, hi))
 
 
 def doc_ids(pos: torch.Tensor, cu_seqlens: Sequence[int] | None) -> torch.Tensor:
-    """Document index of each global position; -1 for padding (at or past ``cu_seqlens[-1]``)."""
+    """Document index of each global position (a host tensor); -1 for padding (at or past ``cu_seqlens[-1]``)."""
     if cu_seqlens is None:
         return torch.zeros_like(pos)
-    cu = torch.tensor(cu_seqlens, dtype=torch.int64)
-    ids = torch.searchsorted(cu, pos, right=True) - 1
-    return torch.where(pos < cu[-1], ids, torch.full_like(ids, -1))
+    p = pos.numpy()
+    ids = numpy.searchsorted(numpy.asarray(cu_seqlens, dtype=numpy.int64), p, side="right") - 1
+    return torch.from_numpy(numpy.where(p < cu_seqlens[-1], ids, -1))
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,9 +168,9 @@ def _runs(pos: torch.Tensor, tile: int) -> list[tuple[int, int]]:
     """Row ranges of at most ``tile`` rows, never across a jump in the position stride (a run starts at
     its first row; the row after a jump opens the next run)."""
     n = len(pos)
+    d = numpy.diff(pos.numpy())
+    changes = (numpy.flatnonzero(d[1:] != d[:-1]) + 1).tolist()  # rows m whose stride d[m] is not d[m - 1]
     cuts = [0]
-    d = pos[1:] - pos[:-1]
-    changes = ((d[1:] != d[:-1]).nonzero().flatten() + 1).tolist()  # rows m whose stride d[m] is not d[m - 1]
     a = 0
     while a < n - 1:  # the run [a, m] keeps the stride d[a]: m is the first change after a
         i = bisect.bisect_right(changes, a)
