@@ -279,18 +279,17 @@ def _spans_match(calls: list[VarlenCall], spans) -> bool:
     got_lo, got_hi = numpy.zeros_like(lo_all), numpy.zeros_like(hi_all)
     for c in calls:
         left, right = kernel_window(c.causal, *c.window, c.kernel_max_k)
-        cq, ck = numpy.asarray(c.cum_q), numpy.asarray(c.cum_k)
+        cq, ck = numpy.asarray(c.cum_q), numpy.asarray(c.cum_k) + c.kv.start
         nq = cq[1:] - cq[:-1]
-        sk = numpy.repeat(ck[1:] - ck[:-1], nq)  # per row of the call: its segment's keys,
-        shift = sk - numpy.repeat(nq, nq)  # keys - queries,
-        a = numpy.arange(cq[-1]) - numpy.repeat(cq[:-1], nq)  # the row within its segment,
-        base = numpy.repeat(ck[:-1], nq) + c.kv.start  # and its first key
-        lo = numpy.zeros_like(a) if left < 0 else (a + shift - left).clip(min=0)
-        hi = sk if right < 0 else numpy.minimum(sk, a + shift + right + 1)
+        first, stop = numpy.repeat(ck[:-1], nq), numpy.repeat(ck[1:], nq)  # per row of the call: its segment's keys
+        # and its diagonal, a + sk - sq from its segment's first key (a: the row within its segment)
+        diag = numpy.repeat(ck[1:] - cq[1:], nq) + numpy.arange(cq[0], cq[-1])
+        lo = first if left < 0 else numpy.maximum(diag - left, first)
+        hi = stop if right < 0 else numpy.minimum(diag + right + 1, stop)
         vis = hi > lo
         rows = slice(c.q.start + int(cq[0]), c.q.start + int(cq[-1]))
-        got_lo[rows] = numpy.where(vis, base + lo, 0)
-        got_hi[rows] = numpy.where(vis, base + hi, 0)
+        got_lo[rows] = numpy.where(vis, lo, 0)
+        got_hi[rows] = numpy.where(vis, hi, 0)
     return bool(numpy.array_equal(got_lo, lo_all) and numpy.array_equal(got_hi, hi_all))
 
 

@@ -376,10 +376,9 @@ def _whole_block(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor,
     with its merge (P = 8, 8K rows per rank, a web-like mix: up to 212 masked tasks per forward, and ~0.3 s
     to plan them on the host). A block of at most 2 x 2 runs (zigzag's two chunks) keeps them: its fully
     visible runs run on the dense kernel, faster than the variable-length flash kernel where that is cuDNN."""
-    if len(qpos) < 2 or len(kpos) < 2 or not (bool((qpos[1:] > qpos[:-1]).all())
-                                              and bool((kpos[1:] > kpos[:-1]).all())):
+    if len(qpos) < 2 or len(kpos) < 2 or (len(_runs(qpos, len(qpos))) <= 2 and len(_runs(kpos, len(kpos))) <= 2):
         return None
-    if len(_runs(qpos, len(qpos))) <= 2 and len(_runs(kpos, len(kpos))) <= 2:
+    if not (bool((qpos[1:] > qpos[:-1]).all()) and bool((kpos[1:] > kpos[:-1]).all())):
         return None
     qdoc, kdoc, qd, kd, pad = _documents(rule, qpos, kpos)
     rows, keys = slice(0, len(qpos)), slice(0, len(kpos))
