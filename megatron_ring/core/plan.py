@@ -71,9 +71,10 @@ class RingPlan:
             return self.layout.block_tasks(self.causal, self.ring.world, self.ring.rank, src, s)
         if not whole:
             return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s)
-        # on the variable-length kernel a whole block whose mask it takes in one plan is one task
+        # a whole block whose mask the kernel takes at once is one task: on the variable-length kernel, one it has a
+        # plan for; on the fused dropout kernels, any
         return schedule(self.layout, self.mask, self.ring.world, self.ring.rank, src, s, s,
-                        one_task if self.dropout is None else None)
+                        one_task if self.dropout is None else FusedDropoutKernel.one_task)
 
     def steps(self, s: int) -> int:
         """Ring steps to run: fewer than P when no rank needs the K/V of the farther ranks (windows)."""

@@ -154,6 +154,14 @@ class FusedDropoutKernel(DropoutKernel):
         """Whether ``q``'s blocks run on the fused kernels (fp16/bf16; fp32 runs the torch kernel)."""
         return q.dtype in (torch.float16, torch.bfloat16)
 
+    @staticmethod
+    def one_task(mask) -> bool:
+        """Whether a whole block's mask runs as ONE task (the schedule's ``one_task``): always, for the fused
+        kernels find each pair's visibility from the mask's four vectors and skip the tile pairs that see none,
+        whatever the runs of positions along the rows (a block of Megatron's per-document zigzag: one launch per ring
+        step, not one per pair of runs, each with its merge)."""
+        return True
+
     def _args(self, q, causal, scale, mask, qpos, kpos) -> tuple:
         dev = q.device
         seed = self.spec.seed  # a device seed is folded in the kernel; an int here

@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton")
 # token): numpy, which runs the interpreted kernel, warns about the division and the log of 0 it was told to do
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 
-from megatron_ring import device, ring_attention  # noqa: E402
+from megatron_ring import DocumentZigzag, device, ring_attention  # noqa: E402
 from megatron_ring.core import engine, foreach, foreach_triton, launch, merge, merge_triton, plan  # noqa: E402
 from megatron_ring.kernels import dropout_triton  # noqa: E402
 from megatron_ring.kernels.dropout import FusedDropoutKernel  # noqa: E402
@@ -53,6 +53,10 @@ CASES = {
                            dict(window=(5, 0), dropout_p=0.3, dropout_seed=torch.tensor(2 ** 40 + 99))),
     "dropout-full-gqa": (2, "zigzag", False, (4, 1), (32, 32), torch.float16, "sbhd",
                          dict(dropout_p=0.1, dropout_seed=3)),
+    # Megatron's per-document zigzag (documents padded to multiples of 2P, each filler a document of its own): a
+    # block of many runs of rows, one task per ring step on the fused dropout kernels
+    "dropout-doc-zigzag": (2, DocumentZigzag([0, 8, 12, 24]), True, (2, 1), (16, 16), torch.float16, "thd",
+                           dict(cu_seqlens=[0, 6, 8, 12, 21, 24], dropout_p=0.2, dropout_seed=11)),
 }
 
 
@@ -154,6 +158,28 @@ def test_a_merge_that_takes_every_block_as_the_first_fails(interpreted, monkeypa
                                                                                               *a, **kw))
     bad = [e for e in _errors("causal-gqa-pieces") if not e[1] <= e[2]]
     assert any(what.endswith("out") for what, _, _ in bad), bad
+
+
+@pytest.mark.skipif(not loops_interpreted(), reason="this Triton's interpreter runs no loop with a runtime bound")
+@pytest.mark.parametrize("whole", [True, False])
+def test_megatron_per_document_zigzag_with_dropout_runs_one_launch_per_ring_step(interpreted, monkeypatch, whole):
+    """On the fused dropout kernels a block of Megatron's per-document zigzag (two runs of rows per document) is ONE
+    task: one forward launch per ring step and rank, P x P in all, within the float64 bound. Negative control
+    (``whole=False``): a schedule that cuts the block into its runs of rows launches many more, same results."""
+    launches = []
+    forward = dropout_triton.dropout_attention_forward
+
+    def counted(*a, **kw):
+        launches.append(1)
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(dropout_triton, "dropout_attention_forward", counted)
+    if not whole:
+        monkeypatch.setattr(FusedDropoutKernel, "one_task", staticmethod(lambda mask: False))
+    bad = [e for e in _errors("dropout-doc-zigzag") if not e[1] <= e[2]]
+    assert not bad, bad
+    P = CASES["dropout-doc-zigzag"][0]
+    assert (len(launches) == P * P) == whole, len(launches)
 
 
 @pytest.mark.skipif(not loops_interpreted(), reason="this Triton's interpreter runs no loop with a runtime bound")

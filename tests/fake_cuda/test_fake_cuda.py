@@ -258,6 +258,7 @@ def _plan_on_host(case: Case, rank: int) -> dict[str, set[str]]:
     the host from CPU index tensors (cached per signature), which FakeTensorMode would make fake. Returns
     the kinds of task the rank has in each schedule (:func:`_task_kinds`)."""
     from megatron_ring.call import attention_mask as _attention_mask
+    from megatron_ring.kernels.dropout import FusedDropoutKernel
     from megatron_ring.kernels.varlen_plan import one_task, plan_for
     from megatron_ring.schedules.layouts import TaskKind
     from megatron_ring.schedules.layouts import get_layout
@@ -266,15 +267,15 @@ def _plan_on_host(case: Case, rank: int) -> dict[str, set[str]]:
     s = case.s_local
     total = s * case.P
     rule = _attention_mask(case.causal, _documents(case), case.window, total)
-    variants = {"tiles": (None, None), "whole": (s, None), "one": (s, one_task)}
+    variants = {"tiles": (None, None), "whole": (s, FusedDropoutKernel.one_task), "one": (s, one_task)}
     kinds = {name: {"dense"} for name in variants}
     if not rule.plain:
         kinds = {name: set() for name in variants}
         lay = get_layout(_layout_of(case))
         needed_steps(lay, rule, case.P, s)
         for t in range(case.P):
-            # tiles (math kernel, dropout), whole blocks (fused dropout) and whole blocks as one task where the
-            # variable-length kernel takes it (varlen.whole_blocks: the engine's schedule without dropout)
+            # tiles (math kernel, dropout), whole blocks on the fused dropout kernels (any block one task) and whole
+            # blocks as one task where the variable-length kernel takes it (varlen.whole_blocks: without dropout)
             for name, (tile, one) in variants.items():
                 for task in schedule(lay, rule, case.P, rank, (rank - t) % case.P, s, tile, one):
                     if task.kind is TaskKind.MASKED:
