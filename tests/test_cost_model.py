@@ -40,7 +40,7 @@ def test_causal_skipping_and_seed_rule():
 
 def test_planner_cli_on_the_issue_example(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    res = plan.main(ISSUE_EXAMPLE + ["--gpu-memory", "80e9", "--num-layers", "80", "--json", str(out)])
+    plan.main(ISSUE_EXAMPLE + ["--gpu-memory", "80e9", "--num-layers", "80", "--json", str(out)])
     text = capsys.readouterr().out
     assert "recommendation:" in text and "memory:" in text
     data = json.loads(out.read_text())
@@ -99,6 +99,39 @@ def test_auto_agrees_across_ranks_and_logs_once():
     for _, records, _ in per_rank:
         chose = [r for r in records if "auto comm_type: chose" in r]
         assert len(chose) == 1 and "predicted" in chose[0] and "p2p" in chose[0]
+
+
+def _documents_worker(rank, world, by_name=False):
+    """Two packed micro-batches of one shape in Megatron's per-document zigzag: new documents, so a new
+    ``DocumentZigzag`` each. ``by_name``: the choice keyed on the layout's name (the negative control)."""
+    records = _log_records()
+    os.environ.update({"MEGATRON_RING_FLOPS": "1e9", "MEGATRON_RING_BWD_FLOPS": "1e9", "MEGATRON_RING_BANDWIDTH": "1e8",
+                       "MEGATRON_RING_INTER_BANDWIDTH": "1e8", "MEGATRON_RING_LATENCY_S": "1e-4",
+                       "MEGATRON_RING_CALL_OVERHEAD_S": "1e-4"})
+    from megatron_ring import DocumentZigzag, ring_attention
+    from megatron_ring.transport.groups import contexts
+
+    if by_name:
+        DocumentZigzag.family = property(lambda self: self.name)
+    for cu in ([0, 8, 32], [0, 16, 24, 32]):  # documents padded to multiples of 2P
+        q = torch.randn(32 // world, 4, 8)
+        ring_attention(q, q, q, qkv_format="thd", cu_seqlens=torch.tensor(cu), layout=DocumentZigzag(cu),
+                       comm_type="auto", causal=True)
+    return len([c for _, ctx in contexts() for c in ctx.choices.values()]), len(
+        [r for r in records if "auto comm_type: chose" in r])
+
+
+def _documents_by_name_worker(rank, world):
+    return _documents_worker(rank, world, by_name=True)
+
+
+@pytest.mark.slow
+def test_auto_chooses_once_for_the_per_document_zigzag_of_every_micro_batch():
+    """The choice keys on the layout's family: a new micro-batch's documents (a new ``DocumentZigzag``) do not make
+    ``auto`` predict, and perhaps time its candidates, again. Negative control: keyed on the layout's name, it
+    chooses (and logs) once per micro-batch."""
+    assert run_distributed(_documents_worker, 2, timeout=120) == [(1, 1), (1, 1)]
+    assert run_distributed(_documents_by_name_worker, 2, timeout=120) == [(2, 2), (2, 2)]
 
 
 def test_near_ties_are_measured_and_clear_wins_are_not(monkeypatch):

@@ -95,6 +95,34 @@ def test_window_shortens_the_contiguous_ring():
     assert needed_steps(get_layout("contiguous"), AttentionMask(False, None, (40, 3)), world, s) == world
 
 
+def _last_step_with_a_task(layout, rule, world, s):
+    """The reference: the steps up to the last one where some rank's schedule (the rule without documents) has a
+    task, each schedule built and checked tile by tile."""
+    base = AttentionMask(rule.causal, None, rule.window)
+    return 1 + max(t for t in range(world)
+                   if any(schedule(layout, base, world, r, (r - t) % world, s) for r in range(world)))
+
+
+def test_needed_steps_are_the_steps_up_to_the_last_with_a_task():
+    """The steps a window leaves, from the positions alone, equal those from every rank's schedule: every layout,
+    Megatron's per-document zigzag, causal or not, windows on either side and both. Shortened rings are among them."""
+    cases, shortened = 0, 0
+    for world, s in ((2, 16), (3, 8), (4, 16), (8, 8)):
+        layouts = [get_layout(name) for name in LAYOUTS] + [
+            masks.DocumentZigzag([0, 2 * world, s * world]),
+            masks.DocumentZigzag([0, s * world])]
+        for layout, causal, window in itertools.product(
+                layouts, (True, False), ((3, 0), (s - 1, 0), (s, -1), (2 * s + 1, 0), (0, 5), (4, 4), (-1, 2 * s),
+                                         (3 * s, 3 * s), (-1, -1))):
+            rule = AttentionMask(causal, None, window)
+            masks._STEPS.clear()
+            got = needed_steps(layout, rule, world, s)
+            assert got == _last_step_with_a_task(layout, rule, world, s), (layout.name, world, s, causal, window)
+            cases += 1
+            shortened += got < world
+    assert shortened >= 20, (shortened, cases)
+
+
 def test_padding_rows_are_zero_with_zero_grads():
     q, k, v = (torch.randn(16, 2, 8, requires_grad=True) for _ in range(3))
     out = ring_attention(q, k, v, qkv_format="thd", cu_seqlens=torch.tensor([0, 5, 11]), causal=True)

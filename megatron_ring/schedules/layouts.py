@@ -79,6 +79,13 @@ class Layout(abc.ABC):
 
     name: str = "abstract"
 
+    @property
+    def family(self) -> str:
+        """What this layout is apart from the batch it was made from: its name, but one for every layout made from a
+        batch's documents (:class:`~.masks.DocumentZigzag`: a new one each micro-batch). What is decided once per kind
+        of call keys on it (``comm_type="auto"``'s choice), so new documents do not decide it again."""
+        return self.name
+
     @abc.abstractmethod
     def positions(self, seq_len: int, world: int, rank: int) -> torch.Tensor:
         """Global positions (int64, ``[S/P]``) of the tokens rank ``rank`` holds, in local order."""

@@ -411,22 +411,40 @@ def _band_tile(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, s: i
 
 
 def needed_steps(layout: Layout, rule: AttentionMask, world: int, s: int) -> int:
-    """How many ring steps (K/V hops + 1) any rank needs: steps past the last one with a task on ANY
+    """How many ring steps (K/V hops + 1) any rank needs: steps past the last one with a visible pair on ANY
     rank are dropped (a window spanning fewer ranks than P with a contiguous layout needs fewer hops).
 
     Only the window can shorten the ring here: documents are left out (they only remove pairs, so the
-    count stays a safe upper bound) and the result is cached per (layout, causal, window, P, s)."""
+    count stays a safe upper bound) and the result is cached per (layout, causal, window, P, s). Whether a rank
+    sees any key of another is asked of their positions alone (:func:`_sees_any`), no schedule built: a layout
+    made from a batch's documents (:class:`DocumentZigzag`) is new in every micro-batch."""
     if rule.window is None:
         return world
     key = (layout.name, rule.causal, rule.window, world, s)
     if key not in _STEPS:
-        base = AttentionMask(rule.causal, None, rule.window)
+        seq = s * world
+        pos = [numpy.sort(layout.positions(seq, world, r).numpy()) for r in range(world)]
         last = 0
-        for t in range(world):
-            if any(schedule(layout, base, world, r, (r - t) % world, s) for r in range(world)):
+        for t in range(1, world):
+            if any(_sees_any(rule, pos[r], pos[(r - t) % world]) for r in range(world)):
                 last = t
+        if len(_STEPS) >= 4096:  # a layout of documents is new in every micro-batch: keep the memory bounded
+            _STEPS.clear()
         _STEPS[key] = last + 1
     return _STEPS[key]
+
+
+def _sees_any(rule: AttentionMask, qpos: numpy.ndarray, kpos: numpy.ndarray) -> bool:
+    """Whether any query position sees any key position (``kpos`` sorted) under the rule's causality and window,
+    documents left out: each query's visible positions are one interval, counted by two binary searches."""
+    if not len(qpos) or not len(kpos):
+        return False
+    left, right = rule.window if rule.window is not None else (-1, -1)
+    lo = qpos - left if left >= 0 else numpy.full_like(qpos, kpos[0])
+    hi = qpos + right if right >= 0 else numpy.full_like(qpos, kpos[-1])
+    if rule.causal:
+        hi = numpy.minimum(hi, qpos)
+    return bool((numpy.searchsorted(kpos, hi, side="right") > numpy.searchsorted(kpos, lo)).any())
 
 
 _STEPS: dict[tuple, int] = {}
@@ -462,6 +480,10 @@ class DocumentZigzag(Layout):
             raise ValueError(f"DocumentZigzag needs cu_seqlens_padded starting at 0 and non-decreasing, got {cu}")
         self.cu = tuple(cu)
         self.name = f"zigzag/documents{self.cu}"
+
+    @property
+    def family(self) -> str:
+        return "zigzag/documents"
 
     def _check(self, seq_len: int, world: int) -> None:
         if seq_len != self.cu[-1]:

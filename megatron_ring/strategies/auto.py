@@ -1,4 +1,6 @@
-"""``comm_type="auto"``: the cheapest comm type by the cost model, chosen once per call signature.
+"""``comm_type="auto"``: the cheapest comm type by the cost model, chosen once per call signature (shapes, dtype,
+causality, the layout's family, wire, pieces, groups: not the documents, nor a layout made from them, which a packed
+batch brings anew in every micro-batch).
 
 Machine numbers (F, B, latency) come from, in order: environment variables (production clusters:
 ``MEGATRON_RING_FLOPS``, ``MEGATRON_RING_BWD_FLOPS``, ``MEGATRON_RING_BANDWIDTH``,
@@ -262,7 +264,8 @@ def choose(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan, hierarchical_grou
     if hierarchical_groups is not None:
         inner_g, outer = hierarchical_groups
         inner = dist.get_world_size(inner_g)
-    key = (tuple(qh.shape), tuple(kh.shape), qh.dtype, qh.device.type, plan.causal, plan.layout.name,
+    # the layout's family, not its name: Megatron's per-document zigzag is a new layout in every micro-batch
+    key = (tuple(qh.shape), tuple(kh.shape), qh.dtype, qh.device.type, plan.causal, plan.layout.family,
            plan.codec.name, plan.pieces, inner, outer)  # outer: the group itself, not its id
     choices = groups.context(plan.ring.group).choices
     if key in choices:
