@@ -8,6 +8,7 @@ import torch
 from megatron_ring import ring_attention
 from megatron_ring.schedules.layouts import LAYOUTS, get_layout
 from megatron_ring.schedules import masks
+from megatron_ring.schedules.views import GroupedView
 from megatron_ring.schedules.masks import AttentionMask, needed_steps, schedule
 
 
@@ -111,6 +112,8 @@ def test_needed_steps_are_the_steps_up_to_the_last_with_a_task():
         layouts = [get_layout(name) for name in LAYOUTS] + [
             masks.DocumentZigzag([0, 2 * world, s * world]),
             masks.DocumentZigzag([0, s * world])]
+        if world in (2, 4):  # a2a+p2p's outer ring: super-blocks of 2 shards of the base layout over 2P shards
+            layouts += [GroupedView(get_layout("contiguous"), 2), GroupedView(get_layout("zigzag"), 2)]
         for layout, causal, window in itertools.product(
                 layouts, (True, False), ((3, 0), (s - 1, 0), (s, -1), (2 * s + 1, 0), (0, 5), (4, 4), (-1, 2 * s),
                                          (3 * s, 3 * s), (-1, -1))):
