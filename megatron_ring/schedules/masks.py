@@ -497,12 +497,15 @@ class DocumentZigzag(Layout):
 
     def positions(self, seq_len: int, world: int, rank: int) -> torch.Tensor:
         self._check(seq_len, world)
-        parts = []
-        for a, b in zip(self.cu, self.cu[1:]):
-            c = (b - a) // (2 * world)
-            parts += [torch.arange(a + rank * c, a + (rank + 1) * c),
-                      torch.arange(a + (2 * world - 1 - rank) * c, a + (2 * world - rank) * c)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        a = numpy.asarray(self.cu[:-1], dtype=numpy.int64)
+        c = (numpy.asarray(self.cu[1:], dtype=numpy.int64) - a) // (2 * world)  # each document's chunk length
+        # per document its chunks r and 2P-1-r, as runs of consecutive positions: each run's first position, repeated
+        # over the run, plus the row's place in it
+        first = numpy.stack((a + rank * c, a + (2 * world - 1 - rank) * c), 1).reshape(-1)
+        count = numpy.repeat(c, 2)
+        ends = numpy.cumsum(count)
+        place = numpy.arange(int(ends[-1]) if len(ends) else 0) - numpy.repeat(ends - count, count)
+        return torch.from_numpy(numpy.repeat(first, count) + place)
 
     def local_multiple(self) -> int:
         return 1
