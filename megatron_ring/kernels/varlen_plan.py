@@ -174,11 +174,11 @@ def _row_spans(mask) -> tuple[torch.Tensor, torch.Tensor] | None:
     return mask.row_ranges()
 
 
-def _host(t) -> numpy.ndarray:
+def _host(t: torch.Tensor) -> numpy.ndarray:
     """A host index vector as a numpy array (a view of a CPU tensor's memory, no copy): the plan's row-wise work
     runs in numpy, whose calls on vectors of a few thousand rows cost a fraction of torch's (its per-call dispatch,
     and a binary search that does not use the order of the values searched)."""
-    return t.numpy() if isinstance(t, torch.Tensor) else numpy.asarray(t)
+    return t.numpy()
 
 
 def _ordered(doc: numpy.ndarray) -> bool:

@@ -416,35 +416,27 @@ def needed_steps(layout: Layout, rule: AttentionMask, world: int, s: int) -> int
 
     Only the window can shorten the ring here: documents are left out (they only remove pairs, so the
     count stays a safe upper bound) and the result is cached per (layout, causal, window, P, s). Whether a rank
-    sees any key of another is asked of their positions alone (:func:`_sees_any`), no schedule built: a layout
-    made from a batch's documents (:class:`DocumentZigzag`) is new in every micro-batch."""
+    sees any key of another is asked of their positions alone (each row's visible keys, :meth:`AttentionMask.row_ranges`
+    of the rule without documents), no schedule built: a layout made from a batch's documents
+    (:class:`DocumentZigzag`) is new in every micro-batch."""
     if rule.window is None:
         return world
     key = (layout.name, rule.causal, rule.window, world, s)
     if key not in _STEPS:
-        seq = s * world
-        pos = [numpy.sort(layout.positions(seq, world, r).numpy()) for r in range(world)]
-        last = 0
-        for t in range(1, world):
-            if any(_sees_any(rule, pos[r], pos[(r - t) % world]) for r in range(world)):
-                last = t
+        base = AttentionMask(rule.causal, None, rule.window)
+        pos = [layout.positions(s * world, world, r).sort().values for r in range(world)]
+        one_doc = torch.zeros(s, dtype=torch.int64)
+
+        def sees_any(q: torch.Tensor, k: torch.Tensor) -> bool:
+            lo, hi = base.row_ranges(q, one_doc, k, one_doc)
+            return bool((hi > lo).any())
+
+        last = max((t for t in range(1, world) if any(sees_any(pos[r], pos[(r - t) % world]) for r in range(world))),
+                   default=0)
         if len(_STEPS) >= 4096:  # a layout of documents is new in every micro-batch: keep the memory bounded
             _STEPS.clear()
         _STEPS[key] = last + 1
     return _STEPS[key]
-
-
-def _sees_any(rule: AttentionMask, qpos: numpy.ndarray, kpos: numpy.ndarray) -> bool:
-    """Whether any query position sees any key position (``kpos`` sorted) under the rule's causality and window,
-    documents left out: each query's visible positions are one interval, counted by two binary searches."""
-    if not len(qpos) or not len(kpos):
-        return False
-    left, right = rule.window if rule.window is not None else (-1, -1)
-    lo = qpos - left if left >= 0 else numpy.full_like(qpos, kpos[0])
-    hi = qpos + right if right >= 0 else numpy.full_like(qpos, kpos[-1])
-    if rule.causal:
-        hi = numpy.minimum(hi, qpos)
-    return bool((numpy.searchsorted(kpos, hi, side="right") > numpy.searchsorted(kpos, lo)).any())
 
 
 _STEPS: dict[tuple, int] = {}
