@@ -47,7 +47,8 @@ this repository's git history (a lent GPU gets the working tree only).
 time to plan a new document layout, the first layer of every micro-batch on a packed batch: ring tasks and segment
 plans on the GPU's whole-block path, slowest rank, ``--iters`` new mixes per row) against its own library, order
 alternating; printed per row of its grid: each revision's median and the median over rounds of the within-round
-ratio B/A with its spread, and the masked tasks with a segment plan in each.
+ratio B/A with its spread, and the masked tasks with a segment plan in each. ``--plan-tiles``: the CPU engine's
+planning instead (tile schedules for the math kernel, no segment plans).
 
     .venv/bin/python scripts/bench_revisions.py aa3e893 HEAD --outputs
 
@@ -287,7 +288,7 @@ def _plan_time_rows(trees: list[str], a) -> list[dict]:
     runs: dict[int, list[list[dict]]] = {0: [], 1: []}
     for rnd in range(a.rounds):
         for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
-            runs[i].append(_host_time(trees[i], a.iters, a.timeout, PLAN_TIME))
+            runs[i].append(_host_time(trees[i], a.iters, a.timeout, PLAN_TIME, ("--tiles",) if a.plan_tiles else ()))
     rows = []
     for n, first in enumerate(runs[0][0]):
         xa, xb = [r[n]["plan_ms"] for r in runs[0]], [r[n]["plan_ms"] for r in runs[1]]
@@ -411,6 +412,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "three documents, the later layers of a micro-batch (same params) and its first (new params)")
     ap.add_argument("--plan-time", action="store_true", help="compare the host time to plan a new document layout "
                     "(lab/megatron_ring_lab/bench/plan_time.py; --iters new mixes per row, default 5)")
+    ap.add_argument("--plan-tiles", action="store_true", help="with --plan-time: the CPU engine's planning (tile "
+                    "schedules) instead of the GPU's")
     ap.add_argument("--outputs", action="store_true", help="check that the two revisions' outputs and gradients "
                     "are bit-identical (OUTPUT_CASES) instead of timing")
     ap.add_argument("--gpu-rows", action="store_true", help="compare the GPU benchmark rows (a CUDA GPU; see the "

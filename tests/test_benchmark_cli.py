@@ -214,5 +214,7 @@ def test_plan_time_row_plans_new_mixes_on_every_rank():
     assert row["plan_ms"] > 0 and len(row["plan_ms_mixes"]) == 2 and row["docs"] > 1
     assert row["masked"] >= 1 and row["planned"] == row["masked"]  # every masked task has a segment plan
     assert "| 2 | 256 | striped | web |" in pt.format_plan_time([row])
+    tiles = pt.plan_times(2, 256, mixes=1, whole=False)  # the CPU engine's tile schedules: no segment plans
+    assert tiles["masked"] >= row["masked"] and tiles["planned"] == 0 and not tiles["whole"]
     rows = main(["--plan-time", "--world-sizes", "1", "2", "--tokens-per-rank", "128", "--iters", "1"])
     assert [(r["P"], r["mix"], r["layout"]) for r in rows] == [(2, "web", "striped"), (2, "short", "striped")]

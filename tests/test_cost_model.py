@@ -134,6 +134,33 @@ def test_auto_chooses_once_for_the_per_document_zigzag_of_every_micro_batch():
     assert run_distributed(_documents_by_name_worker, 2, timeout=120) == [(2, 2), (2, 2)]
 
 
+def test_a_layout_made_from_documents_is_predicted_as_the_layout_it_is_for_one_document(monkeypatch):
+    """The cost model does not model documents: ``auto`` predicts Megatron's per-document zigzag as the zigzag (its
+    positions for one document), never scheduling the tiles of a batch's boundaries for every pair of ranks (8 s on
+    one CPU thread at P = 8, 8K tokens per rank and 42 documents). Negative control: the layout itself is scheduled."""
+    from megatron_ring import DocumentZigzag
+    from megatron_ring.schedules.layouts import get_layout
+    from megatron_ring.strategies.auto import _modelled
+
+    for world in (1, 2, 4):
+        one = DocumentZigzag([0, 8 * world])
+        for r in range(world):
+            assert torch.equal(one.positions(8 * world, world, r), get_layout("zigzag").positions(8 * world, world, r))
+    cu = [0, 48, 64, 112, 128]  # padded to multiples of 2P, P = 4
+    scheduled = []
+    monkeypatch.setattr(DocumentZigzag, "causal_tasks", lambda self, *a: scheduled.append(a) or ())
+    machine = Machine(flops=1e12, bw_intra=1e10, bw_inter=1e10, latency=1e-5, call_overhead=1e-5)
+
+    def rows(layout):
+        pb = Problem(batch=1, seq=128, heads=8, kv_heads=2, head_dim=16, causal=True, layout=layout)
+        return [(r["comm_type"], r["time_s"]) for r in predict_all(pb, 4, machine)]
+
+    assert _modelled(DocumentZigzag(cu)) == "zigzag" and _modelled(get_layout("striped")) == "striped"
+    assert rows(_modelled(DocumentZigzag(cu))) == rows("zigzag") and not scheduled
+    rows(DocumentZigzag(cu))
+    assert scheduled  # the negative control: the layout itself has its pairs scheduled
+
+
 def test_near_ties_are_measured_and_clear_wins_are_not(monkeypatch):
     from megatron_ring.strategies.auto import _fastest, noise, to_measure, typical
 

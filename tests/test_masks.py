@@ -54,7 +54,7 @@ def _kind(t):
 def test_aligned_window_edges_need_no_mask():
     """A window whose edges fall on tile boundaries: every task is full, causal or reversed (an upper
     triangle, run unmasked on reversed rows): no explicit mask; a reversed task's mask is exactly triu."""
-    s, world, T = 64, 4, 256
+    s, world = 64, 4
     for name, rule in itertools.product(LAYOUTS, (AttentionMask(True, None, (64, -1)),
                                                   AttentionMask(True, None, (128, -1)),
                                                   AttentionMask(False, None, (32, 64)))):
@@ -191,6 +191,44 @@ def test_row_runs_follow_the_row_by_row_rule():
         assert masks._runs(pos, tile) == _runs_row_by_row(pos, tile), (pos.tolist(), tile)
     zigzag = get_layout("zigzag").positions(16, 2, 0)  # two chunks: a jump between them
     assert masks._runs(zigzag, 8) != [(0, min(8, len(zigzag)))]
+
+
+def test_tile_pairs_kinds_and_shapes_match_their_masks():
+    """The classification of every pair of runs at once (``_kinds``: none / full only where the ``[rows, keys]``
+    matrix is so) and a pair's shape from its rows' key ranges (``_shape_of``) equal what the matrix itself gives
+    (``_shape``): every layout and Megatron's per-document zigzag, documents with padding, windows, causal or not.
+    Every shape occurs; negative control: the shapes of the rule without its documents differ somewhere."""
+    rnd = random.Random(3)
+    seen, differ = set(), 0
+    for world, s in ((2, 48), (4, 32)):
+        T = world * s
+        cu = (0, 8 * world, 12 * world, 20 * world, T - 2 * world)  # multiples of 2P, padding at the end
+        lays = [get_layout(n) for n in LAYOUTS] + [masks.DocumentZigzag(cu[:-1] + (T,))]
+        rules = [AttentionMask(c, d, w) for c in (True, False) for d in (cu, None)
+                 for w in (None, (5, -1), (6, -1), (9, 3), (-1, 6))]
+        for lay, rule, tile in itertools.product(lays, rules, (6, 16)):
+            if rule.plain:
+                continue
+            bare = AttentionMask(rule.causal, None, rule.window)
+            for rank, src in rnd.sample(list(itertools.product(range(world), range(world))), 3):
+                qp, kp = lay.positions(T, world, rank), lay.positions(T, world, src)
+                qdoc, kdoc, qd, kd, pad = masks._documents(rule, qp, kp)
+                qr, kr = masks._runs(qp, tile), masks._runs(kp, tile)
+                kinds = masks._kinds(rule, qp, qd, qr, kp, kd, kr, pad)
+                for (i, (qa, qb)), (j, (ka, kb)) in itertools.product(enumerate(qr), enumerate(kr)):
+                    ok = rule.allowed(qp[qa:qb], qdoc[qa:qb], kp[ka:kb], kdoc[ka:kb])
+                    assert kinds[i, j] != masks.NONE or not ok.any()
+                    assert kinds[i, j] != masks.FULL or ok.all()
+                    assert masks._classify(rule, qp[qa:qb], qd[qa:qb], kp[ka:kb], kd[ka:kb], pad) == \
+                        masks._KIND_NAMES[kinds[i, j]]
+                    shape = masks._shape_of(rule, qp[qa:qb], qdoc[qa:qb], kp[ka:kb], kdoc[ka:kb])
+                    assert shape == masks._shape(ok), (lay.name, rule, rank, src, qa, ka)
+                    seen.add(shape)
+                    if rule.cu_seqlens is not None and rnd.random() < 0.5:
+                        one = torch.zeros(qb - qa, dtype=torch.int64)
+                        differ += masks._shape_of(bare, qp[qa:qb], one, kp[ka:kb], one[:kb - ka]) != shape
+    assert seen == {"none", "full", "causal", "reversed", "causal-1", "reversed-1", "mixed"}, seen
+    assert differ  # the negative control
 
 
 def test_the_schedule_cache_is_bounded_in_bytes(monkeypatch):

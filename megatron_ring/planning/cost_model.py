@@ -12,6 +12,9 @@ on CPUs, where gloo's copies use the same cores), ``gpus_per_node``.
 Compute comes from the layout's own schedule: the area of every block task (rows x keys, half of a
 square for a causal task) for every (rank, source) pair, times ``4 b h d`` flops (QK^T and PV), divided
 by F; backward uses the backward rate. So causal skipping and the layout's balance are in the model.
+Documents are not: a packed batch is predicted as one sequence, and a layout made from its documents as the layout it
+is for one document (``Layout.without_documents``: Megatron's per-document zigzag is predicted as the zigzag; its
+balance per ring step is the zigzag's within every document).
 
 * ``p2p``: P steps; step t costs ``max(compute_t, transfer)`` where compute_t is the slowest rank's
   work for its source at that step and transfer is one K/V block (``latency + bytes/B``). This is the

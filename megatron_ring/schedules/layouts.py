@@ -86,6 +86,14 @@ class Layout(abc.ABC):
         of call keys on it (``comm_type="auto"``'s choice), so new documents do not decide it again."""
         return self.name
 
+    @property
+    def without_documents(self) -> "Layout":
+        """The layout this one is when the whole sequence is one document: itself, but the zigzag for Megatron's
+        per-document zigzag (:class:`~.masks.DocumentZigzag`). The cost model predicts from it: it does not model
+        documents, and a layout made from them would have it schedule every pair of ranks' tiles over the batch's
+        boundaries (seconds, P = 8 at 8K tokens per rank) for a choice made once per run (``family``)."""
+        return self
+
     @abc.abstractmethod
     def positions(self, seq_len: int, world: int, rank: int) -> torch.Tensor:
         """Global positions (int64, ``[S/P]``) of the tokens rank ``rank`` holds, in local order."""

@@ -30,7 +30,7 @@ import torch
 
 from megatron_ring.device import held_under_capture, to_device_together
 from megatron_ring.schedules.bounded import BoundedLRU
-from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView, TaskKind
+from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView, TaskKind, get_layout
 
 __all__ = ["AttentionMask", "BlockMask", "schedule", "visible_pairs", "needed_steps", "doc_ids", "DocumentZigzag"]
 
@@ -186,19 +186,53 @@ def _runs(pos: torch.Tensor, tile: int) -> list[tuple[int, int]]:
     return out
 
 
-def _classify(rule: AttentionMask, qp, qd, kp, kd, pad: int) -> str:
-    """'none', 'full' or 'mixed' for a tile pair from its ranges: positions and document ids increase
-    along a tile (padding has the largest id, ``pad``), so the end points bound every pair."""
-    qa, qb, ka, kb = int(qp[0]), int(qp[-1]), int(kp[0]), int(kp[-1])
-    dqa, dqb, dka, dkb = int(qd[0]), int(qd[-1]), int(kd[0]), int(kd[-1])
+NONE, FULL, MIXED = 0, 1, 2  # a tile pair's kind by its ranges (:func:`_kinds`)
+_KIND_NAMES = ("none", "full", "mixed")
+
+
+def _none_full(rule: AttentionMask, qa, qb, dqa, dqb, ka, kb, dka, dkb, pad):
+    """Whether no pair / every pair of a query run and a key run is visible, from the runs' first and last positions
+    (``qa``, ``qb``, ``ka``, ``kb``) and documents (``dqa`` ...): positions and document ids increase along a run
+    (padding has the largest id, ``pad``), so the end points bound every pair. Numbers for one pair of runs, or arrays
+    that broadcast for many at once (the same expression)."""
     left, right = rule.window if rule.window is not None else (-1, -1)
-    if (dqa == pad or dka == pad or dkb < dqa or dka > dqb or (rule.causal and ka > qb)
-            or (left >= 0 and kb < qa - left) or (right >= 0 and ka > qb + right)):
-        return "none"
-    if (dqa == dqb == dka == dkb and (not rule.causal or kb <= qa)
-            and (left < 0 or ka >= qb - left) and (right < 0 or kb <= qa + right)):
-        return "full"
-    return "mixed"
+    none = (dqa == pad) | (dka == pad) | (dkb < dqa) | (dka > dqb)
+    full = (dqa == dqb) & (dqb == dka) & (dka == dkb)
+    if rule.causal:
+        none = none | (ka > qb)
+        full = full & (kb <= qa)
+    if left >= 0:
+        none = none | (kb < qa - left)
+        full = full & (ka >= qb - left)
+    if right >= 0:
+        none = none | (ka > qb + right)
+        full = full & (kb <= qa + right)
+    return none, full
+
+
+def _kinds(rule: AttentionMask, qpos: torch.Tensor, qd: torch.Tensor, qruns: Sequence[tuple[int, int]],
+           kpos: torch.Tensor, kd: torch.Tensor, kruns: Sequence[tuple[int, int]], pad: int) -> numpy.ndarray:
+    """:data:`NONE`, :data:`FULL` or :data:`MIXED` for every pair of a query run and a key run (``[len(qruns),
+    len(kruns)]``, :func:`_none_full`), as array ops over all pairs at once (a block of Megatron's per-document
+    zigzag has ~100 runs of rows: ~10k pairs)."""
+    def ends(pos, doc, runs):
+        r = numpy.asarray(runs, dtype=numpy.int64).reshape(-1, 2)
+        p, d = pos.numpy(), doc.numpy()
+        return p[r[:, 0]], p[r[:, 1] - 1], d[r[:, 0]], d[r[:, 1] - 1]
+
+    qa, qb, dqa, dqb = (x[:, None] for x in ends(qpos, qd, qruns))
+    ka, kb, dka, dkb = (x[None, :] for x in ends(kpos, kd, kruns))
+    none, full = _none_full(rule, qa, qb, dqa, dqb, ka, kb, dka, dkb, pad)
+    return numpy.where(none, NONE, numpy.where(full, FULL, MIXED))
+
+
+def _classify(rule: AttentionMask, qp: torch.Tensor, qd: torch.Tensor, kp: torch.Tensor, kd: torch.Tensor,
+              pad: int) -> str:
+    """'none', 'full' or 'mixed' for one pair of runs (:func:`_none_full` on numbers)."""
+    qp, qd, kp, kd = qp.numpy(), qd.numpy(), kp.numpy(), kd.numpy()
+    none, full = _none_full(rule, int(qp[0]), int(qp[-1]), int(qd[0]), int(qd[-1]), int(kp[0]), int(kp[-1]),
+                            int(kd[0]), int(kd[-1]), pad)
+    return "none" if none else "full" if full else "mixed"
 
 
 def _documents(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor):
@@ -220,17 +254,21 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
     looked at pair by pair (``[tile, tile]`` booleans: seconds at 8K rows) unless :func:`_band_shape` tells
     its shape from a vector; it is a masked call, which that kernel runs as fast as an unmasked one."""
     qdoc, kdoc, qd, kd, pad = _documents(rule, qpos, kpos)
-    ktiles = _runs(kpos, tile)
+    qtiles, ktiles = _runs(qpos, tile), _runs(kpos, tile)
+    kinds = _kinds(rule, qpos, qd, qtiles, kpos, kd, ktiles, pad)
+    q_doc = (qd.numpy()[[a for a, _ in qtiles]], qd.numpy()[[b - 1 for _, b in qtiles]])
+    k_doc = (kd.numpy()[[a for a, _ in ktiles]], kd.numpy()[[b - 1 for _, b in ktiles]])
     bare = AttentionMask(rule.causal, None, rule.window)  # a tile pair within one document sees only this
     tasks: list[BlockTask] = []
-    for qa, qb in _runs(qpos, tile):
+    for i, (qa, qb) in enumerate(qtiles):
         row: list[tuple[int, int, str]] = []
-        for ka, kb in ktiles:
-            kind = _classify(rule, qpos[qa:qb], qd[qa:qb], kpos[ka:kb], kd[ka:kb], pad)
+        for j in numpy.flatnonzero(kinds[i]).tolist():  # the visible ones
+            ka, kb = ktiles[j]
+            kind = _KIND_NAMES[kinds[i, j]]
             if kind == "mixed":
-                one_doc = int(qd[qa]) == int(qd[qb - 1]) == int(kd[ka]) == int(kd[kb - 1]) < pad
+                one_doc = q_doc[0][i] == q_doc[1][i] == k_doc[0][j] == k_doc[1][j] < pad
                 kind = (_band_shape(bare if one_doc else rule, qpos[qa:qb], kpos[ka:kb])
-                        or (_shape(rule.allowed(qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb]))
+                        or (_shape_of(rule, qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb])
                             if shapes else "mixed"))
             if kind == "none":
                 continue
@@ -241,6 +279,29 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
         for ka, kb, kind in row:
             tasks.append(_task(rule, qpos, qdoc, kpos, kdoc, slice(qa, qb), slice(ka, kb), kind, shapes))
     return tuple(_merge_rows(tasks))
+
+
+def _shape_of(rule: AttentionMask, qpos: torch.Tensor, qdoc: torch.Tensor, kpos: torch.Tensor,
+              kdoc: torch.Tensor) -> str:
+    """:func:`_shape` of these rows against these keys, from each row's visible key rows
+    (:meth:`AttentionMask.row_ranges`, O(rows log keys)) where the keys allow it; else from the mask itself."""
+    ranges = rule.row_ranges(qpos, qdoc, kpos, kdoc)
+    if ranges is None:
+        return _shape(rule.allowed(qpos, qdoc, kpos, kdoc))
+    lo, hi = (x.numpy() for x in ranges)  # an empty row is (0, 0)
+    n, m = len(lo), len(kpos)
+    if not bool((hi > lo).any()):
+        return "none"
+    if bool((lo == 0).all()) and bool((hi == m).all()):
+        return "full"
+    if m == n:
+        i = numpy.arange(n)
+        last = i < n - 1
+        for kind, want_lo, want_hi in (("causal", 0, i + 1), ("reversed", i, n), ("causal-1", 0, i),
+                                       ("reversed-1", numpy.where(last, i + 1, 0), numpy.where(last, n, 0))):
+            if bool((lo == want_lo).all()) and bool((hi == want_hi).all()):
+                return kind
+    return "mixed"
 
 
 def _shape(ok: torch.Tensor) -> str:
@@ -293,7 +354,7 @@ def _task(rule, qpos, qdoc, kpos, kdoc, q: slice, kv: slice, kind: str, shapes: 
     if kind == "full":
         return BlockTask(q, kv, False)
     if kind == "mixed" and shapes:  # a run of mixed tiles: look again at the whole run
-        kind = _shape(rule.allowed(qpos[q], qdoc[q], kpos[kv], kdoc[kv]))
+        kind = _shape_of(rule, qpos[q], qdoc[q], kpos[kv], kdoc[kv])
     if kind.endswith("-1"):  # without the diagonal: the triangle of one row and key fewer
         kind = kind[:-2]
         q, kv = ((slice(q.start + 1, q.stop), slice(kv.start, kv.stop - 1)) if kind == "causal"
@@ -398,11 +459,12 @@ def _band_tile(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, s: i
     if rule.cu_seqlens is not None:
         return None
     tile, low = s, default_tile(s)
+    one = torch.zeros(max(len(qpos), len(kpos)), dtype=torch.int64)  # no documents: one for every row
     while tile >= low:
-        kt = _runs(kpos, tile)
-        if all(_classify(rule, qpos[qa:qb], torch.zeros(1), kpos[ka:kb], torch.zeros(1), 1) != "mixed"
-               or _band_shape(rule, qpos[qa:qb], kpos[ka:kb]) not in (None, "mixed")
-               for qa, qb in _runs(qpos, tile) for ka, kb in kt):
+        qt, kt = _runs(qpos, tile), _runs(kpos, tile)
+        kinds = _kinds(rule, qpos, one, qt, kpos, one, kt, 1)
+        if all(_band_shape(rule, qpos[qt[i][0]:qt[i][1]], kpos[kt[j][0]:kt[j][1]]) not in (None, "mixed")
+               for i, j in zip(*(x.tolist() for x in numpy.nonzero(kinds == MIXED)))):
             return tile
         if tile % 2:
             break
@@ -476,6 +538,10 @@ class DocumentZigzag(Layout):
     @property
     def family(self) -> str:
         return "zigzag/documents"
+
+    @property
+    def without_documents(self) -> Layout:
+        return get_layout("zigzag")  # the positions of DocumentZigzag((0, S))
 
     def _check(self, seq_len: int, world: int) -> None:
         if seq_len != self.cu[-1]:

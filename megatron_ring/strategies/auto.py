@@ -168,6 +168,13 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
     return machine
 
 
+def _modelled(layout):
+    """The layout the cost model predicts from (it does not model documents: :attr:`~megatron_ring.schedules.layouts.Layout.without_documents`),
+    by name where it is a built-in one."""
+    layout = layout.without_documents
+    return layout.name if layout.name in LAYOUTS else layout
+
+
 def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan) -> Problem:
     b, h, s, d = qh.shape
     world = plan.ring.world
@@ -175,7 +182,7 @@ def _problem(qh: torch.Tensor, kh: torch.Tensor, plan: RingPlan) -> Problem:
     spec = KVSpec((b, hk, s, d), (b, hk, s, d), kh.dtype, torch.device("meta"))
     wire = plan.codec.wire_bytes(spec) / (2 * b * hk * s * d)
     return Problem(batch=b, seq=s * world, heads=h, kv_heads=hk, head_dim=d, causal=plan.causal,
-                   layout=plan.layout if plan.layout.name not in LAYOUTS else plan.layout.name, elem_bytes=qh.element_size(), wire_bytes=wire,
+                   layout=_modelled(plan.layout), elem_bytes=qh.element_size(), wire_bytes=wire,
                    gather_head_groups=all_gather.GROUPS,
                    kv_pieces=1 if world == 1 else divisor_at_most(hk, plan.pieces))
 

@@ -352,6 +352,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                          "batch: ring tasks and segment plans, the GPU's whole-block path), the slowest rank, "
                          "--world-sizes x --tokens-per-rank (default 2048 8192), --layout (default striped), web "
                          "and short document mixes; --iters new mixes per row (megatron_ring_lab.bench.plan_time)")
+    ap.add_argument("--plan-tiles", action="store_true",
+                    help="with --plan-time: the CPU engine's planning (tile schedules for the math kernel) instead")
     ap.add_argument("--torch-ring", action="store_true",
                     help="ours vs PyTorch's own context-parallel ring, side by side, for --seq (one or more "
                          "values with --torch-ring-seqs) x --world-sizes x causal and not "
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 for t in (a.tokens_per_rank or [2048, 8192]) for mix in pt.MIXES]
         print(f"# plan time of a new document layout: one process, 1 thread; per row the median over {a.iters} new "
               f"mixes of the slowest rank", flush=True)
-        rows = pt.run_plan_time(grid, mixes=a.iters)
+        rows = pt.run_plan_time(grid, mixes=a.iters, whole=not a.plan_tiles)
         print(pt.format_plan_time(rows), flush=True)
         if a.json:
             with open(a.json, "w") as f:

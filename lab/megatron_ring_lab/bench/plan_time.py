@@ -9,7 +9,9 @@ one document mix over and over.
 What is timed: for each of ``mixes`` new document mixes and each rank, the planning that rank's first call does
 on the GPU's path (whole blocks on a variable-length kernel): ``schedule(layout, rule, P, rank, src, s, s,
 one_task=...)`` for every ring step (as the engine calls it, without dropout), then ``plan_for`` of each masked task;
-per mix the slowest rank (the ring waits for it); the row gives the median over mixes. Two document mixes: ``web``
+per mix the slowest rank (the ring waits for it); the row gives the median over mixes. ``--tiles``: the planning
+of the CPU engine instead (the math kernel: tile schedules, ``schedule(layout, rule, P, rank, src, s)``, no segment
+plans), which the lab and CI pay for every new mix. Two document mixes: ``web``
 (:func:`packed_lengths`: 80% short documents, 20% long ones up to a quarter of the stream) and ``short`` (many
 short documents, exponential lengths of mean 512 tokens); the layouts: ``striped``, ``zigzag`` (over the whole
 stream) and ``doc-zigzag`` (Megatron's per-document zigzag, documents padded to multiples of 2P: ``--sft``).
@@ -103,13 +105,14 @@ def packed_documents(layout: str, lengths: list[int], world: int, seq: int):
 
 
 def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: str = "web", mixes: int = 5,
-               causal: bool = True, window: tuple[int, int] | None = None) -> dict[str, Any]:
+               causal: bool = True, window: tuple[int, int] | None = None, whole: bool = True) -> dict[str, Any]:
     """One row (see the module doc): ``plan_ms``, the median over ``mixes`` new document mixes of the slowest
     rank's planning; ``docs``, the mixes' median document count; ``masked`` and ``planned``, in the last mix, the
     most masked tasks of any rank's forward and how many of those have a segment plan (the others fall back to the
     math kernel).
     ``layout="doc-zigzag"``: Megatron's per-document zigzag (:class:`DocumentZigzag`) of the mix's documents each
-    padded to a multiple of 2P (:func:`megatron_padded`)."""
+    padded to a multiple of 2P (:func:`megatron_padded`). ``whole=False``: the CPU engine's tile schedules (no segment
+    plans: ``planned`` is 0)."""
     seq = world * tokens_per_rank
     per_mix, docs, masked, planned = [], [], 0, 0
     for seed in range(1, mixes + 1):  # a new mix each time: nothing of the last one's plan is reused
@@ -122,16 +125,19 @@ def plan_times(world: int, tokens_per_rank: int, layout: str = "striped", mix: s
             n_masked = n_planned = 0
             t0 = time.perf_counter()
             for step in range(world):
-                for task in schedule(lay, rule, world, rank, (rank - step) % world, tokens_per_rank,
-                                     tokens_per_rank, **({"one_task": one_task} if one_task else {})):
+                src = (rank - step) % world
+                tasks = (schedule(lay, rule, world, rank, src, tokens_per_rank, tokens_per_rank,
+                                  **({"one_task": one_task} if one_task else {})) if whole
+                         else schedule(lay, rule, world, rank, src, tokens_per_rank))
+                for task in tasks:
                     if task.kind is TaskKind.MASKED:
                         n_masked += 1
-                        n_planned += plan_for(task.mask) is not None
+                        n_planned += whole and plan_for(task.mask) is not None
             slowest = max(slowest, (time.perf_counter() - t0) * 1e3)
             counts = max(counts, (n_masked, n_planned))
         per_mix.append(slowest)
         masked, planned = counts
-    return dict(P=world, tokens_per_rank=tokens_per_rank, layout=layout, mix=mix, causal=causal,
+    return dict(P=world, tokens_per_rank=tokens_per_rank, layout=layout, mix=mix, causal=causal, whole=whole,
                 window=list(window) if window else None, docs=statistics.median(docs),
                 plan_ms=statistics.median(per_mix), plan_ms_mixes=per_mix, masked=masked, planned=planned)
 
@@ -142,8 +148,8 @@ GRID = [(4, 2048, "striped", "web"), (8, 2048, "striped", "short"), (4, 8192, "s
         (4, 2048, "doc-zigzag", "web"), (8, 8192, "doc-zigzag", "web")]
 
 
-def run_plan_time(grid=GRID, mixes: int = 5) -> list[dict[str, Any]]:
-    return [plan_times(p, t, layout, mix, mixes) for p, t, layout, mix in grid]
+def run_plan_time(grid=GRID, mixes: int = 5, whole: bool = True) -> list[dict[str, Any]]:
+    return [plan_times(p, t, layout, mix, mixes, whole=whole) for p, t, layout, mix in grid]
 
 
 def format_plan_time(rows: list[dict[str, Any]]) -> str:
@@ -160,9 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=5, help="new document mixes per row")
     ap.add_argument("--json", action="store_true", help="print one RESULT line of JSON (scripts/bench_revisions.py)")
+    ap.add_argument("--tiles", action="store_true", help="the CPU engine's planning (tile schedules) instead of the "
+                    "GPU's (whole blocks, segment plans)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rows = run_plan_time(mixes=a.iters)
+    rows = run_plan_time(mixes=a.iters, whole=not a.tiles)
     print("RESULT " + json.dumps(rows) if a.json else format_plan_time(rows), flush=True)
 
 
