@@ -24,6 +24,7 @@ from megatron_ring.schedules.layouts import TaskKind, get_layout
 from megatron_ring.schedules.masks import AttentionMask, DocumentZigzag, schedule
 from tests.helpers.numerics import max_err, score_bound, tol
 from tests.helpers.reference import doc_attention_reference, outputs_and_grads
+from tests.helpers.launch import run_distributed
 from tests.helpers.ring_fakes import thd_ring_in_global_order
 
 
@@ -209,6 +210,83 @@ def test_whole_blocks_of_a_document_mix_on_the_stand_in(world):
         # per rank: forward + backward, one task per (query run, key run) and step
         assert varlen.COUNTS["varlen_cpu"] <= 2 * world * world * (4 if lay == "zigzag" else 1), varlen.COUNTS
     assert all(err <= bound for _, err, bound in rows), [r for r in rows if not r[1] <= r[2]]
+
+
+def _collective_worker(rank, world, tiled_views=False):
+    """Every collective comm type on a web-like document mix (causal, striped and Megatron's per-document
+    zigzag) with masked tasks on the stand-in: per (comm type, layout) the errors of the outputs and dq/dk/dv
+    against the float64 reference, and the stand-in's kernel calls (forward+backward). ``tiled_views``: the
+    strategies' views cut their blocks into tiles whatever the engine asks (the negative control)."""
+    import torch.distributed as dist
+    from megatron_ring import ring_attention
+    from megatron_ring.schedules import views
+    from megatron_ring.strategies import make_hierarchical_groups
+
+    if tiled_views:
+        for cls in (views.GatheredView, views.GroupedView):
+            cls.masked_tasks = (lambda orig: lambda self, rule, w, r, src, s, tile=None, one_task=None:
+                                orig(self, rule, w, r, src, s))(cls.masked_tasks)
+    hier = make_hierarchical_groups(2)
+    T, h, hk, d = 256 * world, 4, 2, 16  # hk: the test's kv_heads
+    lengths = [37, 300, 5, 120, 64, 211, 90, 17]  # padded to multiples of 2P for the per-document zigzag
+    slots = [0]
+    for n in lengths:
+        slots.append(slots[-1] + -(-n // (2 * world)) * 2 * world)
+    slots.append(T)
+    docs = [0]
+    for a, b, n in zip(slots, slots[1:], lengths + [None]):
+        docs += [a + n, b] if n is not None and a + n < b else [b]
+    g = torch.Generator().manual_seed(7)
+    q, dout = (torch.randn(T, h, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(T, hk, d, generator=g) for _ in range(2))
+    ref = outputs_and_grads(lambda *t: doc_attention_reference(*t, docs, True, None), q.double(), k.double(),
+                            v.double(), dout.double())
+    rows, calls = [], {}
+    for lay in (get_layout("striped"), DocumentZigzag(slots)):
+        pos = lay.positions(T, world, rank)
+        for ct in ("all_gather", "a2a", "a2a+p2p"):
+            leaves = [t[pos].detach().clone().requires_grad_() for t in (q, k, v)]
+            varlen.COUNTS.clear()
+            with varlen.cpu_stand_in():
+                out = ring_attention(*leaves, qkv_format="thd", layout=lay, cu_seqlens=torch.tensor(docs),
+                                     causal=True, comm_type=ct, hierarchical_groups=hier)
+                out.backward(dout[pos])
+            calls[(ct, lay.family)] = dict(varlen.COUNTS)
+            for what, a, b in zip(("out", "dq", "dk", "dv"), [out.detach()] + [t.grad for t in leaves], ref):
+                rows.append(((ct, lay.family, what), max_err(a, b[pos]),
+                             tol(b.abs().max().item(), dtype=torch.float32, n=T, sigma=score_bound(q, k),
+                                 blocks=2 * world)))
+    dist.barrier()
+    return rows, calls
+
+
+def _tiled_views_worker(rank, world):
+    return _collective_worker(rank, world, tiled_views=True)
+
+
+@pytest.mark.slow
+def test_collective_comm_types_run_whole_blocks_on_the_variable_length_kernel():
+    """all_gather, a2a and a2a+p2p hold several shards in one tensor (the schedule views, schedules/views.py). On a
+    variable-length kernel their masked blocks run whole, as the ring's do: at most one task per pair of shards
+    and pass (forward, backward) for the striped layout and Megatron's per-document zigzag, within the float64
+    bound, none on the math kernel. Before, the views ignored whole blocks and cut every pair into tiles (P = 8,
+    8K tokens per rank, a web-like mix: a2a 1,728 tasks per forward instead of 64). Negative control: views that
+    tile take several times the calls, with the same results."""
+    from megatron_ring.strategies import all_gather
+
+    world, kv_heads = 4, 2
+    per_rank = run_distributed(_collective_worker, world, timeout=600)
+    # tasks per pass: all_gather, each source shard once per gathered group of K/V heads; a2a, every pair of shards;
+    # a2a+p2p 2 x 2, 2 ring steps of 2 x 2 pairs
+    pairs = {"all_gather": world * min(all_gather.GROUPS, kv_heads), "a2a": world * world, "a2a+p2p": 2 * 2 * 2}
+    for rows, calls in per_rank:
+        assert all(err <= bound for _, err, bound in rows), [r for r in rows if not r[1] <= r[2]]
+        for (ct, family), counts in calls.items():
+            assert counts.get("math", 0) == 0 and counts["varlen_cpu"] <= 2 * pairs[ct], (ct, family, counts)
+    tiled = run_distributed(_tiled_views_worker, world, timeout=600)
+    for (_, calls), (tiled_rows, tiled_calls) in zip(per_rank, tiled):
+        assert all(err <= bound for _, err, bound in tiled_rows)
+        assert all(tiled_calls[key]["varlen_cpu"] >= 2 * calls[key]["varlen_cpu"] for key in calls), tiled_calls
 
 
 def test_plans_from_row_ranges_equal_the_plans_from_the_matrix(monkeypatch):

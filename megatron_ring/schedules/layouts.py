@@ -203,8 +203,11 @@ class ShardView(Layout):
     (:meth:`masked_tasks`, which :func:`..masks.schedule` calls instead of deriving tiles)."""
 
     @abc.abstractmethod
-    def masked_tasks(self, rule: Any, world: int, rank: int, src: int, s: int) -> tuple[BlockTask, ...]:
-        """The tasks under documents / windows ``rule`` (an :class:`~..masks.AttentionMask`)."""
+    def masked_tasks(self, rule: Any, world: int, rank: int, src: int, s: int, tile: int | None = None,
+                     one_task: Any = None) -> tuple[BlockTask, ...]:
+        """The tasks under documents / windows ``rule`` (an :class:`~..masks.AttentionMask`). ``tile = s``: whole
+        blocks, i.e. every pair of shards as a whole block of the base layout (with ``one_task``, as
+        :func:`..masks.schedule` takes them); else tiles of ``tile`` rows (None: the base schedule's choice)."""
 
 
 LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Contiguous(), Zigzag(), Striped())}

@@ -409,13 +409,13 @@ def schedule(layout: Layout, rule: AttentionMask, world: int, rank: int, src: in
     runs."""
     if rule.plain:
         return layout.block_tasks(rule.causal, world, rank, src, s)
-    if isinstance(layout, ShardView):  # a strategy's view of several shards (schedules/views.py)
-        return layout.masked_tasks(rule, world, rank, src, s)
     one_task = one_task if tile == s else None
     key = (layout.name, rule, world, rank, src, s, tile, one_task)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
+    if isinstance(layout, ShardView):  # a strategy's view of several shards (schedules/views.py): whole blocks too
+        return _CACHE.put(key, layout.masked_tasks(rule, world, rank, src, s, tile, one_task))
     seq = s * world
     qpos, kpos = layout.positions(seq, world, rank), layout.positions(seq, world, src)
     tasks = None if one_task is None else _whole_block(rule, qpos, kpos, one_task)

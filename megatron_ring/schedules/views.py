@@ -71,11 +71,12 @@ class GatheredView(_View):
         return tuple(_moved(t, 0, j * s) for j in range(self.world)
                      for t in self.base.block_tasks(causal, self.world, self.rank, j, s))
 
-    def masked_tasks(self, rule, world, rank, src, s):
-        """Documents / windows: the base layout's masked schedule (:func:`..masks.schedule`), moved alike."""
+    def masked_tasks(self, rule, world, rank, src, s, tile=None, one_task=None):
+        """Documents / windows: the base layout's masked schedule (:func:`..masks.schedule`; whole blocks where
+        ``tile = s``: this rank's queries against each source shard), moved alike."""
         assert world == 1, "GatheredView is consumed by a world-size-1 plan"
         return tuple(_moved(t, 0, j * s) for j in range(self.world)
-                     for t in schedule(self.base, rule, self.world, self.rank, j, s))
+                     for t in schedule(self.base, rule, self.world, self.rank, j, s, tile, one_task))
 
 
 class GroupedView(_View):
@@ -106,10 +107,12 @@ class GroupedView(_View):
                      for i in range(n) for j in range(n)
                      for t in self.base.block_tasks(causal, total, rank * n + i, src * n + j, c))
 
-    def masked_tasks(self, rule, world, rank, src, s):
-        """Documents / windows: the base layout's masked schedule (:func:`..masks.schedule`), moved alike."""
+    def masked_tasks(self, rule, world, rank, src, s, tile=None, one_task=None):
+        """Documents / windows: the base layout's masked schedule (:func:`..masks.schedule`), moved alike; whole
+        blocks of the super-block (``tile = s``) are whole blocks of its shards."""
         n = self.inner
         c = s // n
+        tile = c if tile == s else tile
         return tuple(_moved(t, i * c, j * c)
                      for i in range(n) for j in range(n)
-                     for t in schedule(self.base, rule, world * n, rank * n + i, src * n + j, c))
+                     for t in schedule(self.base, rule, world * n, rank * n + i, src * n + j, c, tile, one_task))

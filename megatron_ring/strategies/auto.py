@@ -169,8 +169,8 @@ def machine_for(plan: RingPlan, device: torch.device, dtype: torch.dtype, outer:
 
 
 def _modelled(layout):
-    """The layout the cost model predicts from (it does not model documents: :attr:`~megatron_ring.schedules.layouts.Layout.without_documents`),
-    by name where it is a built-in one."""
+    """The layout the cost model predicts from, by name where it is a built-in one: it does not model documents
+    (:attr:`~megatron_ring.schedules.layouts.Layout.without_documents`)."""
     layout = layout.without_documents
     return layout.name if layout.name in LAYOUTS else layout
 
