@@ -214,7 +214,7 @@ def test_tile_pairs_kinds_and_shapes_match_their_masks():
                 qp, kp = lay.positions(T, world, rank), lay.positions(T, world, src)
                 qdoc, kdoc, qd, kd, pad = masks._documents(rule, qp, kp)
                 qr, kr = masks._runs(qp, tile), masks._runs(kp, tile)
-                kinds = masks._kinds(rule, qp, qd, qr, kp, kd, kr, pad)
+                kinds = masks._kinds(rule, masks._run_ends(qp, qd, qr), masks._run_ends(kp, kd, kr), pad)
                 for (i, (qa, qb)), (j, (ka, kb)) in itertools.product(enumerate(qr), enumerate(kr)):
                     ok = rule.allowed(qp[qa:qb], qdoc[qa:qb], kp[ka:kb], kdoc[ka:kb])
                     assert kinds[i, j] != masks.NONE or not ok.any()

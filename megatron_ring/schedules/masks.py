@@ -210,18 +210,20 @@ def _none_full(rule: AttentionMask, qa, qb, dqa, dqb, ka, kb, dka, dkb, pad):
     return none, full
 
 
-def _kinds(rule: AttentionMask, qpos: torch.Tensor, qd: torch.Tensor, qruns: Sequence[tuple[int, int]],
-           kpos: torch.Tensor, kd: torch.Tensor, kruns: Sequence[tuple[int, int]], pad: int) -> numpy.ndarray:
-    """:data:`NONE`, :data:`FULL` or :data:`MIXED` for every pair of a query run and a key run (``[len(qruns),
-    len(kruns)]``, :func:`_none_full`), as array ops over all pairs at once (a block of Megatron's per-document
-    zigzag has ~100 runs of rows: ~10k pairs)."""
-    def ends(pos, doc, runs):
-        r = numpy.asarray(runs, dtype=numpy.int64).reshape(-1, 2)
-        p, d = pos.numpy(), doc.numpy()
-        return p[r[:, 0]], p[r[:, 1] - 1], d[r[:, 0]], d[r[:, 1] - 1]
+def _run_ends(pos: torch.Tensor, doc: torch.Tensor, runs: Sequence[tuple[int, int]]) -> tuple[numpy.ndarray, ...]:
+    """Each run's first and last position and first and last document (four arrays, one entry per run)."""
+    r = numpy.asarray(runs, dtype=numpy.int64).reshape(-1, 2)
+    p, d = pos.numpy(), doc.numpy()
+    return p[r[:, 0]], p[r[:, 1] - 1], d[r[:, 0]], d[r[:, 1] - 1]
 
-    qa, qb, dqa, dqb = (x[:, None] for x in ends(qpos, qd, qruns))
-    ka, kb, dka, dkb = (x[None, :] for x in ends(kpos, kd, kruns))
+
+def _kinds(rule: AttentionMask, qends: tuple[numpy.ndarray, ...], kends: tuple[numpy.ndarray, ...],
+           pad: int) -> numpy.ndarray:
+    """:data:`NONE`, :data:`FULL` or :data:`MIXED` for every pair of a query run and a key run (``[query runs, key
+    runs]``, :func:`_none_full`) from their :func:`_run_ends`, as array ops over all pairs at once (a block of
+    Megatron's per-document zigzag has ~100 runs of rows: ~10k pairs)."""
+    qa, qb, dqa, dqb = (x[:, None] for x in qends)
+    ka, kb, dka, dkb = (x[None, :] for x in kends)
     none, full = _none_full(rule, qa, qb, dqa, dqb, ka, kb, dka, dkb, pad)
     return numpy.where(none, NONE, numpy.where(full, FULL, MIXED))
 
@@ -255,9 +257,8 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
     its shape from a vector; it is a masked call, which that kernel runs as fast as an unmasked one."""
     qdoc, kdoc, qd, kd, pad = _documents(rule, qpos, kpos)
     qtiles, ktiles = _runs(qpos, tile), _runs(kpos, tile)
-    kinds = _kinds(rule, qpos, qd, qtiles, kpos, kd, ktiles, pad)
-    q_doc = (qd.numpy()[[a for a, _ in qtiles]], qd.numpy()[[b - 1 for _, b in qtiles]])
-    k_doc = (kd.numpy()[[a for a, _ in ktiles]], kd.numpy()[[b - 1 for _, b in ktiles]])
+    qends, kends = _run_ends(qpos, qd, qtiles), _run_ends(kpos, kd, ktiles)
+    kinds = _kinds(rule, qends, kends, pad)
     bare = AttentionMask(rule.causal, None, rule.window)  # a tile pair within one document sees only this
     tasks: list[BlockTask] = []
     for i, (qa, qb) in enumerate(qtiles):
@@ -266,7 +267,7 @@ def _tasks(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, tile: in
             ka, kb = ktiles[j]
             kind = _KIND_NAMES[kinds[i, j]]
             if kind == "mixed":
-                one_doc = q_doc[0][i] == q_doc[1][i] == k_doc[0][j] == k_doc[1][j] < pad
+                one_doc = qends[2][i] == qends[3][i] == kends[2][j] == kends[3][j] < pad
                 kind = (_band_shape(bare if one_doc else rule, qpos[qa:qb], kpos[ka:kb])
                         or (_shape_of(rule, qpos[qa:qb], qdoc[qa:qb], kpos[ka:kb], kdoc[ka:kb])
                             if shapes else "mixed"))
@@ -462,7 +463,7 @@ def _band_tile(rule: AttentionMask, qpos: torch.Tensor, kpos: torch.Tensor, s: i
     one = torch.zeros(max(len(qpos), len(kpos)), dtype=torch.int64)  # no documents: one for every row
     while tile >= low:
         qt, kt = _runs(qpos, tile), _runs(kpos, tile)
-        kinds = _kinds(rule, qpos, one, qt, kpos, one, kt, 1)
+        kinds = _kinds(rule, _run_ends(qpos, one, qt), _run_ends(kpos, one, kt), 1)
         if all(_band_shape(rule, qpos[qt[i][0]:qt[i][1]], kpos[kt[j][0]:kt[j][1]]) not in (None, "mixed")
                for i, j in zip(*(x.tolist() for x in numpy.nonzero(kinds == MIXED)))):
             return tile
