@@ -129,3 +129,64 @@ def test_a_failure_without_text_is_named_by_its_type(one_rank_group, monkeypatch
         with pytest.raises(RingPeerError) as info:
             ring_as(2, 4, coalesced=False).exchange(torch.zeros(4), torch.empty(4), "fwd_kv", 1)
         assert f"failed to start at fwd_kv step 1 (this is global rank 2){shown}" in str(info.value), str(info.value)
+
+
+def _collective_backend(monkeypatch, work):
+    """Every collective of transport/collectives.py returns ``work`` (NCCL: its wait() does not block the host)."""
+    launched = []
+
+    def launch(name):
+        def run(*args, **kwargs):
+            launched.append(name)
+            return work
+        return run
+
+    for name in ("all_gather_single", "all_gather_into_tensor", "all_to_all_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, launch(name))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    return launched
+
+
+def test_nccl_collectives_leave_the_deadline_to_the_watchdog(one_rank_group, monkeypatch):
+    """The collective strategies' collectives (all_gather, a2a, a2a+p2p) with a deadline on NCCL: wait() without a
+    timeout (stream ordering only; ``work.wait(timeout)`` would block the host until the collective completes), the
+    watchdog watching; at expiry it aborts the communicators, and the next collective on that transport raises an
+    error naming the collective, its group and the time-out. Negative control: gloo keeps the timeout on its
+    blocking wait, no watchdog."""
+    from megatron_ring.transport.collectives import all_gather, all_to_all, reduce_scatter
+
+    work = NcclLikeWork()
+    launched = _collective_backend(monkeypatch, work)
+    ring = ring_as(2, 4, coalesced=True, timeout_s=5.0)
+    t0 = time.monotonic()
+    all_gather(torch.empty(8), torch.zeros(2), ring, "all-gather of the input status").wait()
+    all_to_all(torch.empty(8), torch.zeros(8), ring, "all-to-all of K/V").wait()
+    reduce_scatter(torch.empty(2), torch.zeros(8), ring, "reduce-scatter of dK/dV").wait()
+    assert time.monotonic() - t0 < 5.0 and len(launched) == 3 and work.wait_calls == [(), (), ()]
+    assert watchdog.pending() == 3 and ring.failure is None
+    work.finish()
+    deadline = time.monotonic() + 5
+    while watchdog.pending() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert watchdog.pending() == 0 and ring.failure is None and ring.aborted == 0
+
+    stuck = NcclLikeWork()  # never completes: a peer is gone
+    _collective_backend(monkeypatch, stuck)
+    ring = ring_as(2, 4, coalesced=True, timeout_s=0.3)
+    all_to_all(torch.empty(8), torch.zeros(8), ring, "all-to-all of O").wait()  # returns: no host block
+    deadline = time.monotonic() + 10
+    while (ring.failure is None or not ring.aborted) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ring.aborted == 1
+    with pytest.raises(RingPeerError) as info:  # raised by the next collective's launch
+        all_to_all(torch.empty(8), torch.zeros(8), ring, "all-to-all of dO")
+    msg = str(info.value)
+    assert "all-to-all of O over the ring's group failed (this is global rank 2)" in msg, msg
+    assert "Watchdog caught collective operation timeout (Timeout(ms)=300)" in msg and looks_like_timeout(msg), msg
+
+    gloo = [NcclLikeWork()]
+    _collective_backend(monkeypatch, gloo[0])
+    ring = ring_as(2, 4, coalesced=False, timeout_s=0.5)
+    all_gather(torch.empty(8), torch.zeros(2), ring, "all-gather of K/V (forward)").wait()
+    assert gloo[0].wait_calls[0][0].total_seconds() == 0.5 and watchdog.pending() == 0

@@ -12,7 +12,6 @@ Bad input: rank 2 alone has a NaN in K (fp8 wire, which refuses it) or a rank-lo
 non-contiguous head dim, or a kernel its device cannot run): for every comm type every rank raises promptly (well under the ring timeout),
 the others naming global rank 2, and the group stays usable afterwards.
 """
-import math
 import time
 
 import pytest
@@ -121,20 +120,28 @@ TIMEOUT_S = 20.0
 BAD = 2
 
 
+def _faulty_call(rank, comm_type, fault, hier):
+    """q, k, v and the options of a call whose input rank :data:`BAD` alone gets wrong (``fault``: "nan" in K on the
+    fp8 wire, "stride": a non-contiguous head dim), after a call with the same signature (so the cross-rank check
+    passes before the fault)."""
+    torch.manual_seed(rank)
+    q = torch.randn(1, 16, 4, 8)
+    k, v = torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
+    kw = dict(causal=True, comm_dtype="fp8", comm_type=comm_type, hierarchical_groups=hier, timeout_s=TIMEOUT_S)
+    ring_attention(q, k, v, **kw)
+    if rank == BAD and fault == "nan":
+        k[0, 5, 1, 3] = float("nan")
+    if rank == BAD and fault == "stride":
+        q = torch.randn(1, 16, 4, 16)[..., ::2]  # refused on this rank only
+    return q, k, v, kw
+
+
 def _bad_input_worker(rank, world):
     hier = make_hierarchical_groups(2)
     results = {}
     for ct in TYPES:
         for fault in ("nan", "stride", "kernel", "none"):
-            torch.manual_seed(rank)
-            q = torch.randn(1, 16, 4, 8)
-            k, v = torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
-            kw = dict(causal=True, comm_dtype="fp8", comm_type=ct, hierarchical_groups=hier, timeout_s=TIMEOUT_S)
-            ring_attention(q, k, v, **kw)  # signature seen (the cross-rank check passes before the fault)
-            if rank == BAD and fault == "nan":
-                k[0, 5, 1, 3] = float("nan")
-            if rank == BAD and fault == "stride":
-                q = torch.randn(1, 16, 4, 16)[..., ::2]  # refused on this rank only
+            q, k, v, kw = _faulty_call(rank, ct, fault, hier)
             kernel = "flash_cuda" if rank == BAD and fault == "kernel" else "auto"  # this rank's device cannot run it
             start = time.monotonic()
             try:
@@ -168,38 +175,91 @@ def test_bad_input_on_one_rank_raises_on_every_rank_for_every_comm_type():
             assert res[(ct, "none")][:2] == ("ok", False), (ct, rank, res[(ct, "none")])
 
 
+def _bad_input_cuda_path_worker(rank, world):
+    """As :func:`_bad_input_worker` on the CUDA code path (the fake device's answers for ``cpu``: the status codes
+    copied to the host in the forward, read at the start of the layer's backward), with a backward after each call:
+    per (comm type, fault), where each rank raised and what."""
+    from megatron_ring import device
+    from tests.helpers.fake_device import FakeCuda
+
+    hier = make_hierarchical_groups(2)
+    results = {}
+    with device.use("cpu", FakeCuda()):
+        for ct in TYPES:
+            for fault in ("nan", "stride", "none"):
+                q, k, v, kw = _faulty_call(rank, ct, fault, hier)
+                leaves = [t.requires_grad_() for t in (q, k, v)]  # as they are (the stride fault's q too)
+                where = "forward"
+                try:
+                    out = ring_attention(*leaves, **kw)
+                    where = "backward"
+                    out.sum().backward()
+                    res = ("ok", "")
+                except Exception as exc:  # noqa: BLE001 - reported to the test
+                    res = (type(exc).__name__, str(exc))
+                results[(ct, fault)] = (where, *res)
+    return results
+
+
+@pytest.mark.slow
+def test_bad_input_on_one_rank_raises_on_every_rank_on_the_cuda_path():
+    """The collective comm types on the CUDA path read the gathered codes from their host copy at the start of the
+    layer's backward (no host sync in the forward, none in the backward where the copy is complete): a rank whose
+    K/V the wire refuses, or whose input is refused, still stops every rank there, with the named errors."""
+    per_rank = run_distributed(_bad_input_cuda_path_worker, 4, timeout=300)
+    for ct in TYPES:
+        for rank, res in enumerate(per_rank):
+            where, kind, msg = res[(ct, "nan")]
+            assert (where, kind) == ("backward", "WireFiniteError"), (ct, rank, res[(ct, "nan")])
+            assert ("inf/NaN" if rank == BAD else f"global rank(s) {BAD} cannot be sent") in msg, (ct, rank, msg)
+            where, kind, msg = res[(ct, "stride")]
+            if rank == BAD:
+                assert (where, kind) == ("forward", "ValueError"), (ct, rank, res[(ct, "stride")])
+            else:
+                assert (where, kind) == ("backward", "RingInputError") and f"global rank(s) {BAD} rejected" in msg, (
+                    ct, rank, res[(ct, "stride")])
+            assert res[(ct, "none")] == ("backward", "ok", ""), (ct, rank, res[(ct, "none")])
+
+
 def test_deferred_status_check_raises_at_the_start_of_backward():
-    """CUDA without a checking codec: the forward only launches the status gather; the layer's backward
-    waits for it and raises (the mechanism, on CPU tensors: no GPU here)."""
+    """CUDA without a checking codec: the forward leaves the gathered codes' host copy to the layer's backward,
+    which reads it at its start and raises; it waits for the device only where the copy is not complete yet (the
+    mechanism, on CPU tensors with a device that answers like CUDA: no GPU here)."""
+    from megatron_ring.core.status import PendingChecks
+    from megatron_ring.device import DeviceOps
     from megatron_ring.errors import RingInputError
     from megatron_ring.strategies.refusal import _CheckInBackward
+    from megatron_ring.wire.codecs import IdentityCodec
 
-    waited = []
+    class Ops(DeviceOps):  # a device whose reads are not free; says whether the copy's event is done
+        host_reads_free = False
 
-    class Status:
-        def _wait(self, pending, which):
-            pending.wait()
+        def __init__(self, done):
+            self.done, self.host_waits = done, 0
 
-        def _raise(self, codes):
-            if codes.any():
-                raise RingInputError("ring global rank(s) 2 rejected their input")
+        def event_done(self, event):
+            return self.done
 
-    class Pending:
-        def wait(self):
-            waited.append(True)
+        def wait_event_host(self, event):
+            self.host_waits += 1
 
-    for codes, fails in ((torch.zeros(4), False), (torch.tensor([0.0, 0, 2, 0]), True)):
+    class Ring:
+        rank, my_global, members = 0, 0, [0, 1, 2, 3]
+
+    for codes, fails, done in ((torch.zeros(4), False, True), (torch.tensor([0.0, 0, 2, 0]), True, True),
+                               (torch.zeros(4), False, False)):
+        ops, checks = Ops(done), PendingChecks()
+        checks.add(codes, object(), ops, Ring(), IdentityCodec())
         x = torch.ones(3, requires_grad=True)
-        y = _CheckInBackward.apply(x, (Status(), Pending(), codes))
-        assert torch.equal(y, x) and not waited  # forward: identity, nothing waited for
+        y = _CheckInBackward.apply(x, checks)
+        assert torch.equal(y, x) and checks._items  # forward: identity, nothing read
         if fails:
-            with pytest.raises(RingInputError, match="rank"):
+            with pytest.raises(RingInputError, match=r"ring global rank\(s\) 2 rejected their input"):
                 y.sum().backward()
         else:
             y.sum().backward()
             assert torch.equal(x.grad, torch.ones(3))
-        assert waited
-        waited.clear()
+        assert not checks._items and ops.host_waits == (0 if done else 1)  # read once; waited only if not done
 
 
 def _odd_fp8_worker(rank, world):

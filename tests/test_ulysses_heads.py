@@ -116,9 +116,9 @@ HIER = {  # world -> (inner, heads) for comm_type='a2a+p2p'
 def _counting_all_to_all(log):
     real = a2a_mod.all_to_all
 
-    def wrapped(out, inp, group, timeout_s, what, in_splits=None, out_splits=None):
+    def wrapped(out, inp, over, what, in_splits=None, out_splits=None):
         log.append((what, inp.numel() * inp.element_size(), None if in_splits is None else list(in_splits)))
-        return real(out, inp, group, timeout_s, what, in_splits, out_splits)
+        return real(out, inp, over, what, in_splits, out_splits)
     return wrapped
 
 
@@ -191,8 +191,8 @@ def _swapped_kv_worker(rank, world):
     """The same comparison with a broken a2a: the K/V all-to-all's received sequence shards swapped."""
     real = a2a_mod.all_to_all
 
-    def swapped(out, inp, group, timeout_s, what, in_splits=None, out_splits=None):
-        pending = real(out, inp, group, timeout_s, what, in_splits, out_splits)
+    def swapped(out, inp, over, what, in_splits=None, out_splits=None):
+        pending = real(out, inp, over, what, in_splits, out_splits)
         if what != "all-to-all of K/V":
             return pending
 

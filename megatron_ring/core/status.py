@@ -74,7 +74,7 @@ from megatron_ring.errors import RingInputError
 
 __all__ = ["RingInputError", "RingStatus", "PendingChecks", "StatusRecorder", "status_buffers", "raise_for",
            "tag_value", "status_pattern", "status_elem", "payload_of", "values_of", "CAPTURED", "defer", "LATE_CHECKS",
-           "spread_codes", "read_left"]
+           "spread_codes", "read_left", "assert_on_device"]
 
 OK, BAD_VALUES, BAD_INPUT = 0, 1, 2
 #: checks a ring leaves for later calls (:func:`defer`) that may wait there; the oldest beyond are read at once
@@ -315,12 +315,7 @@ class RingStatus:
             raise self.local_error
         explain = self.explain if self._checked else None
         if self.ops.capturing(self.codes.device):
-            # CUDA-graph capture: no host read, no event (what the host decided would not replay); every
-            # replay checks the codes on the device instead: a failing rank stops it with a device-side assert
-            torch._assert_async(torch.all(self.codes == self.fine),
-                                "megatron_ring: a rank of the ring refused its input (its K/V cannot go on this "
-                                "wire, or a rank-local input error), or the ranks made different calls; rerun "
-                                "eagerly to get the named error")
+            assert_on_device(self.codes, self.fine)
             return
         if self.read_in_forward:
             read_left(self.ring)  # CUDA, no backward, a value-checking wire: this read waits for the device anyway
@@ -334,6 +329,16 @@ class RingStatus:
         # no backward (CUDA, a wire that checks no values): read with a later call's, or LATE_CHECKS calls later
         defer(self.ring, (host, event, self.ops, functools.partial(raise_for, ring=self.ring, codec=self.codec,
                                                                    fine=self.fine, late=True)))
+
+
+def assert_on_device(codes: torch.Tensor, fine: float) -> None:
+    """While a CUDA graph is captured: no host read, no event (what the host decided would not replay); every
+    replay checks the call's ``codes`` on the device instead: a failing rank, or ranks that made different calls,
+    stop it with a device-side assert."""
+    torch._assert_async(torch.all(codes == fine),
+                        "megatron_ring: a rank of the ring refused its input (its K/V cannot go on this wire, or a "
+                        "rank-local input error), or the ranks made different calls; rerun eagerly to get the named "
+                        "error")
 
 
 def spread_codes(ring: Any, codes: torch.Tensor, steps: int, channel: str) -> None:

@@ -15,9 +15,13 @@ import dataclasses
 import torch
 
 from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView
+from megatron_ring.schedules.bounded import BoundedLRU
 from megatron_ring.schedules.masks import schedule
 
 __all__ = ["GatheredView", "GroupedView"]
+
+#: :meth:`GroupedView.sequence_order`'s permutations (host index vectors), by layout and size
+_ORDERS = BoundedLRU(256, 64 << 20, lambda v: sum(t.untyped_storage().nbytes() for t in v))
 
 
 def _shift(sl: slice, by: int) -> slice:
@@ -106,6 +110,19 @@ class GroupedView(_View):
         return tuple(_moved(t, i * c, j * c)
                      for i in range(n) for j in range(n)
                      for t in self.base.block_tasks(causal, total, rank * n + i, src * n + j, c))
+
+    def sequence_order(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The super-block of a world of one (the whole sequence, ``n`` rows: every shard's rows one after another, as
+        a2a holds them) put in the sequence's order: ``(order, back)``, host index vectors, ``x[order]`` in order and
+        ``y[back]`` back in the shards'. None where they are in order already (``contiguous``). Once per layout and
+        size (a new document mix of the per-document zigzag is a new layout: the cache is bounded)."""
+        key = (type(self.base), self.base.name, self.inner, n)
+        hit = _ORDERS.get(key)
+        if hit is None:
+            pos = self.positions(n, 1, 0)
+            hit = _ORDERS.put(key, () if torch.equal(pos, torch.arange(n, dtype=pos.dtype))
+                              else (torch.argsort(pos), pos))
+        return hit or None
 
     def masked_tasks(self, rule, world, rank, src, s, tile=None, one_task=None):
         """Documents / windows: the base layout's masked schedule (:func:`..masks.schedule`), moved alike; whole

@@ -2,13 +2,16 @@
 for a slice of heads, all-to-all back.
 
 After the all-to-all, group rank j holds its query heads ``head_split(h, h_kv, P).q[j]`` (and the K/V
-heads they use) for every shard of the sequence, shard i at rows ``[i*s, (i+1)*s)``. The attention over that
-sequence is the SAME schedule as the ring: for every (query shard i, key shard j) the layout's
-``block_tasks(causal, P, i, j, s)`` (:class:`~megatron_ring.schedules.views.GroupedView`), run by the engine as a
-world-size-1 plan; so causal skipping, and any mask a layout puts into its tasks, is the ring's.
+heads they use) for every shard of the sequence, shard i at rows ``[i*s, (i+1)*s)``. Those rows are put in the
+sequence's order (:func:`sequence_order`: one ``index_select`` per tensor, none for ``contiguous``), and the
+attention over the sequence runs as ONE block of a world-size-1 plan (layout ``contiguous``): one kernel call
+forward and one backward, the call's mask (causal, documents, window) over the global positions as they are; the
+output goes back to the shards' order.
 
-``a2a+p2p`` is the same with the all-to-all over the inner group and the engine's ring, with
-super-blocks of ``inner`` shards, over the outer group (:mod:`.a2a_p2p`).
+``a2a+p2p`` does the all-to-all over the inner group and runs the engine's ring over the outer group, with
+super-blocks of ``inner`` shards (:class:`~megatron_ring.schedules.views.GroupedView`: for every (query shard i,
+key shard j) of two super-blocks the layout's ``block_tasks(causal, P, i, j, s)``, so causal skipping and any
+mask a layout puts into its tasks are the ring's) (:mod:`.a2a_p2p`).
 
 Heads (:func:`~megatron_ring.core.heads.head_split`; docs/strategies.md, "Heads"): rank j holds the
 contiguous query heads ``split.q[j]``, as even as they go (``h % P`` ranks hold one more: the all-to-alls
@@ -29,7 +32,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_ring.wire.codecs import IdentityCodec, KVCodec, KVSpec
 from megatron_ring.transport.ring import LoopbackRing, Ring
@@ -38,7 +40,8 @@ from megatron_ring.core.engine import one_ring
 from megatron_ring.core.max_logit import new_row_max
 from megatron_ring.core.heads import HeadSplit, check_head_count, head_split
 from megatron_ring.transport.collectives import all_to_all
-from megatron_ring.transport.deadline import timeout_seconds
+from megatron_ring.schedules.layouts import get_layout
+from megatron_ring.schedules.on_device import cached_on
 from megatron_ring.schedules.views import GroupedView
 from megatron_ring.strategies.refusal import encode_or_record, outer_ring
 
@@ -55,11 +58,11 @@ def _len(sl: slice) -> int:
 
 
 class _A2A:
-    """The all-to-all group: ``world`` ranks, ``timeout_s``; ``world == 1`` moves nothing."""
+    """The all-to-all group: ``over``, the transport of that group (its ranks, its deadline:
+    :mod:`~megatron_ring.transport.collectives`); ``world == 1`` moves nothing."""
 
-    def __init__(self, group: Any, world: int, timeout_s: float | None, transport: Any = None) -> None:
-        self.group, self.world, self.timeout_s = group, world, timeout_s
-        self.rank = dist.get_rank(group) if world > 1 else 0
+    def __init__(self, over: Any, transport: Any = None) -> None:
+        self.over, self.world, self.rank = over, over.world, over.rank
         #: the call's transport, marked out of step by an error after a backward's first all-to-all (one_ring)
         self.transport = transport
 
@@ -79,7 +82,7 @@ class _A2A:
         """As :meth:`exchange`, the chunks already packed one after another in the 1-D ``send``."""
         out_splits = [math.prod(sh) for sh in recv_shapes]
         recv = send.new_empty(sum(out_splits))
-        all_to_all(recv, send, self.group, self.timeout_s, what, in_splits, out_splits).wait()
+        all_to_all(recv, send, self.over, what, in_splits, out_splits).wait()
         return [part.view(sh) for part, sh in zip(recv.split(out_splits), recv_shapes)]
 
 
@@ -185,19 +188,40 @@ def run_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: Ring
     mine = split.q[inner.rank]
     q_h = SeqToHead.apply(qh, inner, split.q)
     k_h, v_h = KVSeqToHead.apply(kh, vh, inner, a2a_codec, split, plan)
+    layout, order = GroupedView(plan.layout, inner.world), None
+    if outer.world == 1:  # a2a: the whole sequence, as one block in its own order
+        layout, order = get_layout("contiguous"), sequence_order(layout, q_h.shape[2], qh.device)
+        if order is not None:
+            q_h, k_h, v_h = (x.index_select(2, order[0]) for x in (q_h, k_h, v_h))
     rows = new_row_max(_len(mine), q_h.shape[2], qh.device) if plan.row_max is not None else None
     outs = []
     for qs, ks in split.runs(inner.rank):  # even GQA groupings of this rank's heads (one, usually)
-        heads_plan = RingPlan(ring=outer, layout=GroupedView(plan.layout, inner.world), causal=plan.causal,
+        heads_plan = RingPlan(ring=outer, layout=layout, causal=plan.causal,
                               scale=plan.scale, kernel=plan.kernel, codec=ring_codec, mask=plan.mask,
                               dropout=plan.heads_dropout(mine.start + qs.start), pieces=plan.pieces,
                               row_max=None if rows is None else rows[qs])
         sink_run = sink[mine][qs] if sink is not None else None
         outs.append(outer_ring(q_h[:, qs], k_h[:, ks], v_h[:, ks], heads_plan, sink_run, plan))
     out_h = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if order is not None:  # back to the shards' order
+        out_h = out_h.index_select(2, order[1])
+        rows = rows.index_select(1, order[1]) if rows is not None else None
     if rows is not None:
         _rows_home(rows, inner, split, plan.row_max)
     return HeadToSeq.apply(out_h, inner, split.q)
+
+
+def sequence_order(view: GroupedView, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """a2a: after the all-to-all a rank holds the ``n`` rows of the whole sequence, every shard's one after another;
+    ``(order, back)`` on ``device`` (:meth:`GroupedView.sequence_order`): ``x.index_select(2, order)`` puts them in the
+    sequence's order, where the attention of a rank's heads is ONE block (one kernel call forward, one backward; before,
+    the blocks of every pair of shards, each with its merge: ``P * P``), and ``y.index_select(2, back)`` puts them
+    back. None where the shards are in order already (``contiguous``)."""
+    host = view.sequence_order(n)
+    if host is None:
+        return None
+    return tuple(cached_on(("sequence_order", i, type(view.base), view.base.name, view.inner, n), lambda t=t: t, device)
+                 for i, t in enumerate(host))
 
 
 def _rows_home(rows: torch.Tensor, inner: _A2A, split: HeadSplit, acc: torch.Tensor) -> None:
@@ -214,7 +238,6 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
         sink: torch.Tensor | None = None) -> torch.Tensor:
     ring = plan.ring
     check_heads(qh.shape[1], ring.world)
-    timeout = timeout_seconds(ring)
-    return run_grouped(qh, kh, vh, plan, inner=_A2A(ring.group, ring.world, timeout, plan.ring),
+    return run_grouped(qh, kh, vh, plan, inner=_A2A(ring, ring),
                        outer=LoopbackRing(1, 0, qh.device), a2a_codec=plan.codec, ring_codec=IdentityCodec(),
                        sink=sink)

@@ -87,6 +87,6 @@ def run(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: RingPlan, *,
     timeout = timeout_seconds(ring)
     outer_ring = ring_over(outer, qh.device, timeout, outer=True)
     kh, vh = precheck_kv(plan, plan.codec, kh, vh)  # K/V the outer ring's codec refuses: zeros, recorded
-    return run_grouped(qh, kh, vh, plan, inner=_A2A(inner, n, timeout, plan.ring), outer=outer_ring,
+    return run_grouped(qh, kh, vh, plan, inner=_A2A(ring_over(inner, qh.device, timeout), plan.ring), outer=outer_ring,
                        a2a_codec=IdentityCodec(), ring_codec=plan.codec, sink=sink,
                        what=what)

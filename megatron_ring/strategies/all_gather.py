@@ -27,7 +27,6 @@ from megatron_ring.core.autocast import autocast_off
 from megatron_ring.core.autograd import forward_by_heads, refuse_double_backward, saved_tensors
 from megatron_ring.core.engine import one_ring, query_heads, ring_backward, ring_forward
 from megatron_ring.core.heads import head_groups
-from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.transport.collectives import Pending, all_gather, reduce_scatter
 from megatron_ring.schedules.on_device import cached_on, positions_on
 from megatron_ring.schedules.views import GatheredView
@@ -74,7 +73,7 @@ class _Gatherer:
         mine = codec.new_buffer(spec)
         encode_or_record(self.plan, codec, k, v, mine)  # refused K/V: every rank raises after the forward
         everyone = mine.new_empty(ring.world * mine.numel())
-        self.inflight[i] = (all_gather(everyone, mine, ring.group, timeout_seconds(ring), self.what), everyone, spec)
+        self.inflight[i] = (all_gather(everyone, mine, ring, self.what), everyone, spec)
 
     def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._start(i)
@@ -134,8 +133,7 @@ class AllGatherAttention(torch.autograd.Function):
             send[:, n_k:].view(world, b, hk, s, dvd).copy_(dv_all.reshape(b, hk, world, s, dvd).permute(2, 0, 1, 3, 4))
             del dq_p, dk_all, dv_all, k_all, v_all
             mine = send.new_empty(n_k + n_v)
-            scatters.append((reduce_scatter(mine.view(-1), send.view(-1), plan.ring.group, timeout_seconds(plan.ring),
-                                            "reduce-scatter of dK/dV"), mine, hs))
+            scatters.append((reduce_scatter(mine.view(-1), send.view(-1), plan.ring, "reduce-scatter of dK/dV"), mine, hs))
             if len(scatters) > 1:  # the previous group's reduce-scatter ran during this group's compute
                 _land(scatters.pop(0), dk, dv)
         for item in scatters:

@@ -18,10 +18,14 @@ of several ranks' heads. They share one rule instead:
 A value-checking wire codec (FP8 with ``check_finite``, fp16) judges the values ON THE DEVICE
 (``KVCodec.encode_flagged``): its verdict joins this rank's code on the device, the refused values travel
 as NaN, and only on the failure path does the refusing rank run the host check that names the element.
-On CPU the codes are read at once (the host waits there anyway). On CUDA the gather is waited for at the
-start of the layer's backward (a pass-through autograd node), so the forward adds no host
-synchronisation; a call whose output needs no gradient reads at the forward's end where the codec checks
-values (one read per call, as the ring), and otherwise leaves the check undone (as the ring does).
+On CPU the codes are read at once (the host waits there anyway). On CUDA they are read as the ring reads its
+own (:class:`~megatron_ring.core.status.PendingChecks`): the forward's stream waits for the gather (the host does
+not, :mod:`~megatron_ring.transport.collectives`) and copies the codes to pinned host memory; the layer's backward
+reads that copy at its start (a pass-through autograd node), waiting only if the device has not reached the copy
+yet (in training it has long since: no host synchronisation). While a CUDA graph is captured the codes are checked
+on the device at every replay (a device-side assert). A call whose output needs no gradient reads at the
+forward's end where the codec checks values (one read per call, as the ring), and otherwise leaves its check on
+the ring for a later call (:func:`~megatron_ring.core.status.defer`, as the ring does).
 
 a2a+p2p quantises on the outer ring the super-blocks that mix the heads of several inner ranks, so a rank
 whose own K/V its checking codec would refuse is found before the inner all-to-all (one extra encode of
@@ -30,6 +34,7 @@ instead: the error names the rank the bad values came from.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -39,9 +44,9 @@ from megatron_ring.errors import WireFiniteError
 from megatron_ring.core.autograd import RingAttentionFunction
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.device import ops_for
-from megatron_ring.core.status import BAD_INPUT, BAD_VALUES, OK, raise_for, tag_value
+from megatron_ring.core.status import (BAD_INPUT, BAD_VALUES, OK, PendingChecks, assert_on_device, defer, raise_for,
+                                       read_left, tag_value)
 from megatron_ring.errors import RingInputError, RingPeerError
-from megatron_ring.transport.deadline import timeout_seconds
 from megatron_ring.transport.collectives import all_gather
 
 __all__ = ["StrategyStatus", "encode_or_record", "outer_ring", "precheck_kv", "status_of"]
@@ -71,7 +76,7 @@ class StrategyStatus:
     def settle(self, out: torch.Tensor) -> torch.Tensor:
         """All-gather the codes (P numbers); raise on every rank if any is bad (see the module doc)."""
         self.open = False
-        ring = self.plan.ring
+        ring, codec, ops = self.plan.ring, self.plan.codec, ops_for(out.device)
         fine = tag_value(self.plan.tag, torch.float32)  # the call's tag: ranks that made other calls are named too
         mine = torch.full((1,), float(self.code) if self.code != OK else fine, dtype=torch.float32,
                           device=out.device)
@@ -79,15 +84,31 @@ class StrategyStatus:
             verdicts = [c[0] for c in self.checked]
             mine.masked_fill_(verdicts[0] if len(verdicts) == 1 else torch.stack(verdicts).any(), BAD_VALUES)
         codes = mine.new_empty(ring.world)
-        pending = all_gather(codes, mine, ring.group, timeout_seconds(ring), "all-gather of the input status")
-        # read now where reads are free, where this rank already knows it failed, or where no backward will
-        # read it (a value-checking wire in a call without autograd: one read per call, as the ring does)
-        if (ops_for(out.device).host_reads_free or self.error is not None
-                or (self.plan.codec.checks_values and not out.requires_grad)):
+        pending = all_gather(codes, mine, ring, "all-gather of the input status")
+        # read now where reads are free, or where this rank already knows it failed (it raises its own error)
+        if ops.host_reads_free or self.error is not None:
             self._wait(pending, "forward")
             self._raise(codes)
             return out
-        return _CheckInBackward.apply(out, (self, pending, codes))
+        self._wait(pending, "forward")  # the stream waits for the gather; the host does not (collectives.py)
+        if ops.capturing(out.device):
+            assert_on_device(codes, fine)
+            return out
+        if codec.checks_values and not out.requires_grad:  # no backward will read it: one read per call, as the ring
+            read_left(ring)  # earlier calls' checks first (this read waits for the device anyway)
+            self._raise(codes)
+            return out
+        # the codes copied to host memory once gathered (no host wait), read at the start of this layer's backward
+        # (the copy long complete by then in training), or without a backward by a later call (core/status.py)
+        host, event = ops.to_host(codes)
+        explain = self._explain if self.checked else None
+        if not out.requires_grad:
+            defer(ring, (host, event, ops, functools.partial(raise_for, ring=ring, codec=codec, fine=fine, late=True)))
+            return out
+        checks = PendingChecks()
+        checks.adopt(ring)  # earlier calls' checks left on the ring, read with this one's
+        checks.add(host, event, ops, ring, codec, explain, fine)
+        return _CheckInBackward.apply(out, checks)
 
     def _explain(self) -> None:
         """The failure path only: this rank's own K/V were refused on the device; raise the codec's
@@ -113,18 +134,17 @@ class StrategyStatus:
 
 
 class _CheckInBackward(torch.autograd.Function):
-    """Identity; its backward (the first step of this layer's backward) checks the gathered codes."""
+    """Identity; its backward (the first step of this layer's backward) reads the gathered codes' host copy
+    (:class:`~megatron_ring.core.status.PendingChecks`: waits only if the device has not reached the copy)."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, check: Any) -> torch.Tensor:
-        ctx.check = check
+    def forward(ctx, out: torch.Tensor, checks: PendingChecks) -> torch.Tensor:
+        ctx.checks = checks
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        status, pending, codes = ctx.check
-        status._wait(pending, "backward")
-        status._raise(codes)
+        ctx.checks.check()
         return grad, None
 
 

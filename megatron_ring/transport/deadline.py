@@ -8,7 +8,9 @@ deadline: it polls ``work.is_completed()`` of every exchange in flight; an excha
 ``timeout`` after the GPU reached it (a CUDA event recorded just before the launch; on devices without
 one, from the launch) fails its ring: the watchdog writes the failure note, logs the error, records it on
 the ring -- the next launch or wait of that ring raises it -- and aborts the ring's communicators, so a
-GPU stream (and any host synchronisation behind it) stuck on the dead peer is released.
+GPU stream (and any host synchronisation behind it) stuck on the dead peer is released. The collective
+strategies' collectives (:mod:`.collectives`) are watched the same way, over the transport of their group
+(no ``roles``: the error names the collective and its group).
 
 The error text follows NCCL's own watchdog ("Watchdog caught collective operation timeout: WorkNCCL(...)
 ran for N milliseconds before timing out"), so log searches for NCCL time-outs find it.
@@ -53,7 +55,8 @@ class RingWatchdog:
 
     def watch(self, ring: Any, roles: tuple, works: list, channel: str, step: int,
               started: Callable[[], bool] | None) -> None:
-        """Watch ``works`` (an exchange of ``ring``); ``started()`` says whether the device reached it."""
+        """Watch ``works`` (an exchange of ``ring``, or with no ``roles`` a collective over its group named
+        ``channel``); ``started()`` says whether the device reached it."""
         w = _Watch(ring, roles, list(works), channel, step, started,
                    time.monotonic() if started is None else None)
         with self._lock:
@@ -113,7 +116,12 @@ class RingWatchdog:
     @staticmethod
     def _fail(w: _Watch, verdict: str | BaseException) -> None:
         ring = w.ring
-        if verdict == "timeout":
+        if not w.roles:  # a collective over the transport's group (collectives.py): no one peer to name
+            error = ring.group_error(w.channel, exc=TimeoutError(
+                f"Watchdog caught collective operation timeout (Timeout(ms)={int(timeout_seconds(ring) * 1000)}): "
+                f"it ran for {int((time.monotonic() - (w.since or time.monotonic())) * 1000)} milliseconds before "
+                "timing out") if verdict == "timeout" else verdict)
+        elif verdict == "timeout":
             ran_ms = int((time.monotonic() - (w.since or time.monotonic())) * 1000)
             error = ring.peer_error(w.roles, w.channel, w.step, timed_out=True,
                                     detail=f"Watchdog caught ring exchange timeout (Timeout(ms)="

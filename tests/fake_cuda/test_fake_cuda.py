@@ -12,9 +12,9 @@ side stream must be ``record_stream``-ed there. A host read of a device value wo
 
 How the backward runs: the autograd engine itself wants a CUDA device for fake CUDA tensors ("hasPrimaryContext
 expects a valid device index"), so :func:`fake_backward` walks the graph by hand, as the engine would, with
-grad mode off: from the output's ``grad_fn`` it applies each node (``node(grad)``) down to the
-``RingAttentionFunction`` node, calls that node's ``apply`` (which is ``RingAttentionFunction.backward(ctx,
-dout)``, our Python code), and applies the nodes from each of its inputs up to the leaf's ``AccumulateGrad``.
+grad mode off: every node once the nodes it feeds have run, torch's own nodes called (``node(*grads)``) and our
+autograd Functions' ``apply`` (``RingAttentionFunction.backward(ctx, dout)``, the collective strategies'
+Functions: our Python code), down to each leaf's ``AccumulateGrad``.
 The gradients that reach the leaves are checked (shape, dtype, device, strides).
 
 The cases (``CASES``): every torch-native CUDA kernel of ``kernels/block.py`` (``sdpa_cuda`` -- torch's
@@ -34,7 +34,6 @@ import torch
 
 from tests.helpers.fake_device import FakeCuda, StreamChecker
 from megatron_ring import device, ring_attention
-from megatron_ring.core.autograd import RingAttentionFunction
 from megatron_ring.kernels import block as K
 from megatron_ring.kernels import varlen as V
 from megatron_ring.transport.ring import LoopbackRing
@@ -135,24 +134,54 @@ _KERNEL_CLASSES = {"sdpa_cuda": K.CudaSDPAKernel, "flash_cuda": K.TorchFlashCuda
 
 
 def fake_backward(out: torch.Tensor, dout: torch.Tensor, leaves: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """The backward of ``out`` by hand (see the module doc); returns ``{id(leaf): gradient reaching it}``."""
-    grads: dict[int, torch.Tensor] = {}
+    """The backward of ``out`` by hand (see the module doc); returns ``{id(leaf): gradient reaching it}``.
+
+    The autograd engine's walk, in Python: every node of the graph runs once all the nodes it feeds have run
+    (Kahn's order), its output gradients summed per edge (a missing one is zeros, as the engine materialises
+    them). A C++ node's results line up with its ``next_functions``; a custom Function's backward returns one
+    result per forward argument, and its edges are its tensor arguments: those that need a gradient are the
+    edges with a node, in order (``needs_input_grad``)."""
+    def edges(node):
+        return [(fn, nr) for fn, nr in node.next_functions if fn is not None]
+
+    waiting: dict = {}
+    stack, seen = [out.grad_fn], {out.grad_fn}
+    while stack:  # how many edges reach each node
+        for fn, _ in edges(stack.pop()):
+            waiting[fn] = waiting.get(fn, 0) + 1
+            if fn not in seen:
+                seen.add(fn)
+                stack.append(fn)
+    incoming: dict = {out.grad_fn: {0: dout}}
+    ready, grads = [out.grad_fn], {}
     with torch.no_grad():
-        node, g = out.grad_fn, (dout,)
-        while getattr(node, "_forward_cls", None) is not RingAttentionFunction:
-            g = node(*g)
-            g = g if isinstance(g, tuple) else (g,)
-            node = next(fn for fn, _ in node.next_functions if fn is not None)
-        results = node.apply(*g)  # RingAttentionFunction.backward(ctx, dout)
-        # its graph edges are its tensor inputs only: q, k, v (and the sink, input 4, when given)
-        results = list(results[:3]) + ([results[4]] if len(node.next_functions) == 4 else [])
-        for (fn, _), grad in zip(node.next_functions, results):
-            while fn is not None and grad is not None and type(fn).__name__ != "AccumulateGrad":
-                grad = fn(grad)
-                grad = grad[0] if isinstance(grad, tuple) else grad
-                fn = next((f for f, _ in fn.next_functions if f is not None), None)
-            if fn is not None and grad is not None:
-                grads[id(fn.variable)] = grad
+        while ready:
+            node = ready.pop()
+            got = incoming.pop(node, {})
+            if type(node).__name__ == "AccumulateGrad":
+                grads[id(node.variable)] = got[0]
+                continue
+            meta = node._input_metadata
+            g = [got[i] if i in got else torch.zeros(meta[i].shape, dtype=meta[i].dtype, device=meta[i].device)
+                 for i in range(len(meta))]
+            if hasattr(node, "_forward_cls"):  # a custom Function: its backward, our Python code
+                results = node.apply(*g)
+                results = results if isinstance(results, tuple) else (results,)
+                results = [r for r, needed in zip(results, node.needs_input_grad) if needed]
+                targets = [(fn, nr) for fn, nr in node.next_functions if fn is not None]
+            else:
+                results = node(*g)
+                results = results if isinstance(results, tuple) else (results,)
+                targets = list(node.next_functions)
+            for (fn, nr), grad in zip(targets, results):
+                if fn is None:
+                    continue
+                if grad is not None:
+                    slot = incoming.setdefault(fn, {})
+                    slot[nr] = grad if nr not in slot else slot[nr] + grad
+                waiting[fn] -= 1
+                if not waiting[fn]:
+                    ready.append(fn)
     assert set(grads) == {id(t) for t in leaves}, "a leaf got no gradient"
     return grads
 
