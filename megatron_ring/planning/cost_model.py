@@ -27,13 +27,15 @@ balance per ring step is the zigzag's within every document).
   in the open. The last step sends no K/V.
 * ``all_gather``: gather of P-1 K/V blocks (ring algorithm, P-1 messages), pipelined with the compute in
   ``gather_head_groups`` groups of K/V heads (the first group's gather is exposed); backward gathers again and
-  reduce-scatters fp32 dK/dV (P-1 messages of one block).
+  reduce-scatters fp32 dK/dV (P-1 messages of one block). Its tasks (and a2a+p2p's super-blocks') are the
+  view's (``schedules/views.py``): full tasks of neighbouring shards are one.
 * ``a2a``: all-to-all of Q, K/V and O forward, dO, dQ, dK/dV backward, P-1 messages each, not
   overlapped with compute; heads split by :func:`~megatron_ring.core.heads.head_split` (rank j: query
   heads ``q[j]``, K/V heads ``kv[j]``), so an all-to-all of per-rank head counts ``n_j`` costs the
   busiest rank's bytes, ``max_i max(sum_{j != i} n_j, (P-1) n_i)`` heads of one shard ((P-1)/P of the
   tensor when the split is even); dK/dV travel in fp32 when a K/V head goes to several ranks. Compute
-  is the whole sequence for the largest head slice (``ceil(h/P)`` heads); a rank whose heads are not
+  is the whole sequence for the largest head slice (``ceil(h/P)`` heads), one task (the sequence put in its
+  order: one kernel call each way); a rank whose heads are not
   one even GQA grouping runs the engine once per run (``HeadSplit.runs``: the outer ring's messages).
 * ``a2a+p2p``: inner all-to-all (size n) as ``a2a``, plus the ring of ``a2a`` super-blocks over the
   outer group (size P/n) as ``p2p``.
@@ -61,6 +63,7 @@ import torch
 from megatron_ring.core.heads import head_split
 from megatron_ring.wire.codecs import wire_dtype
 from megatron_ring.schedules.layouts import Layout, get_layout
+from megatron_ring.schedules.views import GatheredView, GroupedView
 
 __all__ = ["Machine", "Problem", "predict", "predict_all", "pick", "activation_bytes", "workspace_bytes",
            "candidate_types", "BWD_FLOP_FACTOR"]
@@ -117,11 +120,6 @@ def _pair_area(layout, causal: bool, world: int, rank: int, src: int, c: int) ->
     """(area, number of tasks) of (rank's queries, src's keys)."""
     tasks = layout.block_tasks(causal, world, rank, src, c)
     return sum(_area(t, c) for t in tasks), len(tasks)
-
-
-def _add(pairs) -> tuple[float, int]:
-    pairs = list(pairs)
-    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
 def _compute(m: "Machine", area: float, tasks: int, flop_per_area: float) -> tuple[float, float]:
@@ -184,7 +182,8 @@ def predict(comm_type: str, pb: Problem, world: int, m: Machine, inner: int | No
         sent = (world - 1) * kv_wire + world * dkv32 * (world > 1) + (world - 1) * kv_wire
     elif comm_type == "all_gather":
         n = max(1, min(pb.gather_head_groups, hk))
-        cf, cb = max((_compute(m, *_add(_pair_area(lay, pb.causal, world, r, j, c) for j in range(world)), fpa)
+        # a rank's queries against every shard, as the strategy's view runs them (full tasks coalesced)
+        cf, cb = max((_compute(m, *_pair_area(GatheredView(lay, world, r), pb.causal, 1, 0, 0, c), fpa)
                       for r in range(world)), key=lambda x: x[0])
         cf, cb = cf + (n - 1) * _compute(m, 0, world, fpa)[0], cb + (n - 1) * _compute(m, 0, world, fpa)[1]
         bw = m.bw(world)
@@ -251,17 +250,19 @@ class _HeadShares:
 
 
 class _GroupedAreas:
-    """Area of super-block pairs (outer rank o, outer source j) of ``n`` base shards each; cached."""
+    """(area, tasks) of super-block pairs (outer rank o, outer source j) of ``n`` base shards each, as the
+    strategy's view runs them (full tasks coalesced); cached."""
 
     def __init__(self, lay, causal: bool, world: int, n: int, c: int) -> None:
         self.lay, self.causal, self.world, self.n, self.c = lay, causal, world, n, c
         self.cache: dict[tuple[int, int], float] = {}
 
-    def __call__(self, o: int, j: int) -> float:
+    def __call__(self, o: int, j: int) -> tuple[float, int]:
         if (o, j) not in self.cache:
-            n = self.n
-            self.cache[(o, j)] = _add(_pair_area(self.lay, self.causal, self.world, o * n + a, j * n + bb, self.c)
-                                      for a in range(n) for bb in range(n))
+            n, outer = self.n, self.world // self.n
+            area, tasks = _pair_area(GroupedView(self.lay, n), self.causal, outer, o, j, n * self.c)
+            # a2a (one super-block): the whole sequence, put in its order, is one task (strategies/a2a.py)
+            self.cache[(o, j)] = (area, 1 if outer == 1 else tasks)
         return self.cache[(o, j)]
 
 

@@ -4,9 +4,10 @@ Every strategy consumes the SAME schedule as the ring: ``layout.block_tasks(caus
 says which (query rows, key rows) sub-blocks of (rank's queries, src's keys) are visible. A strategy
 that holds more than one shard in one tensor (gathered K/V, or the head-sharded full sequence of
 Ulysses) only needs those tasks shifted to where the shards sit in its tensors. The views below do
-exactly that and nothing else, so the ring engine (``engine.ring_forward``/``ring_backward``) runs them
-unchanged, and whatever the layout puts into a task (a mask, a window, document bounds) is carried over
-by ``dataclasses.replace`` untouched.
+exactly that, so the ring engine (``engine.ring_forward``/``ring_backward``) runs them unchanged, and
+whatever the layout puts into a task (a mask, a window, document bounds) is carried over by
+``dataclasses.replace`` untouched; and since the shards sit side by side, full tasks that abut are joined into
+one kernel call (:func:`coalesced`).
 """
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from megatron_ring.schedules.layouts import BlockTask, Layout, ShardView
 from megatron_ring.schedules.bounded import BoundedLRU
 from megatron_ring.schedules.masks import schedule
 
-__all__ = ["GatheredView", "GroupedView"]
+__all__ = ["GatheredView", "GroupedView", "coalesced"]
 
 #: :meth:`GroupedView.sequence_order`'s permutations (host index vectors), by layout and size
 _ORDERS = BoundedLRU(256, 64 << 20, lambda v: sum(t.untyped_storage().nbytes() for t in v))
+#: the views' plain schedules (:meth:`_View.block_tasks`), by view and block: a few slices each
+_PLAIN = BoundedLRU(4096, 64 << 20, lambda tasks: 256 * len(tasks) + 64)
 
 
 def _shift(sl: slice, by: int) -> slice:
@@ -30,6 +33,27 @@ def _shift(sl: slice, by: int) -> slice:
 
 def _moved(task: BlockTask, q_off: int, kv_off: int) -> BlockTask:
     return dataclasses.replace(task, q=_shift(task.q, q_off), kv=_shift(task.kv, kv_off))
+
+
+def coalesced(tasks: tuple[BlockTask, ...]) -> tuple[BlockTask, ...]:
+    """``tasks`` with neighbouring unmasked full tasks joined: the same query rows over abutting key rows (the
+    shards a rank sees whole, one after another), then the same key rows over abutting query rows. A view holds
+    several shards in one tensor, so what the ring runs as a task per shard is one kernel call here: a gathered or
+    grouped block without a causal mask is ONE task (before: one per pair of shards, each with its merge)."""
+    def plain_full(t: BlockTask) -> bool:
+        return type(t) is BlockTask and not t.causal
+
+    for same, along in (("q", "kv"), ("kv", "q")):
+        out: list[BlockTask] = []
+        for t in tasks:
+            prev = out[-1] if out else None
+            if (prev is not None and plain_full(prev) and plain_full(t) and getattr(prev, same) == getattr(t, same)
+                    and getattr(prev, along).stop == getattr(t, along).start):
+                out[-1] = dataclasses.replace(prev, **{along: slice(getattr(prev, along).start, getattr(t, along).stop)})
+            else:
+                out.append(t)
+        tasks = tuple(out)
+    return tasks
 
 
 class _View(ShardView):
@@ -47,6 +71,16 @@ class _View(ShardView):
         return self.base.local_multiple()
 
     def causal_tasks(self, world, rank, src, s):  # pragma: no cover - block_tasks is overridden
+        raise NotImplementedError
+
+    def block_tasks(self, causal, world, rank, src, s):
+        """The base layout's tasks of every pair of shards the view holds (:meth:`_pairs`), moved to where the
+        shards sit, full ones :func:`coalesced`; cached (a plan asks at every step of every call)."""
+        key = (self.name, causal, world, rank, src, s)
+        hit = _PLAIN.get(key)
+        return hit if hit is not None else _PLAIN.put(key, coalesced(self._pairs(causal, world, rank, src, s)))
+
+    def _pairs(self, causal, world, rank, src, s) -> tuple[BlockTask, ...]:  # pragma: no cover - per view
         raise NotImplementedError
 
 
@@ -70,17 +104,17 @@ class GatheredView(_View):
     def positions(self, seq_len: int, world: int, rank: int) -> torch.Tensor:
         return self.base.positions(seq_len, self.world, self.rank)  # this rank's queries
 
-    def block_tasks(self, causal, world, rank, src, s):
+    def _pairs(self, causal, world, rank, src, s):
         assert world == 1, "GatheredView is consumed by a world-size-1 plan"
         return tuple(_moved(t, 0, j * s) for j in range(self.world)
                      for t in self.base.block_tasks(causal, self.world, self.rank, j, s))
 
     def masked_tasks(self, rule, world, rank, src, s, tile=None, one_task=None):
         """Documents / windows: the base layout's masked schedule (:func:`..masks.schedule`; whole blocks where
-        ``tile = s``: this rank's queries against each source shard), moved alike."""
+        ``tile = s``: this rank's queries against each source shard), moved alike, full tasks coalesced."""
         assert world == 1, "GatheredView is consumed by a world-size-1 plan"
-        return tuple(_moved(t, 0, j * s) for j in range(self.world)
-                     for t in schedule(self.base, rule, self.world, self.rank, j, s, tile, one_task))
+        return coalesced(tuple(_moved(t, 0, j * s) for j in range(self.world)
+                               for t in schedule(self.base, rule, self.world, self.rank, j, s, tile, one_task)))
 
 
 class GroupedView(_View):
@@ -101,7 +135,7 @@ class GroupedView(_View):
         n = self.inner
         return torch.cat([self.base.positions(seq_len, world * n, rank * n + i) for i in range(n)])
 
-    def block_tasks(self, causal, world, rank, src, s):
+    def _pairs(self, causal, world, rank, src, s):
         n = self.inner
         if s % n:
             raise ValueError(f"super-block of {s} rows is not {n} shards")
@@ -130,6 +164,7 @@ class GroupedView(_View):
         n = self.inner
         c = s // n
         tile = c if tile == s else tile
-        return tuple(_moved(t, i * c, j * c)
-                     for i in range(n) for j in range(n)
-                     for t in schedule(self.base, rule, world * n, rank * n + i, src * n + j, c, tile, one_task))
+        return coalesced(tuple(_moved(t, i * c, j * c)
+                               for i in range(n) for j in range(n)
+                               for t in schedule(self.base, rule, world * n, rank * n + i, src * n + j, c, tile,
+                                                 one_task)))
