@@ -49,7 +49,8 @@ def coalesced(tasks: tuple[BlockTask, ...]) -> tuple[BlockTask, ...]:
             prev = out[-1] if out else None
             if (prev is not None and plain_full(prev) and plain_full(t) and getattr(prev, same) == getattr(t, same)
                     and getattr(prev, along).stop == getattr(t, along).start):
-                out[-1] = dataclasses.replace(prev, **{along: slice(getattr(prev, along).start, getattr(t, along).stop)})
+                joined = slice(getattr(prev, along).start, getattr(t, along).stop)
+                out[-1] = dataclasses.replace(prev, **{along: joined})
             else:
                 out.append(t)
         tasks = tuple(out)

@@ -188,9 +188,10 @@ def run_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: Ring
     mine = split.q[inner.rank]
     q_h = SeqToHead.apply(qh, inner, split.q)
     k_h, v_h = KVSeqToHead.apply(kh, vh, inner, a2a_codec, split, plan)
-    layout, order = GroupedView(plan.layout, inner.world), None
+    view = GroupedView(plan.layout, inner.world)
+    layout, order = view, None
     if outer.world == 1:  # a2a: the whole sequence, as one block in its own order
-        layout, order = get_layout("contiguous"), sequence_order(layout, q_h.shape[2], qh.device)
+        layout, order = get_layout("contiguous"), sequence_order(view, q_h.shape[2], qh.device)
         if order is not None:
             q_h, k_h, v_h = (x.index_select(2, order[0]) for x in (q_h, k_h, v_h))
     rows = new_row_max(_len(mine), q_h.shape[2], qh.device) if plan.row_max is not None else None

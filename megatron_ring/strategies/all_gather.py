@@ -133,7 +133,8 @@ class AllGatherAttention(torch.autograd.Function):
             send[:, n_k:].view(world, b, hk, s, dvd).copy_(dv_all.reshape(b, hk, world, s, dvd).permute(2, 0, 1, 3, 4))
             del dq_p, dk_all, dv_all, k_all, v_all
             mine = send.new_empty(n_k + n_v)
-            scatters.append((reduce_scatter(mine.view(-1), send.view(-1), plan.ring, "reduce-scatter of dK/dV"), mine, hs))
+            scatters.append((reduce_scatter(mine.view(-1), send.view(-1), plan.ring, "reduce-scatter of dK/dV"),
+                             mine, hs))
             if len(scatters) > 1:  # the previous group's reduce-scatter ran during this group's compute
                 _land(scatters.pop(0), dk, dv)
         for item in scatters:
