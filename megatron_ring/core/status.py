@@ -74,7 +74,7 @@ from megatron_ring.errors import RingInputError
 
 __all__ = ["RingInputError", "RingStatus", "PendingChecks", "StatusRecorder", "status_buffers", "raise_for",
            "tag_value", "status_pattern", "status_elem", "payload_of", "values_of", "CAPTURED", "defer", "LATE_CHECKS",
-           "spread_codes", "read_left", "assert_on_device"]
+           "spread_codes", "read_left", "assert_on_device", "settle_codes"]
 
 OK, BAD_VALUES, BAD_INPUT = 0, 1, 2
 #: checks a ring leaves for later calls (:func:`defer`) that may wait there; the oldest beyond are read at once
@@ -313,22 +313,34 @@ class RingStatus:
             return
         if self.local_error is not None:
             raise self.local_error
-        explain = self.explain if self._checked else None
-        if self.ops.capturing(self.codes.device):
-            assert_on_device(self.codes, self.fine)
-            return
-        if self.read_in_forward:
-            read_left(self.ring)  # CUDA, no backward, a value-checking wire: this read waits for the device anyway
-            raise_for(self.codes.tolist(), self.ring, self.codec, explain, self.fine)
-            return
-        host, event = self.ops.to_host(self.codes)
-        if checks.backward_follows:
-            checks.adopt(self.ring)  # earlier calls' checks (CUDA), read with this ring's
-            checks.add(host, event, self.ops, self.ring, self.codec, explain, self.fine)
-            return
-        # no backward (CUDA, a wire that checks no values): read with a later call's, or LATE_CHECKS calls later
-        defer(self.ring, (host, event, self.ops, functools.partial(raise_for, ring=self.ring, codec=self.codec,
-                                                                   fine=self.fine, late=True)))
+        settle_codes(self.codes, self.fine, self.ring, self.codec, self.ops, self.explain if self._checked else None,
+                     self.read_in_forward, checks if checks.backward_follows else None)
+
+
+def settle_codes(codes: torch.Tensor, fine: float, ring: Any, codec: KVCodec, ops: DeviceOps,
+                 explain: Callable[[], None] | None, read_now: bool, checks: PendingChecks | None) -> None:
+    """A call's gathered ``codes`` judged where reading costs nothing or cannot be avoided (the module doc; one
+    protocol for the ring, :meth:`RingStatus.settle`, and the collective comm types, ``strategies/refusal.py``):
+
+    * while a CUDA graph is captured, on the device at every replay (:func:`assert_on_device`);
+    * ``read_now`` (reads are free, or no backward follows and the wire checks values): at once, the checks earlier
+      calls left on ``ring`` first (this read waits for the device anyway);
+    * else a host copy started now: handed to ``checks``, read by the call's backward with the checks earlier calls
+      left on ``ring``; or, without a backward (``checks`` None), left on ``ring`` for a later call (:func:`defer`:
+      a later call's, or :data:`LATE_CHECKS` calls later)."""
+    if ops.capturing(codes.device):
+        assert_on_device(codes, fine)
+        return
+    if read_now:
+        read_left(ring)
+        raise_for(codes.tolist(), ring, codec, explain, fine)
+        return
+    host, event = ops.to_host(codes)
+    if checks is not None:
+        checks.adopt(ring)
+        checks.add(host, event, ops, ring, codec, explain, fine)
+        return
+    defer(ring, (host, event, ops, functools.partial(raise_for, ring=ring, codec=codec, fine=fine, late=True)))
 
 
 def assert_on_device(codes: torch.Tensor, fine: float) -> None:

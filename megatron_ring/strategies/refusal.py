@@ -34,7 +34,6 @@ instead: the error names the rank the bad values came from.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -44,8 +43,8 @@ from megatron_ring.errors import WireFiniteError
 from megatron_ring.core.autograd import RingAttentionFunction
 from megatron_ring.core.plan import RingPlan
 from megatron_ring.device import ops_for
-from megatron_ring.core.status import (BAD_INPUT, BAD_VALUES, OK, PendingChecks, assert_on_device, defer, raise_for,
-                                       read_left, tag_value)
+from megatron_ring.core.status import (BAD_INPUT, BAD_VALUES, OK, PendingChecks, raise_for, settle_codes,
+                                       tag_value)
 from megatron_ring.errors import RingInputError, RingPeerError
 from megatron_ring.transport.collectives import all_gather
 
@@ -91,24 +90,13 @@ class StrategyStatus:
             self._raise(codes)
             return out
         self._wait(pending, "forward")  # the stream waits for the gather; the host does not (collectives.py)
-        if ops.capturing(out.device):
-            assert_on_device(codes, fine)
-            return out
-        if codec.checks_values and not out.requires_grad:  # no backward will read it: one read per call, as the ring
-            read_left(ring)  # earlier calls' checks first (this read waits for the device anyway)
-            self._raise(codes)
-            return out
-        # the codes copied to host memory once gathered (no host wait), read at the start of this layer's backward
-        # (the copy long complete by then in training), or without a backward by a later call (core/status.py)
-        host, event = ops.to_host(codes)
-        explain = self._explain if self.checked else None
-        if not out.requires_grad:
-            defer(ring, (host, event, ops, functools.partial(raise_for, ring=ring, codec=codec, fine=fine, late=True)))
-            return out
-        checks = PendingChecks()
-        checks.adopt(ring)  # earlier calls' checks left on the ring, read with this one's
-        checks.add(host, event, ops, ring, codec, explain, fine)
-        return _CheckInBackward.apply(out, checks)
+        # as the ring's codes (core/status.py): a host copy read at the start of this layer's backward (long complete
+        # by then in training), or by a later call without a backward; read now where no backward will read it and
+        # the wire checks values (one read per call); on the device under capture
+        checks = PendingChecks() if out.requires_grad else None
+        settle_codes(codes, fine, ring, codec, ops, self._explain if self.checked else None,
+                     codec.checks_values and not out.requires_grad, checks)
+        return out if checks is None else _CheckInBackward.apply(out, checks)
 
     def _explain(self) -> None:
         """The failure path only: this rank's own K/V were refused on the device; raise the codec's

@@ -116,13 +116,12 @@ class RingWatchdog:
     @staticmethod
     def _fail(w: _Watch, verdict: str | BaseException) -> None:
         ring = w.ring
+        ran_ms = int((time.monotonic() - (w.since or time.monotonic())) * 1000)
         if not w.roles:  # a collective over the transport's group (collectives.py): no one peer to name
             error = ring.group_error(w.channel, exc=TimeoutError(
                 f"Watchdog caught collective operation timeout (Timeout(ms)={int(timeout_seconds(ring) * 1000)}): "
-                f"it ran for {int((time.monotonic() - (w.since or time.monotonic())) * 1000)} milliseconds before "
-                "timing out") if verdict == "timeout" else verdict)
+                f"it ran for {ran_ms} milliseconds before timing out") if verdict == "timeout" else verdict)
         elif verdict == "timeout":
-            ran_ms = int((time.monotonic() - (w.since or time.monotonic())) * 1000)
             error = ring.peer_error(w.roles, w.channel, w.step, timed_out=True,
                                     detail=f"Watchdog caught ring exchange timeout (Timeout(ms)="
                                            f"{int(timeout_seconds(ring) * 1000)}): it ran for "
