@@ -6,7 +6,7 @@ distribution). Every ``import`` of a ``megatron_ring`` or ``megatron_ring_lab`` 
 a function, counts. The rules:
 - no import circles between modules;
 - each part of the library imports only the parts below it (``ALLOWED``): leaves (errors, breakdown, timing, settings,
-  device) import nothing of the package; transport, wire, kernels and schedules only leaves and themselves; the
+  device, triton_launch) import nothing of the package; transport, wire, kernels and schedules only leaves and themselves; the
   core engine those; strategies the core; the public face (api, sequence, ``__init__``) the strategies;
 - the Megatron glue imports only the package's public face (``import megatron_ring`` /
   ``from megatron_ring import ...``) and itself;
@@ -32,7 +32,7 @@ SHIM_MODULES = MOVED_SHIMS | {"megatron_ring.benchmark", "megatron_ring.plan", "
                               "megatron_ring.doctor.__main__", "megatron_ring.megatron.cpu",
                               "megatron_ring.megatron.cpu.__main__", "megatron_ring.megatron.training_cpu"}
 
-LEAVES = {"errors", "breakdown", "timing", "device", "settings"}
+LEAVES = {"errors", "breakdown", "timing", "device", "settings", "triton_launch"}
 # part -> the parts it may import (besides itself and the leaves)
 ALLOWED = {
     "transport": set(), "wire": set(), "kernels": set(), "schedules": set(),

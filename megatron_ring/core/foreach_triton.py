@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from megatron_ring.triton_launch import Launcher
+
 __all__ = ["ADD", "COPY", "ENTRIES", "FLIP", "ZERO", "foreach_triton"]
 
 #: pairs per launch (a longer list takes more launches)
@@ -35,6 +37,9 @@ def _kernel():
     from megatron_ring.core import _foreach_kernels
 
     return importlib.reload(_foreach_kernels).foreach_kernel
+
+
+_kernel_launch = Launcher(lambda: _kernel())  # looked up at each launch (tests replace it)
 
 
 def _as4(t: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -70,4 +75,4 @@ def _launch(pairs: list[tuple[torch.Tensor, torch.Tensor | None, int]]) -> None:
         args += [dst, dst if src is None else src, mode, rows, end, sizes[3], sizes[1], sizes[2], *a, *b]
     used = len(pairs)
     args += args[:16] * (ENTRIES - used)  # unused slots: never read (N is constexpr)
-    _kernel()[(end,)](*args, N=used, BLOCK_R=block_r, BLOCK_C=block_c)
+    _kernel_launch((end,), *args, N=used, BLOCK_R=block_r, BLOCK_C=block_c)

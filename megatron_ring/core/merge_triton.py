@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from megatron_ring.triton_launch import Launcher
+
 __all__ = ["merge_triton"]
 
 
@@ -62,6 +64,9 @@ def _kernel():
     return _merge_kernel
 
 
+_launch = Launcher(lambda: _kernel())  # looked up at each launch (tests replace it)
+
+
 def merge_triton(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor,
                  fresh: bool, status: tuple[torch.Tensor, torch.Tensor] | None = None,
                  posinf_empty: bool = False) -> None:
@@ -77,7 +82,6 @@ def merge_triton(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Te
     import triton
 
     st_dst, st_src = status if status is not None else (acc_lse, acc_lse)
-    _kernel()[(rows,)](acc_out, acc_lse, blk_out, blk_lse, h, n, d,
-                       *acc_out.stride(), *acc_lse.stride(), *blk_out.stride(), *blk_lse.stride(), st_dst, st_src,
-                       FRESH=bool(fresh), STATUS=status is not None, POSINF=bool(posinf_empty),
-                       BLOCK_D=triton.next_power_of_2(d))
+    _launch((rows,), acc_out, acc_lse, blk_out, blk_lse, h, n, d,
+            *acc_out.stride(), *acc_lse.stride(), *blk_out.stride(), *blk_lse.stride(), st_dst, st_src,
+            FRESH=bool(fresh), STATUS=status is not None, POSINF=bool(posinf_empty), BLOCK_D=triton.next_power_of_2(d))

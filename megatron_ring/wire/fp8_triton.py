@@ -14,6 +14,8 @@ import functools
 
 import torch
 
+from megatron_ring.triton_launch import Launcher
+
 __all__ = ["fp8_scales", "fp8_scales_reference", "pow2_scales", "EXP_LIMIT"]
 
 _BLOCK = 64
@@ -46,6 +48,9 @@ def _kernel():
     return importlib.reload(_fp8_kernels).fp8_scales_kernel
 
 
+_launch = Launcher(lambda: _kernel())  # looked up at each launch (tests replace it)
+
+
 def _groups(n: int, group: int) -> int:
     return max(1, -(-n // group))
 
@@ -64,8 +69,8 @@ def fp8_scales(rows: torch.Tensor, scale: torch.Tensor, group: int, emax: int) -
         if mode == 2 and rows.dtype != torch.float16:
             rows, mode = rows.float(), 0
         src = rows.view(torch.int32) if mode == 0 else rows.view(torch.int16) if mode == 1 else rows  # bits: views
-        _kernel()[(b * h, g)](src, scale, inv, bad, *rows.stride(), *scale.stride(), h, n, g, group, emax, MODE=mode,
-                              BLOCK=_BLOCK)
+        _launch((b * h, g), src, scale, inv, bad, *rows.stride(), *scale.stride(), h, n, g, group, emax, MODE=mode,
+                BLOCK=_BLOCK)
     else:
         scale.fill_(1.0)
         bad.zero_()

@@ -55,3 +55,45 @@ def _to(tensors):
         whole[:, :, 7:1050] = out[1]
         out[1] = whole[:, :, 7:1050]
     return out
+
+
+def test_launches_of_a_kept_compiled_kernel_equal_tritons_own(monkeypatch):
+    """megatron_ring/triton_launch.py on a GPU: the list op and the merge launched again with the same key call the
+    kept compiled kernel (Triton's ``kernel[grid]`` is not called again) and give the bytes Triton's own launch
+    gives, over new data, aligned and misaligned addresses alike."""
+    from megatron_ring.core import foreach_triton as F
+    from megatron_ring.core import merge_triton as M
+
+    calls = []
+
+    class Counting:  # the jitted kernel, its launches through Triton counted
+        def __init__(self, fn):
+            self.fn, self.arg_names = fn, fn.arg_names
+
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return self.fn[grid]
+
+    merge, lists = M._kernel(), F._kernel()
+    counted = Counting(merge), Counting(lists)  # made once, as the lru-cached getters give one kernel object
+    monkeypatch.setattr(M, "_kernel", lambda: counted[0])
+    monkeypatch.setattr(F, "_kernel", lambda: counted[1])
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for offset in (0, 1):  # an address 16-byte aligned, then one that is not: two keys
+        for rnd in range(3):
+            acc = torch.randn(2 * 3 * 9 * 64 + offset, device="cuda", generator=g)[offset:].view(2, 3, 9, 64)
+            lse = torch.randn(2, 3, 9, device="cuda", generator=g) * 4
+            blk = torch.randn(2, 3, 9, 64, device="cuda", generator=g).bfloat16()
+            blk_lse = torch.randn(2, 3, 9, device="cuda", generator=g) * 4
+            a1, l1, a2, l2 = acc.clone(), lse.clone(), acc.clone(), lse.clone()
+            M.merge_triton(a1, l1, blk, blk_lse, False)  # through the launcher
+            merge[(2 * 3 * 9,)](a2, l2, blk, blk_lse, 3, 9, 64, *a2.stride(), *l2.stride(), *blk.stride(),
+                                *blk_lse.stride(), l2, l2, FRESH=False, STATUS=False, POSINF=False, BLOCK_D=64)
+            assert torch.equal(a1, a2) and torch.equal(l1, l2)
+            dst = torch.empty(acc.numel() + offset, device="cuda")[offset:].view(acc.shape).copy_(acc)
+            src = torch.randn(2, 3, 9, 64, device="cuda", generator=g).bfloat16()
+            want = acc.clone().add_(src)
+            F.foreach_triton([dst], [src], [F.ADD])
+            assert torch.equal(dst, want)
+    # each kernel went through Triton once per key (aligned, misaligned), the other launches through the kept kernel
+    assert len(calls) == 4, calls
