@@ -25,6 +25,8 @@ import functools
 
 import torch
 
+from megatron_ring.triton_launch import Launcher
+
 __all__ = ["dropout_attention_forward", "dropout_attention_backward"]
 
 
@@ -40,6 +42,8 @@ def _kernels():
     return mod.dropout_fwd, mod.dropout_bwd_kv, mod.dropout_bwd_q, mod.dropout_delta
 
 
+#: the four kernels' launchers (the kernels looked up at each launch: tests replace them)
+_FWD, _BWD_KV, _BWD_Q, _DELTA = (Launcher(lambda i=i: _kernels()[i]) for i in range(4))
 _WARPS = 8
 
 
@@ -90,10 +94,8 @@ def dropout_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ptrs, scalars, flags = _common(q, k, v, qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, rule_causal, left, right,
                                    scale, p, heads, head_offset)
     bm = _tiles(max(q.shape[-1], v.shape[-1]))
-    fwd = _kernels()[0]
-    fwd[(-(-m // bm), b * h)](q, k, v, out, lse, *ptrs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                              *lse.stride(), h, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, num_warps=_WARPS,
-                              **flags)
+    _FWD((-(-m // bm), b * h), q, k, v, out, lse, *ptrs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+         *lse.stride(), h, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, num_warps=_WARPS, **flags)
     return out, lse
 
 
@@ -115,15 +117,14 @@ def dropout_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
     ptrs, scalars, flags = _common(q, k, v, qpos, kpos, mq, qd, mk, kd, seed_t, seed_int, rule_causal, left, right,
                                    scale, p, heads, head_offset)
     bm = _tiles(max(q.shape[-1], v.shape[-1]))
-    _, bwd_kv, bwd_q, pre = _kernels()
     delta = torch.empty(b, h, m, dtype=torch.float32, device=q.device)
-    pre[(-(-m // bm), b * h)](out, dout, delta, *out.stride(), *dout.stride(), h, m, v.shape[-1], BM=bm,
-                              BDV=flags["BDV"])
+    _DELTA((-(-m // bm), b * h), out, dout, delta, *out.stride(), *dout.stride(), h, m, v.shape[-1], BM=bm,
+           BDV=flags["BDV"])
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
-    bwd_kv[(-(-n // bm), b * hk)](q, k, v, dout, lse, delta, dk, dv, *ptrs, *common, *dk.stride(), *dv.stride(),
-                                  hk, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, num_warps=_WARPS, **flags)
-    bwd_q[(-(-m // bm), b * h)](q, k, v, dout, lse, delta, dq, *ptrs, *common, *dq.stride(),
-                                h, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, num_warps=_WARPS, **flags)
+    _BWD_KV((-(-n // bm), b * hk), q, k, v, dout, lse, delta, dk, dv, *ptrs, *common, *dk.stride(), *dv.stride(),
+            hk, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, num_warps=_WARPS, **flags)
+    _BWD_Q((-(-m // bm), b * h), q, k, v, dout, lse, delta, dq, *ptrs, *common, *dq.stride(),
+           h, *scalars, CAUSAL=bool(causal), BM=bm, BN=bm, num_warps=_WARPS, **flags)
     return dq, dk, dv
 
 

@@ -1,11 +1,12 @@
 """megatron_ring/triton_launch.py: a launch reuses a compiled kernel only where Triton's JIT would specialise it the
 same way, in the tiers that have Triton (no GPU needed).
 
-* soundness: the real launchers (the merge, the list op, the FP8 scales) are run over shapes, dtypes, strides and
-  address alignments, each launch recorded; for every two launches of one kernel whose keys are equal, Triton's
-  own binder (``create_function_from_signature`` for an sm_90 target, as a GPU launch binds) gives the same
-  specialisation. Negative control: a key without the addresses' alignment maps launches that Triton specialises
-  apart to one key.
+* soundness: the real launchers (the merge, the list op, the FP8 scales, the four attention dropout kernels) are run
+  over shapes, dtypes, strides, address alignments and dropout seeds, each launch recorded; for every two launches
+  of one kernel whose keys are equal, Triton's own binder (``create_function_from_signature`` for an sm_90 target,
+  as a GPU launch binds) gives the same specialisation. Negative controls: a key without the addresses' alignment,
+  and one without the width of the ints Triton does not specialise (the dropout seed), map launches that Triton
+  specialises apart to one key.
 * the launcher: the first launch of a key goes through ``kernel[grid](...)``; later ones call the kept compiled
   kernel with every argument in the kernel's order; a new value of an int, a new kernel object (a cleared getter),
   Triton's interpreter (no compiled kernel returned) and a call leaving a parameter to its default go through
@@ -43,13 +44,21 @@ def _misaligned(shape, dtype):
 
 
 def _record(monkeypatch):
-    """Every launch of the three launchers over the variants, per kernel: {name: (jitted kernel, [(args, kwargs)])}."""
+    """Every launch of the launchers over the variants, per kernel: {name: (jitted kernel, [(args, kwargs)])}."""
     from megatron_ring.core import foreach_triton as F
     from megatron_ring.core import merge_triton as M
+    from megatron_ring.kernels import dropout_triton as D
     from megatron_ring.wire import fp8_triton as W
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     got = {}
+    D._kernels.cache_clear()
+    dropout = D._kernels()
+    D._kernels.cache_clear()
+    for fn in dropout:
+        got[fn.__name__] = (fn, [])
+    recorders = tuple(_Recording(fn, got[fn.__name__][1]) for fn in dropout)
+    monkeypatch.setattr(D, "_kernels", lambda: recorders)
     for mod, name in ((M, "merge"), (F, "foreach"), (W, "fp8")):
         mod._kernel.cache_clear()
         fn = mod._kernel()
@@ -68,7 +77,28 @@ def _record(monkeypatch):
         rows = make(shape[:3], dt).abs()
         g = -(-shape[2] // 4)
         W.fp8_scales(rows, torch.zeros(shape[0], shape[1], g), 4, 8)
+    _dropout_launches(D)
     return got
+
+
+def _dropout_launches(D) -> None:
+    """The dropout kernels' launches (forward and backward, causal and masked) over seeds whose 32-bit folds fall
+    below and above 2**31 (Triton's i32 and i64) and both address alignments."""
+    from megatron_ring.kernels.dropout import DropoutSpec, FusedDropoutKernel
+    from megatron_ring.schedules.masks import AttentionMask, BlockMask
+
+    pos = torch.arange(64)
+    rule = AttentionMask(True, (0, 20, 64), (16, 0))
+    mask = BlockMask(rule, pos, rule.doc_ids(pos), pos, rule.doc_ids(pos))
+    for seed, make in itertools.product((1, 2, 7, 2 ** 31 + 5, 2 ** 32 - 3, 3 * 2 ** 32 + 1),
+                                        (lambda s, d: torch.zeros(s, dtype=d), _misaligned)):
+        q = make((1, 2, 64, 64), torch.bfloat16)
+        lse = torch.zeros(1, 2, 64)
+        kern = FusedDropoutKernel(DropoutSpec(p=0.1, seed=seed, heads=2, seq_len=64))
+        for causal, m in ((True, None), (False, mask)):
+            args = kern._args(q, causal, 0.125, m, pos, pos)
+            D.dropout_attention_forward(q, q, q, *args)
+            D.dropout_attention_backward(q, q, q, q, q, lse, *args)
 
 
 def _specialisation(fn, args, kwargs):
@@ -86,8 +116,9 @@ def _collisions(got, key) -> list:
     bad = []
     for name, (fn, launches) in got.items():
         seen: dict = {}
+        loose = frozenset(i for i, p in enumerate(fn.params) if p.do_not_specialize)
         for args, kwargs in launches:
-            k, spec = key(args, kwargs), _specialisation(fn, args, kwargs)
+            k, spec = key(args, kwargs, loose), _specialisation(fn, args, kwargs)
             if seen.setdefault(k, spec) != spec:
                 bad.append((name, seen[k], spec))
     return bad
@@ -95,18 +126,37 @@ def _collisions(got, key) -> list:
 
 def test_equal_keys_are_equal_specialisations(monkeypatch):
     got = _record(monkeypatch)
-    assert all(len(launches) >= 24 for _, launches in got.values())
+    assert sorted(got) == ["dropout_bwd_kv", "dropout_bwd_q", "dropout_delta", "dropout_fwd", "foreach", "fp8",
+                           "merge"]
+    assert all(len(launches) >= 24 for _, launches in got.values()), {n: len(v[1]) for n, v in got.items()}
     assert _collisions(got, TL.launch_key) == []
-    # the launches are varied enough to tell keys apart: more than one key per kernel
-    assert all(len({TL.launch_key(a, k) for a, k in launches}) > 4 for _, launches in got.values())
+    # the launches are varied enough to tell keys apart: several keys per kernel
+    keys = {name: len({TL.launch_key(a, k) for a, k in launches}) for name, (_, launches) in got.items()}
+    assert min(keys.values()) >= 2 and sum(keys.values()) >= 40, keys
+    # and the dropout seed, which Triton does not specialise, does not split keys beyond its width
+    fwd, launches = got["dropout_fwd"]
+    loose = frozenset(i for i, p in enumerate(fwd.params) if p.do_not_specialize)
+    assert loose and len({TL.launch_key(a, k, loose) for a, k in launches}) < len({TL.launch_key(a, k)
+                                                                                    for a, k in launches})
 
 
 def test_a_key_without_the_alignment_would_reuse_a_kernel_specialised_otherwise(monkeypatch):
     """Negative control: drop the address alignment from the key and launches Triton specialises apart collide."""
-    def no_alignment(args, kwargs):
-        return tuple(a if isinstance(a, int) else a.dtype for a in args), tuple(kwargs.items())
+    def no_alignment(args, kwargs, loose):
+        return TL.launch_key(tuple(a.float() if isinstance(a, torch.Tensor) and a.data_ptr() & 15 else a
+                                   for a in args), kwargs, loose)
 
     assert _collisions(_record(monkeypatch), no_alignment)
+
+
+def test_a_key_without_the_unspecialised_ints_width_would_reuse_a_kernel_specialised_otherwise(monkeypatch):
+    """Negative control: key the ints Triton does not specialise by nothing (not their width) and the dropout seeds
+    below and above 2**31 collide."""
+    def no_width(args, kwargs, loose):
+        return TL.launch_key(tuple(0 if i in loose else a for i, a in enumerate(args)), kwargs)
+
+    bad = _collisions(_record(monkeypatch), no_width)
+    assert bad and {name for name, *_ in bad} <= {"dropout_fwd", "dropout_bwd_kv", "dropout_bwd_q"}
 
 
 class _Compiled(CompiledKernel):
@@ -177,8 +227,8 @@ def test_the_launcher_keeps_nothing_it_cannot_call_again():
     for _ in range(2):
         launch((1,), t, 3, X=1)
     assert len(default.launches) == 2 and runs == []
-    other = _Jit(_Compiled(runs))  # an argument of a type the key does not derive: Triton's path
+    other = _Jit(_Compiled(runs))  # an argument of a type the key does not derive (a tuple): Triton's path
     launch = TL.Launcher(lambda: other)
     for _ in range(2):
-        launch((1,), t, 0.5, X=1, Y=2)
+        launch((1,), t, (1, 2), X=1, Y=2)
     assert len(other.launches) == 2 and runs == []
