@@ -77,6 +77,17 @@ class _A2A:
             return [chunks[0].reshape(recv_shapes[0])]
         return self.exchange_flat(*_pack(chunks), recv_shapes, what)
 
+    def exchange_split(self, x: torch.Tensor, dim: int, recv_shapes: list[tuple[int, ...]],
+                       what: str) -> list[torch.Tensor]:
+        """As :meth:`exchange` with chunk j the j-th of ``world`` equal parts of ``x`` along ``dim``, packed in ONE
+        copy (a view of ``x`` with the parts leading; a copy per chunk made ``world`` launches)."""
+        if self.world == 1:
+            return [x.reshape(recv_shapes[0])]
+        parts = x.unflatten(dim, (self.world, x.shape[dim] // self.world)).movedim(dim, 0)
+        send = torch.empty(parts.shape, dtype=x.dtype, device=x.device)
+        send.copy_(parts)
+        return self.exchange_flat(send.view(-1), [send[0].numel()] * self.world, recv_shapes, what)
+
     def exchange_flat(self, send: torch.Tensor, in_splits: list[int], recv_shapes: list[tuple[int, ...]],
                       what: str) -> list[torch.Tensor]:
         """As :meth:`exchange`, the chunks already packed one after another in the 1-D ``send``."""
@@ -97,9 +108,12 @@ def _pack(chunks: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
 
 def _seq_to_head(x: torch.Tensor, a2a: _A2A, parts: tuple[slice, ...], what: str) -> torch.Tensor:
     """``[b, H, s, d]`` (sequence shard, all heads) -> ``[b, |parts[me]|, P*s, d]`` (all shards, my heads)."""
-    b, _, s, d = x.shape
+    b, h, s, d = x.shape
     mine = _len(parts[a2a.rank])
-    recv = a2a.exchange([x[:, sl] for sl in parts], [(b, mine, s, d)] * a2a.world, what)  # i: rank i's shard
+    shapes = [(b, mine, s, d)] * a2a.world  # i: rank i's shard
+    even = all(sl == slice(j * mine, (j + 1) * mine) for j, sl in enumerate(parts)) and h == mine * a2a.world
+    recv = (a2a.exchange_split(x, 1, shapes, what) if even
+            else a2a.exchange([x[:, sl] for sl in parts], shapes, what))
     return torch.cat(recv, dim=2)
 
 
@@ -108,7 +122,7 @@ def _head_to_seq(y: torch.Tensor, a2a: _A2A, parts: tuple[slice, ...], what: str
     b, _, ps, d = y.shape
     p = a2a.world
     s = ps // p
-    return a2a.exchange(list(y.split(s, dim=2)), [(b, _len(sl), s, d) for sl in parts], what)
+    return a2a.exchange_split(y, 2, [(b, _len(sl), s, d) for sl in parts], what)
 
 
 class SeqToHead(torch.autograd.Function):
