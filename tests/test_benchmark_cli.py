@@ -168,6 +168,10 @@ def test_gpu_row_host_kinds():
     assert host_kind("~", "<built-in method launch>", ["/x/triton/backends/nvidia/driver.py"]) == "triton"
     assert host_kind("~", "<built-in method builtins.isinstance>", ["/w/megatron_ring/core/engine.py"]) == "python"
     assert host_kind("/w/megatron_ring/core/engine.py", "ring_forward") == "ours"
+    # this library's launchers of Triton kernels are its own Python, not Triton's (counted as Triton before)
+    assert host_kind("/w/megatron_ring/core/foreach_triton.py", "_launch") == "ours"
+    assert host_kind("/w/megatron_ring/triton_launch.py", "__call__") == "ours"
+    assert host_kind("~", "<built-in method builtins.len>", ["/w/megatron_ring/core/merge_triton.py"]) == "python"
     assert host_kind("/w/lab/megatron_ring_lab/bench/gpu.py", "step") == "python"
     assert host_kind("/x/site-packages/torch/autograd/function.py", "apply") == "python"
 

@@ -194,11 +194,17 @@ def host_split(fn: Callable[[], Any], dev: torch.device, calls: int = 3) -> dict
     return {**{f"host_ms_{k}": v for k, v in split.items()}, "host_ops": round(ops / calls)}
 
 
+def _of_triton(file: str) -> bool:
+    """Whether ``file`` is in Triton's package (a folder ``triton``), not one of this library's files that launch
+    Triton kernels (``merge_triton.py``, ``triton_launch.py``: this library's Python)."""
+    return "triton" in file.replace("\\", "/").split("/")[:-1]
+
+
 def host_kind(file: str, name: str, caller_files: list[str] = ()) -> str:
     """The kind of a ``cProfile`` entry (:data:`HOST_KINDS`): a function of Triton's, or a built-in Triton's code
     calls (its launcher); an attention op; another torch op or method (``torch._ops``, a tensor method, a torch
     built-in, autograd's engine); this library's Python; anything else."""
-    if "triton" in file or (file == "~" and caller_files and all("triton" in c for c in caller_files)):
+    if _of_triton(file) or (file == "~" and caller_files and all(_of_triton(c) for c in caller_files)):
         return "triton"
     if file == "~":
         if "torch" in name or "Tensor" in name or "_EngineBase" in name:
