@@ -80,12 +80,11 @@ class _A2A:
     def exchange_split(self, x: torch.Tensor, dim: int, recv_shapes: list[tuple[int, ...]],
                        what: str) -> list[torch.Tensor]:
         """As :meth:`exchange` with chunk j the j-th of ``world`` equal parts of ``x`` along ``dim``, packed in ONE
-        copy (a view of ``x`` with the parts leading; a copy per chunk made ``world`` launches)."""
+        copy (a view of ``x`` with the parts leading, made contiguous: none where it is already; a copy per chunk made
+        ``world`` launches)."""
         if self.world == 1:
             return [x.reshape(recv_shapes[0])]
-        parts = x.unflatten(dim, (self.world, x.shape[dim] // self.world)).movedim(dim, 0)
-        send = torch.empty(parts.shape, dtype=x.dtype, device=x.device)
-        send.copy_(parts)
+        send = x.unflatten(dim, (self.world, x.shape[dim] // self.world)).movedim(dim, 0).contiguous()
         return self.exchange_flat(send.view(-1), [send[0].numel()] * self.world, recv_shapes, what)
 
     def exchange_flat(self, send: torch.Tensor, in_splits: list[int], recv_shapes: list[tuple[int, ...]],

@@ -103,12 +103,9 @@ def _dropout_launches(D) -> None:
 
 def _specialisation(fn, args, kwargs):
     """Triton's own binding of a launch for an sm_90 target: the specialisation its JIT keys the kernel on."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
+    from tests.helpers.triton_launch import bind_launch
 
-    bind = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
-    return repr(bind(*args, **kwargs)[1])
+    return repr(bind_launch(fn, args, kwargs, 90)[2][1])
 
 
 def _collisions(got, key) -> list:

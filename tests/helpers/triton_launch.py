@@ -13,17 +13,24 @@ from __future__ import annotations
 from typing import Any
 
 
-def compile_launch(fn: Any, args: tuple, kwargs: dict, arch: int) -> Any:
-    """The compiled kernel a launch of ``fn`` with ``args``/``kwargs`` would run on an ``sm_{arch}`` GPU."""
-    import triton
+def bind_launch(fn: Any, args: tuple, kwargs: dict, arch: int) -> tuple:
+    """Triton's own binding of a launch of ``fn`` for an ``sm_{arch}`` GPU: ``(target, backend, (bound args,
+    specialisation, options))``; the specialisation is what Triton's JIT keys the compiled kernel on."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    bind = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = bind(*args, **kwargs)
+    return target, backend, create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+
+
+def compile_launch(fn: Any, args: tuple, kwargs: dict, arch: int) -> Any:
+    """The compiled kernel a launch of ``fn`` with ``args``/``kwargs`` would run on an ``sm_{arch}`` GPU."""
+    import triton
+    from triton.compiler import ASTSource
+
+    target, backend, (bound, specialization, options) = bind_launch(fn, args, kwargs, arch)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
