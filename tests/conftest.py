@@ -27,12 +27,23 @@ if _LAB not in sys.path:
 # the fork server too (a spawned worker imports torch again: ~8 s per launch on a 2-core machine).
 os.environ.setdefault("MEGATRON_RING_START_METHOD", "forkserver")
 
+# One intra-op thread per test process where the caller set none (OMP_NUM_THREADS): the suite runs a pytest-xdist
+# worker per core, and jobs of several ranks, so torch's default (a thread per core in every process) only made
+# threads wait on each other. An idle OpenMP thread spins before it sleeps, taking the core another process needed:
+# with two threads, tests/test_max_logit.py + tests/test_masks.py took 55-92 s of CPU against 28 s with one
+# (2 cores). Set in the environment too, before any worker, rank or subprocess starts, so they inherit it.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 if not torch.cuda.is_available():
     os.environ.setdefault("MEGATRON_RING_PRELOAD", "megatron.core.models.gpt,"
                                                    "megatron.core.models.gpt.gpt_layer_specs,megatron_ring.megatron"
                           # the Bridge run of scripts/test.sh: Bridge's modules too (tests/megatron/bridge_preload.py)
                           + (",tests.megatron.bridge_preload"
-                             if os.environ.get("MEGATRON_RING_TEST_PRELOAD_BRIDGE") == "1" else ""))
+                             if os.environ.get("MEGATRON_RING_TEST_PRELOAD_BRIDGE") == "1" else "")
+                          # Megatron's checkpoint writer's results queue from a forked Manager (tests/helpers/ckpt_queue.py)
+                          + ",tests.helpers.ckpt_queue")
 
 
 # --- the fast tier: a test that starts processes must be marked slow --------------------------------------
@@ -132,6 +143,7 @@ import socket  # noqa: E402
 import tempfile  # noqa: E402
 
 from megatron_ring_lab import forkrun  # noqa: E402
+from tests.helpers.launch import JOB_PRELOAD  # noqa: E402
 
 _SERVER: list = []
 
@@ -148,7 +160,7 @@ def pytest_collection_finish(session):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1]),
                forkrun.SERVER_VARIABLE: path}
         with open(log, "w") as out:
-            proc = forkrun.start_server(path, out, env)
+            proc = forkrun.start_server(path, out, env, preload=JOB_PRELOAD)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:  # no server: every job imports by itself
         import warnings
         warnings.warn(f"the fork server did not start ({e!r}); each job imports torch and Megatron itself")

@@ -16,6 +16,10 @@ from megatron_ring_lab import forkrun
 from megatron_ring_lab.launch import WorkerError, run_on_ranks
 
 ROOT = str(Path(__file__).resolve().parents[2])
+#: what a job's ranks import before they fork (forkrun's PRELOAD), and Megatron's checkpoint writer's results queue
+#: from a forked Manager (tests/helpers/ckpt_queue.py): the fork server's list (tests/conftest.py) and each job's, for
+#: a job that runs without the server
+JOB_PRELOAD = forkrun.PRELOAD + ",tests.helpers.ckpt_queue"
 #: the bound on one multi-process run or torchrun job (seconds)
 TIMEOUT_S = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
@@ -69,7 +73,7 @@ def torchrun_cmd(script, nproc: int, *args: str) -> list[str]:
     if torch.cuda.is_available():
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                 "127.0.0.1", "--master-port", port, str(script), *map(str, args)]
-    return forkrun.command(nproc, script, *args)
+    return forkrun.command(nproc, script, *args, preload=JOB_PRELOAD)
 
 
 def torchrun_env(env: dict | None = None) -> dict:
