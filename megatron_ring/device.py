@@ -14,6 +14,7 @@ A leaf module: it imports nothing of the package, so every part (kernels, transp
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -118,6 +119,7 @@ class CudaOps(DeviceOps):
     def __init__(self) -> None:
         self._pinned: dict[tuple, list[torch.Tensor]] = {}  # plain dict: no CUDA call until first used
         self._gqa: dict[tuple, bool] = {}  # torch's rule's answers (takes_gqa, takes_head_dims): once per case
+        self._local = threading.local()  # per thread: the events wait_stream re-records (made on first use)
 
     # Host time: ``torch.cuda.current_stream(None)``, ``torch.cuda.stream(...)`` and ``Event.record()`` without a
     # stream each find the current device through ``torch.cuda.is_available()``, which reads an environment
@@ -143,7 +145,20 @@ class CudaOps(DeviceOps):
             torch.cuda.set_stream(before)
 
     def wait_stream(self, waiter, waited):
-        waiter.wait_stream(waited)
+        # torch's ``Stream.wait_stream`` makes an event per call: created, recorded, waited on and destroyed, four
+        # driver calls (~20 waits per ring call at P = 4). Here one event per waited stream and thread is recorded
+        # again each time: two. CUDA's rule makes that the same dependency: a wait uses the event's state at the
+        # time it is queued, and a later record does not change it. Per thread, because a record on another thread
+        # between this thread's record and its wait would move the state this wait reads (the backward runs on
+        # autograd's device thread beside the caller's).
+        events = getattr(self._local, "events", None)
+        if events is None:
+            events = self._local.events = {}
+        event = events.get(waited)
+        if event is None:
+            event = events[waited] = torch.cuda.Event()
+        event.record(waited)
+        waiter.wait_event(event)
 
     def record_stream(self, tensor, stream):
         tensor.record_stream(stream)

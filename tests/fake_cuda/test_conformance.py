@@ -540,3 +540,77 @@ def test_the_engine_varlen_comparison_flags_a_wrong_call(monkeypatch):
     monkeypatch.setattr(VarlenFlashCudaKernel, "_bwd", _varlen_bwd_int64)
     found, _, _ = engine_varlen_calls(dict(P=4, fmt="thd", window=(40, 0)))
     assert sorted({d[0] for d in found if not _same_layout_view(d)}) == [6, 7, 15, 16], found
+
+
+class _Event:
+    """A stand-in for ``torch.cuda.Event``: records its ``record`` and ``wait`` calls in a shared log."""
+
+    made = 0
+
+    def __init__(self, log: list) -> None:
+        _Event.made += 1
+        self.log, self.number = log, _Event.made
+
+    def record(self, stream=None):
+        self.log.append(("record", self, stream.name))
+
+    def wait(self, stream=None):
+        self.log.append(("wait", self, stream.name))
+
+
+class _Stream:
+    """A stand-in for ``torch.cuda.Stream`` whose stream-to-stream methods are torch's own (they call only
+    ``Event``, ``Event.record`` and ``Event.wait``)."""
+
+    wait_stream = torch.cuda.Stream.wait_stream
+    record_event = torch.cuda.Stream.record_event
+    wait_event = torch.cuda.Stream.wait_event
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _waits(log: list) -> list:
+    """The log with each event named by the call that recorded it last: a wait must name the record just before it
+    on the same event (the dependency it makes is that record's state)."""
+    last, out = {}, []
+    for op, event, stream in log:
+        if op == "record":
+            last[event] = len(out)
+            out.append((op, stream))
+        else:
+            out.append((op, stream, "waits on the record at", last.get(event)))
+    return out
+
+
+def test_the_cuda_seams_stream_wait_is_torchs_with_one_event_per_stream_and_thread(monkeypatch):
+    """``CudaOps.wait_stream`` makes the dependency torch's ``Stream.wait_stream`` makes (a record on the waited
+    stream, then the waiter waits on that record), call by call, but re-records one event per waited stream and
+    thread instead of making one per call (4 driver calls per wait become 2); another thread gets its own event.
+    Negative controls: a wait queued before its record, and a record by another thread between this thread's
+    record and wait on a shared event, are differences the comparison reports."""
+    import threading
+
+    from megatron_ring.device import CudaOps
+
+    theirs, ours = [], []
+    compute, side = _Stream("compute"), _Stream("side")
+    monkeypatch.setattr(torch.cuda.streams, "Event", lambda: _Event(theirs))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(ours))
+    ops = CudaOps()
+    for waiter, waited in [(side, compute), (compute, side)] * 3:
+        waiter.wait_stream(waited)  # torch's own
+        ops.wait_stream(waiter, waited)
+    assert _waits(ours) == _waits(theirs) and len(ours) == 12
+    assert len({e for _, e, _ in theirs}) == 6 and len({e for _, e, _ in ours}) == 2  # torch: one event per call
+
+    mine = {e for _, e, _ in ours}
+    thread = threading.Thread(target=ops.wait_stream, args=(side, compute))
+    thread.start()
+    thread.join()
+    assert _waits(ours[12:]) == _waits(theirs[:2]) and ours[12][1] not in mine  # the thread's own event
+
+    event = ours[0][1]
+    assert _waits([("wait", event, "side"), ("record", event, "compute")]) != _waits(theirs[:2])
+    assert _waits([("record", event, "compute"), ("record", event, "other thread's"), ("wait", event, "side")])[1:] \
+        != _waits(theirs[:2])
