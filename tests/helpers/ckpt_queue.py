@@ -4,9 +4,9 @@ Every rank that writes a ``torch_dist`` checkpoint asks
 ``megatron.core.dist_checkpointing.strategies.filesystem_async`` for its write-results queue, which comes from a
 ``multiprocessing`` Manager that Megatron starts with ``spawn`` (``get_write_results_queue`` on megatron-core 0.19,
 ``_get_write_results_queue`` on 0.16): a fresh interpreter that imports the job's script again, torch and Megatron
-included. That is about 8.5 s of CPU per writing rank on a 2-core machine, about half of what the suite's
-checkpoint tests cost (12 such Managers in tests/megatron/test_sinks_pretrain.py and test_resume_cp.py). What the
-tests check (the ring through Megatron's save and load) does not depend on how that Manager process starts.
+included. That is about 8.5 s of CPU per writing rank on a 2-core machine (tests/megatron/test_sinks_pretrain.py and
+test_resume_cp.py started 12 of them; the first took 185 s of CPU with them, 92 s without). What the tests check
+(the ring through Megatron's save and load) does not depend on how that Manager process starts.
 
 Imported by the fork servers the suite's jobs start from (tests/conftest.py adds it to their preload lists), this
 module replaces that getter: the Manager is forked from the rank instead (its imports already done). The forked
@@ -27,8 +27,13 @@ _GETTERS = ("get_write_results_queue", "_get_write_results_queue")  # megatron-c
 
 def _close_inherited_sockets() -> None:
     """In the forked Manager, before its server starts: close the sockets it inherited from the rank (its own
-    listener and its pipe to the rank are made after this, or are not sockets)."""
-    for name in os.listdir("/proc/self/fd"):
+    listener and its pipe to the rank are made after this, or are not sockets). Where the system lists no
+    descriptors there (not Linux), nothing is closed."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
         fd = int(name)
         try:
             if stat.S_ISSOCK(os.fstat(fd).st_mode):
