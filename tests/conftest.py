@@ -22,6 +22,8 @@ _LAB = str(pathlib.Path(__file__).resolve().parents[1] / "lab")
 if _LAB not in sys.path:
     sys.path.insert(1, _LAB)
 
+from tests.helpers.launch import CKPT_QUEUE, JOB_PRELOAD  # noqa: E402 (the lab on sys.path first)
+
 # The benchmarks launch their workers as fresh spawned processes so that glibc reads their MALLOC_* settings at start
 # (their memory columns); the tests check the benchmarks' plumbing, not those figures, so their workers come from
 # the fork server too (a spawned worker imports torch again: ~8 s per launch on a 2-core machine).
@@ -43,7 +45,7 @@ if not torch.cuda.is_available():
                           + (",tests.megatron.bridge_preload"
                              if os.environ.get("MEGATRON_RING_TEST_PRELOAD_BRIDGE") == "1" else "")
                           # Megatron's checkpoint writer's results queue from a forked Manager (tests/helpers/ckpt_queue.py)
-                          + ",tests.helpers.ckpt_queue")
+                          + f",{CKPT_QUEUE}")
 
 
 # --- the fast tier: a test that starts processes must be marked slow --------------------------------------
@@ -143,7 +145,6 @@ import socket  # noqa: E402
 import tempfile  # noqa: E402
 
 from megatron_ring_lab import forkrun  # noqa: E402
-from tests.helpers.launch import JOB_PRELOAD  # noqa: E402
 
 _SERVER: list = []
 

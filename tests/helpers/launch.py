@@ -19,7 +19,8 @@ ROOT = str(Path(__file__).resolve().parents[2])
 #: what a job's ranks import before they fork (forkrun's PRELOAD), and Megatron's checkpoint writer's results queue
 #: from a forked Manager (tests/helpers/ckpt_queue.py): the fork server's list (tests/conftest.py) and each job's, for
 #: a job that runs without the server
-JOB_PRELOAD = forkrun.PRELOAD + ",tests.helpers.ckpt_queue"
+CKPT_QUEUE = "tests.helpers.ckpt_queue"
+JOB_PRELOAD = f"{forkrun.PRELOAD},{CKPT_QUEUE}"
 #: the bound on one multi-process run or torchrun job (seconds)
 TIMEOUT_S = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
