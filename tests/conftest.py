@@ -39,8 +39,10 @@ if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
+    from megatron_ring_lab.forkrun import GLUE
+
     os.environ.setdefault("MEGATRON_RING_PRELOAD", "megatron.core.models.gpt,"
-                                                   "megatron.core.models.gpt.gpt_layer_specs,megatron_ring.megatron"
+                                                   f"megatron.core.models.gpt.gpt_layer_specs,{GLUE}"
                           # the Bridge run of scripts/test.sh: Bridge's modules too (tests/megatron/bridge_preload.py)
                           + (",tests.megatron.bridge_preload"
                              if os.environ.get("MEGATRON_RING_TEST_PRELOAD_BRIDGE") == "1" else "")

@@ -36,10 +36,19 @@ import time
 from collections.abc import MutableMapping
 
 GRACE_S = 30.0  # torchrun's SIGTERM -> SIGKILL grace
+#: this package's Megatron glue, which ``megatron_ring.megatron`` imports at first use only (its ``MODULES``; a test
+#: checks that this list covers them)
+GLUE = ("megatron_ring.megatron.arguments,megatron_ring.megatron.attention.module,"
+        "megatron_ring.megatron.data.batch,megatron_ring.megatron.config,"
+        "megatron_ring.megatron.data.hybrid_cp,megatron_ring.megatron.spec.layers,"
+        "megatron_ring.megatron.spec.megatron_lm,megatron_ring.megatron.data.loss,"
+        "megatron_ring.megatron.groups.provider,megatron_ring.megatron.data.rope,"
+        "megatron_ring.megatron.data.mtp_loss,megatron_ring.megatron.data.token_order,"
+        "megatron_ring.megatron.spec")
 #: what a Megatron job imports before its ranks fork (a module that is not installed is skipped)
 PRELOAD = ("torch,torch.distributed,megatron.core,megatron.training,megatron.training.training,"
            "megatron.core.models.gpt,megatron.core.models.gpt.gpt_layer_specs,megatron.core.models.mamba,"
-           "megatron_ring.megatron")
+           + GLUE)
 _PR_SET_PDEATHSIG = 1
 
 

@@ -55,10 +55,39 @@ __all__ = ["mcore_version", "accepted_kwargs", "call_with_supported_kwargs", "gp
 
 @functools.lru_cache(maxsize=1)
 def mcore_version() -> tuple[int, ...]:
-    """megatron-core's version as integers, e.g. ``(0, 19, 2)`` (informational; code uses feature detection)."""
+    """megatron-core's version as integers, e.g. ``(0, 19, 2)`` (informational; code uses feature detection).
+
+    Read from ``megatron/core/package_info.py`` of the ``megatron`` that ``import megatron`` would load (the wheel
+    or a checkout on the path), as constants, without importing ``megatron.core``: its ``__init__`` imports most of
+    megatron-core (about 8 s of CPU on 2 cores), which a process that only asks for the version (the doctor's CLI)
+    does not need. Where ``megatron.core`` is imported already, or the file's constants cannot be read, its
+    ``package_info`` module answers. ``ImportError`` where there is no megatron-core."""
+    if "megatron.core" not in sys.modules:
+        found = _package_info_constants()
+        if found is not None:
+            return found
     from megatron.core import package_info
 
     return tuple(int(x) for x in (package_info.MAJOR, package_info.MINOR, package_info.PATCH))
+
+
+def _package_info_constants() -> tuple[int, int, int] | None:
+    """MAJOR, MINOR, PATCH as ``megatron/core/package_info.py`` assigns them (int literals), found on the path
+    ``import megatron`` searches; None where that file or one of them is not there."""
+    import ast
+
+    spec = importlib.util.find_spec("megatron")  # a top-level name: nothing is imported
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(folder, "core", "package_info.py")
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        got = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+               for t in node.targets if isinstance(t, ast.Name) and t.id in ("MAJOR", "MINOR", "PATCH")
+               and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)}
+        return (got["MAJOR"], got["MINOR"], got["PATCH"]) if len(got) == 3 else None
+    return None
 
 
 #: known Megatron CP issues (the doctor's ``--static`` list, lab/megatron_ring_lab/doctor/static.py): per reference,
