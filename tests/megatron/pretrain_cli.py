@@ -17,10 +17,13 @@ PRETRAIN_MARKS = [pytest.mark.slow,
                                      reason="megatron.training is not installed (megatron-core >= 0.19 wheel or "
                                             "a Megatron-LM checkout); CI runs this in the Python 3.12 venv")]
 
-#: the flags that make megatron.training run on CPU/gloo through the opt-in (no fusions, no CUDA kernels)
+#: the flags that make megatron.training run on CPU/gloo through the opt-in (no fusions, no CUDA kernels), and
+#: ``--num-workers 0``: the samples load in the rank itself (the same samples). Megatron's default, 2, forks two
+#: DataLoader workers per data iterator from a rank that holds torch and Megatron (6 forks per rank per job here):
+#: test_pretrain_loop.py + test_stock_spec.py took 109 s of machine CPU with them, 88 s without
 CPU_FLAGS = ("--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion "
              "--transformer-impl local --rerun-mode disabled --no-rope-fusion --no-bias-swiglu-fusion "
-             "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-persist-layer-norm").split()
+             "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-persist-layer-norm --num-workers 0").split()
 
 #: the model every model-building test uses: 2 layers, GQA 4/2, RoPE, 64 tokens
 MODEL_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
