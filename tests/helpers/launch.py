@@ -16,11 +16,12 @@ from megatron_ring_lab import forkrun
 from megatron_ring_lab.launch import WorkerError, run_on_ranks
 
 ROOT = str(Path(__file__).resolve().parents[2])
-#: what a job's ranks import before they fork (forkrun's PRELOAD), and Megatron's checkpoint writer's results queue
-#: from a forked Manager (tests/helpers/ckpt_queue.py): the fork server's list (tests/conftest.py) and each job's, for
-#: a job that runs without the server
+#: what a job's ranks import before they fork (forkrun's PRELOAD), Megatron's checkpoint writer's results queue
+#: from a forked Manager (tests/helpers/ckpt_queue.py) and megatron.training's flag help parsed once
+#: (tests/helpers/arg_docstrings.py): the fork server's list (tests/conftest.py) and each job's, for a job that runs
+#: without the server
 CKPT_QUEUE = "tests.helpers.ckpt_queue"
-JOB_PRELOAD = f"{forkrun.PRELOAD},{CKPT_QUEUE}"
+JOB_PRELOAD = f"{forkrun.PRELOAD},{CKPT_QUEUE},tests.helpers.arg_docstrings"
 #: the bound on one multi-process run or torchrun job (seconds)
 TIMEOUT_S = float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "240"))
 
