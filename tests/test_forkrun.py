@@ -1,9 +1,11 @@
 """lab/megatron_ring_lab/forkrun.py: a job run by its server is the job a fresh process runs (output, exit code,
 environment, directory, ranks); the server refuses a job whose imports could differ, and that job runs by itself;
-a client that is killed takes its job along."""
+a client that is killed takes its job along. ``--exec`` (one process, as torchrun's agent starts a worker): the
+caller's environment as it is, signals passed on, a death by signal passed back, the caller's network namespace."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -29,6 +31,24 @@ if os.environ.get("SLEEP"):
     time.sleep(600)
 sys.exit(int(os.environ.get("FAIL_RANK", "-1")) == rank and 3 or 0)
 """
+# one process, as torchrun's agent starts a worker (``--exec``): what it was given, where it runs, then an exit as asked
+EXEC_JOB = """
+import os, signal, sys, time
+import probe_module
+def record(line):
+    with open(os.path.join(os.environ["OUT"], "record"), "a") as f:
+        f.write(line + "\\n")
+record(f"rank {os.environ.get('RANK')} world {os.environ.get('WORLD_SIZE')} run {os.environ.get('TORCHELASTIC_RUN_ID')} "
+       f"argv {sys.argv[1:]} cwd {os.getcwd()} probe {probe_module.SEEN} netns {os.stat('/proc/self/ns/net').st_ino}")
+mode = os.environ.get("MODE", "")
+if mode == "term":  # as tests/multinode/mn_driver.py: a SIGTERM is recorded, then a hard exit
+    signal.signal(signal.SIGTERM, lambda *a: (record("sigterm"), os._exit(128 + signal.SIGTERM)))
+    record("waiting")
+    time.sleep(600)
+if mode == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(int(os.environ.get("EXIT", "0")))
+"""
 # imported by the server (PRELOAD): it reads one per-job variable at import, which a job must then not change
 PROBE = 'import os\nSEEN = os.environ.get("MEGATRON_RING_PROBE")\n'
 
@@ -38,6 +58,7 @@ def server(tmp_path):
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "probe_module.py").write_text(PROBE)
     (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "exec_job.py").write_text(EXEC_JOB)
     (tmp_path / "work").mkdir()
     path = str(tmp_path / "socket")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "mods"), "OMP_NUM_THREADS": "1",
@@ -131,3 +152,67 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # it went (and was reaped) between the two looks
         return False
+
+
+def _exec(tmp_path, env, prefix=(), **changes):
+    """``--exec`` of exec_job.py as torchrun's agent starts a worker (its variables set); ``prefix``: a command to run
+    the client under (``ip netns exec NS``)."""
+    (tmp_path / "record").unlink(missing_ok=True)
+    e = {**env, "OUT": str(tmp_path), "RANK": "5", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "run-7", **changes}
+    return subprocess.Popen([*prefix, *forkrun.command(forkrun.EXEC, tmp_path / "exec_job.py", "a", preload="probe_module")],
+                            env={k: v for k, v in e.items() if v is not None}, cwd=tmp_path / "work",
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _record(tmp_path) -> list[str]:
+    path = tmp_path / "record"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_an_exec_job_is_the_process_a_fresh_python_runs(server):
+    """The worker's variables stay as given (no rank variables set; torchrun's TORCHELASTIC_* may differ from the
+    server's), argv, directory and exit code are a fresh process's; the control runs without a server."""
+    tmp_path, env = server
+    netns = os.stat("/proc/self/ns/net").st_ino
+    want = (f"rank 5 world 8 run run-7 argv ['a'] cwd {tmp_path / 'work'} probe at import netns {netns}")
+    for served in (True, False):
+        job = _exec(tmp_path, env, EXIT="4", **({} if served else {forkrun.SERVER_VARIABLE: None}))
+        assert job.wait(120) == 4, job.stderr.read()
+        assert _record(tmp_path) == [want]
+    assert _decisions(tmp_path) == ["[forkrun server] runs"]
+
+
+def test_an_exec_client_passes_signals_on_and_dies_as_its_job(server):
+    """A SIGTERM to the client reaches the job (its handler records it; the client exits with the job's code); a job
+    that SIGKILLs itself ends its client by SIGKILL (torchrun's agent reports "exitcode -9" for the worker)."""
+    tmp_path, env = server
+    job = _exec(tmp_path, env, MODE="term")
+    deadline = time.monotonic() + 60
+    while "waiting" not in _record(tmp_path):
+        assert time.monotonic() < deadline and job.poll() is None, job.stderr.read() if job.poll() else "no start"
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(60) == 128 + signal.SIGTERM, job.stderr.read()
+    assert _record(tmp_path)[1:] == ["waiting", "sigterm"]
+    killed = _exec(tmp_path, env, MODE="kill")
+    assert killed.wait(60) == -signal.SIGKILL, killed.stderr.read()
+    assert _decisions(tmp_path) == ["[forkrun server] runs", "[forkrun server] runs"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and iproute2")
+def test_an_exec_job_runs_in_its_clients_network_namespace(server):
+    """A client in another network namespace (``ip netns exec``, as tests/multinode runs torchrun): its job runs in
+    that namespace, not in the server's (the negative control: the two differ)."""
+    tmp_path, env = server
+    ns = f"mrfk{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    try:
+        theirs = int(subprocess.run(["ip", "netns", "exec", ns, "stat", "-L", "-c", "%i", "/proc/self/ns/net"],
+                                    check=True, capture_output=True, text=True).stdout)
+        job = _exec(tmp_path, env, prefix=("ip", "netns", "exec", ns))
+        assert job.wait(120) == 0, job.stderr.read()
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert theirs != os.stat("/proc/self/ns/net").st_ino
+    assert _record(tmp_path)[0].endswith(f"netns {theirs}")
+    assert _decisions(tmp_path) == ["[forkrun server] runs"]

@@ -2,6 +2,7 @@
 
     python lab/megatron_ring_lab/forkrun.py NPROC PRELOAD SCRIPT [ARGS...]
     python lab/megatron_ring_lab/forkrun.py NPROC PRELOAD -m MODULE [ARGS...]
+    python lab/megatron_ring_lab/forkrun.py --exec PRELOAD SCRIPT [ARGS...]     (or -m MODULE [ARGS...])
 
 imports the comma-separated modules of PRELOAD once (one that is not installed is skipped), then forks NPROC
 ranks, each running SCRIPT (or MODULE) as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS``
@@ -23,6 +24,13 @@ starts one per pytest process, tests/conftest.py), the job is not imported here 
 command line, environment, directory, sys.path and standard streams to the server, which imported PRELOAD once
 for the whole session and forks the job from there, and exits with the job's exit code (see "the server" below;
 where the server would not give the job a fresh process's imports it refuses, and the job runs here as above).
+
+``--exec`` runs SCRIPT (or MODULE) in ONE process with the caller's environment as it is (no variable set): a
+``python SCRIPT ARGS`` whose imports come from the server. It is for a launcher that starts every process itself
+(torchrun's agent: ``torchrun ... forkrun.py --exec PRELOAD SCRIPT ARGS``), so the job must look like that process
+from outside: this process forwards the signals it gets (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) to the
+job, and a job killed by a signal ends this process by the same signal (the launcher reads "exitcode -9"). The job
+also runs in this process's network namespace (a server elsewhere enters it, or refuses).
 """
 from __future__ import annotations
 
@@ -36,6 +44,10 @@ import time
 from collections.abc import MutableMapping
 
 GRACE_S = 30.0  # torchrun's SIGTERM -> SIGKILL grace
+EXEC = "--exec"  # in place of NPROC: one process, the caller's environment as it is (the module doc)
+#: the signals an ``--exec`` client passes on to its job (SIGKILL and SIGSTOP cannot be caught: a killed client takes
+#: its job along, below)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 #: this package's Megatron glue, which ``megatron_ring.megatron`` imports at first use only (its ``MODULES``; a test
 #: checks that this list covers them)
 GLUE = ("megatron_ring.megatron.arguments,megatron_ring.megatron.attention.module,"
@@ -64,6 +76,12 @@ def _run_rank(rank: int, nproc: int, script: str, args: list[str]) -> None:
     _die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1")
+    _run_main(script, args)
+
+
+def _run_main(script: str, args: list[str]) -> None:
+    """The script (``-m``: the module, ``args[0]``) as __main__ with ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT
+    ARGS`` sets them; then the interpreter's normal shutdown with its exit code (never returns)."""
     code = 0
     try:
         if script == "-m":  # python -m MODULE ARGS: the working directory first on sys.path
@@ -93,15 +111,24 @@ def command(nproc: int, *job: str, preload: str = PRELOAD) -> list[str]:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"] and len(argv) in (2, 3):
         return serve(argv[1], argv[2] if len(argv) == 3 else PRELOAD)
-    if len(argv) < 3 or (argv[2] == "-m" and len(argv) < 4):
+    if len(argv) < 3 or (argv[2] == "-m" and len(argv) < 4) or not (argv[0] == EXEC or argv[0].isdigit()):
         print(__doc__, file=sys.stderr)
         return 2
     server = os.environ.get(SERVER_VARIABLE)
     if server:
         code = _client(server, argv)
         if code is not None:
+            if argv[0] == EXEC and code < 0:  # killed by a signal: so is this process, as the job's caller expects
+                try:
+                    signal.signal(-code, signal.SIG_DFL)  # (Python's own: SIGINT, SIGPIPE; SIGKILL has none)
+                except (OSError, ValueError):
+                    pass
+                os.kill(os.getpid(), -code)
+                return 128 - code
             return code
     _import(argv[1])
+    if argv[0] == EXEC:
+        _run_main(argv[2], argv[3:])
     return _job(int(argv[0]), argv[2], argv[3:])
 
 
@@ -161,40 +188,65 @@ def _signal(pid: int, sig: int) -> None:
 # A job's process (the client: ``python forkrun.py NPROC PRELOAD SCRIPT ...`` with FORKRUN_SERVER set) sends its
 # argv, environment, working directory, sys.path and its stdin/stdout/stderr (SCM_RIGHTS) to the server, which forks
 # a supervisor; the supervisor forks the job's leader with the client's environment, directory, path and file
-# descriptors, and the leader forks the ranks (``_job``). The client exits with the job's exit code; a client that
+# descriptors, and the leader forks the ranks (``_job``; ``--exec``: the leader is the job). The client exits with the job's exit code; a client that
 # dies (its caller's time-out, a kill) takes the job with it: its supervisor sees the connection close and kills the
 # job's process group. The server refuses, and the client imports PRELOAD itself as before, where a fresh process
 # could have imported something else: another Python, a variable that differs and that the imports read (seen at
 # the Python level while the server imported; an import that walks the whole environment is taken to look for
 # none of the job's own variables) or that C code reads when a process starts (_AT_START: ATEN_CPU_CAPABILITY,
-# OMP_NUM_THREADS, ...), or a module the server holds that the job's sys.path would find elsewhere.
+# OMP_NUM_THREADS, ...), or a module the server holds that the job's sys.path would find elsewhere. A client in
+# another network namespace (``ip netns exec``) gets its job in that namespace: the job's supervisor enters it
+# (``setns``, which needs CAP_SYS_ADMIN), or the server refuses.
 SERVER_VARIABLE = "FORKRUN_SERVER"  # the server's socket; unset, or no server there: the job imports PRELOAD itself
 #: variables that programs read when a process starts, in C (the loader, glibc, OpenMP, MKL, ATen, CUDA, NCCL, the
 #: interpreter itself): a job whose value differs from the server's is refused (PYTHONPATH: its sys.path is checked)
 _AT_START = ("LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_", "ATEN_",
              "TORCH", "PYTORCH_", "CUDA", "NCCL_", "GLOO_", "NVIDIA_", "TRITON_", "PYTHON", "LC_", "LANG", "TZ")
-_HEADER = 8  # the request's length, sent with the client's three file descriptors
+#: variables under those prefixes that torchrun's agent sets for each worker, and that only run-time code reads (torch's
+#: elastic Python, read after the imports; ProcessGroupNCCL, when a group is made): a job may differ in them (a read
+#: at import is still seen)
+_PER_WORKER = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+_HEADER = 8  # the request's length, sent with the client's three standard streams and its network namespace
+_CLONE_NEWNET = 0x40000000
 
 
 def _client(path: str, argv: list[str]) -> int | None:
-    """The job run by the server at ``path``: its exit code; None where there is no server or it refused."""
+    """The job run by the server at ``path``: its exit code (negative: the signal that killed it); None where there is
+    no server or it refused."""
     import json
     import socket
     import struct
+    forward = argv[0] == EXEC
+    if forward:  # held until the job's pid is known, then passed on (below)
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds = [0, 1, 2]
+    try:
+        fds.append(os.open("/proc/self/ns/net", os.O_RDONLY))
+    except OSError:  # no network namespaces here: the server's is the only one
+        pass
     try:
         sock.connect(path)
         request = json.dumps({"executable": sys.executable, "argv": argv, "env": dict(os.environ),
                               "cwd": os.getcwd(), "path": sys.path}).encode()
-        socket.send_fds(sock, [struct.pack("!Q", len(request))], [0, 1, 2])
+        socket.send_fds(sock, [struct.pack("!Q", len(request))], fds)
         sock.sendall(request)
-        answer = _recv(sock, 1)
+        answer = _recv(sock, 5)
     except OSError:
+        answer = b""
+    finally:
+        for fd in fds[3:]:
+            os.close(fd)
+    if answer[:1] != b"Y":  # refused (the reason is in the server's log): this process imports PRELOAD itself
         sock.close()
+        if forward:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         return None
-    if answer != b"Y":  # refused (the reason is in the server's log): this process imports PRELOAD itself
-        sock.close()
-        return None
+    if forward:
+        job = struct.unpack("!i", answer[1:5])[0]
+        for sig in FORWARDED:
+            signal.signal(sig, lambda signum, frame: _signal(job, signum))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     code = _recv(sock, 4)
     if len(code) < 4:
         print("[forkrun] the server's job ended without an exit code", file=sys.stderr, flush=True)
@@ -260,6 +312,23 @@ def _where(name: str):
     return None
 
 
+def _enter_netns(fd: int | None) -> str | None:
+    """Into the network namespace ``fd`` (the client's) when it is not this process's: None, or why not."""
+    if fd is None:
+        return None
+    own, theirs = os.stat("/proc/self/ns/net"), os.fstat(fd)
+    if (own.st_dev, own.st_ino) == (theirs.st_dev, theirs.st_ino):
+        return None
+    try:
+        if hasattr(os, "setns"):  # Python 3.12
+            os.setns(fd, _CLONE_NEWNET)
+        elif ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    except (OSError, AttributeError) as e:
+        return f"the client is in another network namespace, which this server cannot enter ({e})"
+    return None
+
+
 def start_server(path: str, log, env: dict, preload: str = PRELOAD):
     """``python forkrun.py --serve path preload`` in the background (its own session, stdin closed, ``log`` its
     stdout and stderr, ``env`` its environment): the ``subprocess.Popen``. Listening once ``path`` exists."""
@@ -305,7 +374,7 @@ def serve(path: str, preload: str = PRELOAD) -> int:
                 continue
             if key in recording.reads:
                 return f"{key} differs and was read at import"
-            if key.startswith(_AT_START) and key != "PYTHONPATH":
+            if key.startswith(_AT_START) and key != "PYTHONPATH" and not key.startswith(_PER_WORKER):
                 return f"{key} differs"
         sys.path[:] = job_path(request)
         for name, origin in tops.items():
@@ -314,12 +383,17 @@ def serve(path: str, preload: str = PRELOAD) -> int:
         return None
 
     def supervise(conn) -> None:
-        header, fds, _, _ = socket.recv_fds(conn, _HEADER, 3)
+        header, fds, _, _ = socket.recv_fds(conn, _HEADER, 4)
+        netns = fds[3] if len(fds) > 3 else None
+        fds = fds[:3]
         request = json.loads(_recv(conn, struct.unpack("!Q", header)[0]))
-        why = refusal(request)
-        nproc, job_preload, script, args = int(request["argv"][0]), request["argv"][1], request["argv"][2], request["argv"][3:]
-        print(f"[forkrun server] {'refused: ' + why if why else 'runs'}: {nproc} x {' '.join([script, *args])[:160]}",
-              file=sys.stderr, flush=True)
+        why = refusal(request) or _enter_netns(netns)  # this supervisor's own namespace: the server stays in its own
+        if netns is not None:
+            os.close(netns)
+        mode, job_preload, script, args = request["argv"][0], request["argv"][1], request["argv"][2], request["argv"][3:]
+        nproc = 1 if mode == EXEC else int(mode)
+        print(f"[forkrun server] {'refused: ' + why if why else 'runs'}: "
+              f"{'exec' if mode == EXEC else nproc} x {' '.join([script, *args])[:160]}", file=sys.stderr, flush=True)
         if why:
             conn.sendall(b"N")
             return
@@ -346,6 +420,9 @@ def serve(path: str, preload: str = PRELOAD) -> int:
             leader, code = os.getpid(), 1
             try:
                 _import(job_preload)
+                if mode == EXEC:  # the leader is the job: it ends as a rank does, through the interpreter's shutdown
+                    leader = None
+                    _run_main(script, args)
                 code = _job(nproc, script, args)
             finally:
                 if os.getpid() == leader:  # a rank's SystemExit passes on, up to the interpreter's shutdown
@@ -358,7 +435,7 @@ def serve(path: str, preload: str = PRELOAD) -> int:
             pass
         for fd in fds:
             os.close(fd)
-        conn.sendall(b"Y")
+        conn.sendall(b"Y" + struct.pack("!i", pid))
         watch = [conn]
         try:
             watch.append(os.pidfd_open(pid))
@@ -367,7 +444,10 @@ def serve(path: str, preload: str = PRELOAD) -> int:
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                conn.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
+                try:
+                    conn.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
+                except OSError:  # the client is gone (killed with its job: a lost host)
+                    pass
                 return
             ready, _, _ = select.select(watch, [], [], 0.05 if len(watch) == 1 else None)
             if conn in ready and not conn.recv(1):  # the client is gone: the job goes too

@@ -5,6 +5,13 @@ inside each namespace with ``GLOO_SOCKET_IFNAME`` set to that namespace's veth, 
 ``tests/multinode/mn_driver.py`` (examples/train_gpt.py + fault injection), and returns a :class:`Job`
 with each node's exit code and exit time, its log, and each rank's record. Every run has a hard deadline;
 on teardown the whole process group of each torchrun and every process left in the namespaces is killed.
+
+Where :func:`start_fork_servers` started a fork server for a host (tests/multinode/conftest.py does, once per
+session), that host's torchrun starts each worker as ``forkrun.py --exec PRELOAD mn_driver.py ...``
+(lab/megatron_ring_lab/forkrun.py): the worker is forked from a process that imported torch, Megatron and the glue
+once, instead of importing them again (about 7 s of CPU per worker); it runs in the host's namespace, gets the
+agent's signals and reports a death by signal as its own, so torchrun sees the worker it would have started. The
+agents are started as before.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 
 from netns import Host
+
+from megatron_ring_lab import forkrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -34,6 +43,10 @@ SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "2", "--seq-length", "128", "--micro-batch-size", "1", "--threads", "1"]
 
 
+#: host namespace -> (socket, log path) of its fork server (:func:`start_fork_servers`)
+FORK_SERVERS: dict[str, tuple[str, str]] = {}
+
+
 @dataclass
 class Job:
     nodes: list[dict]  # per node: rc, t_exit, log (stdout+stderr), timed_out
@@ -43,6 +56,7 @@ class Job:
     t_fault: float | None = None  # when the harness took a node down (node faults)
     out: str = ""
     extra: dict = field(default_factory=dict)
+    forked: int = 0  # workers forked by the hosts' fork servers (the rest imported as fresh processes)
 
     @property
     def losses(self) -> list[float]:
@@ -61,7 +75,59 @@ def _node_env(host: Host, master: Host, out: str, env: dict[str, str]) -> dict[s
              PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
              PYTHONWARNINGS="ignore")
     e.update(env)
+    served = FORK_SERVERS.get(host.ns)
+    if served:
+        e[forkrun.SERVER_VARIABLE] = served[0]
     return e
+
+
+def start_fork_servers(hosts: list[Host], where: str, timeout: float = 180.0) -> list:
+    """One fork server per host (in the machine's own namespace: each job's supervisor enters the client's; a server
+    per host because each host's GLOO_SOCKET_IFNAME differs), with the environment of that host's jobs; returns the
+    ``Popen`` objects once each has imported (a server that fails to is left out: its host's workers import as
+    before). The servers die with this process."""
+    procs = []
+    for h in hosts:
+        path, log_path = os.path.join(where, f"fork-{h.index}.sock"), os.path.join(where, f"fork-{h.index}.log")
+        with open(log_path, "w") as log:
+            proc = forkrun.start_server(path, log, _node_env(h, hosts[0], where, QUIET_ENV))
+        procs.append((h, proc, path, log_path))
+    deadline = time.monotonic() + timeout
+    started = []
+    for h, proc, path, log_path in procs:
+        while proc.poll() is None and time.monotonic() < deadline:
+            with open(log_path) as f:
+                if "imported" in f.read():  # its first line, once PRELOAD is in
+                    FORK_SERVERS[h.ns] = (path, log_path)
+                    break
+            time.sleep(0.2)
+        started.append(proc)
+    return started
+
+
+def stop_fork_servers(procs: list) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait(30)
+    FORK_SERVERS.clear()
+
+
+def _forked(served: dict[str, int]) -> int:
+    """Workers the fork servers ran since ``served`` (log lines per server) was taken."""
+    n = 0
+    for ns, (_, log_path) in FORK_SERVERS.items():
+        with open(log_path) as f:
+            lines = [line for line in f if line.startswith("[forkrun server] ")]
+        n += sum(line.startswith("[forkrun server] runs") for line in lines[served.get(ns, 0):])
+    return n
+
+
+def _served_lines() -> dict[str, int]:
+    out = {}
+    for ns, (_, log_path) in FORK_SERVERS.items():
+        with open(log_path) as f:
+            out[ns] = sum(line.startswith("[forkrun server] ") for line in f)
+    return out
 
 
 def run_job(hosts: list[Host], out: str, train_args: list[str], *, nproc: int = 2, env: dict | None = None,
@@ -78,12 +144,14 @@ def run_job(hosts: list[Host], out: str, train_args: list[str], *, nproc: int = 
         os.unlink(os.path.join(out, fn))
     master, port = hosts[0], next(_ports)
     procs, logs = [], []
+    served = _served_lines()
     t_start = time.time()
     for i, h in enumerate(hosts):
+        worker = [forkrun.__file__, forkrun.EXEC, forkrun.PRELOAD, DRIVER] if h.ns in FORK_SERVERS else [DRIVER]
         cmd = h.exec_prefix() + [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--node-rank", str(i),
             "--nproc-per-node", str(nproc), "--master-addr", master.addr, "--master-port", str(port),
-            "--monitor-interval", "0.1", DRIVER, *train_args]
+            "--monitor-interval", "0.1", *worker, *train_args]
         log = open(os.path.join(out, f"node{i}.log"), "w+")
         logs.append(log)
         procs.append(subprocess.Popen(cmd, env=_node_env(h, master, out, env or {}), stdout=log,
@@ -139,7 +207,8 @@ def run_job(hosts: list[Host], out: str, train_args: list[str], *, nproc: int = 
     if os.path.exists(path):
         with open(path) as f:
             summary = json.load(f)
-    return Job(nodes=nodes, ranks=ranks, summary=summary, t_start=t_start, t_fault=t_fault, out=out)
+    return Job(nodes=nodes, ranks=ranks, summary=summary, t_start=t_start, t_fault=t_fault, out=out,
+               forked=_forked(served))
 
 
 def _kill_tree(p: subprocess.Popen, host: Host) -> None:

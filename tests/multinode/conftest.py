@@ -25,13 +25,18 @@ _BASELINES: dict = {}
 
 
 @pytest.fixture(scope="session")
-def hosts():
-    """Two namespaces joined by a veth pair (10.77.0.1/24, 10.77.0.2/24); removed at session end."""
+def hosts(tmp_path_factory):
+    """Two namespaces joined by a veth pair (10.77.0.1/24, 10.77.0.2/24), each with its fork server (cluster.py);
+    removed at session end."""
     reason = netns.unavailable_reason()
     if reason:
         pytest.skip(f"multi-node tests need network namespaces: {reason}")
     with netns.TwoHosts() as hs:
-        yield hs
+        servers = cluster.start_fork_servers(hs, str(tmp_path_factory.mktemp("fork-servers")))
+        try:
+            yield hs
+        finally:
+            cluster.stop_fork_servers(servers)
 
 
 @pytest.fixture

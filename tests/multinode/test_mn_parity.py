@@ -30,6 +30,8 @@ def _run_two_hosts(hosts, out, tp, cp, extra=()):
     ns = {r: rec["netns"] for r, rec in job.ranks.items()}
     assert ns[0] == ns[1] != ns[2] == ns[3], ns
     assert {r: rec["node_rank"] for r, rec in job.ranks.items()} == {0: 0, 1: 0, 2: 1, 3: 1}
+    # where the hosts have fork servers (conftest.py), every worker came from them: none was refused
+    assert job.forked == (4 if cluster.FORK_SERVERS else 0), job.forked
     return job
 
 
