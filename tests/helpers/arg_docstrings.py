@@ -10,13 +10,14 @@ depend on where it is computed.
 
 Imported by the fork servers the suite's jobs start from (tests/helpers/launch.py ``JOB_PRELOAD``, as
 ``ckpt_queue``), this module wraps that method in a cache per class and fills it once by building Megatron's whole
-parser there, so every forked rank inherits it. Each call gets its own copy of the mapping. Without
+parser there (from a copy of the environment: below), so every forked rank inherits it. Each call gets its own copy of the mapping. Without
 megatron.training (the 0.16.1 wheel) this does nothing.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 
 def install() -> bool:
@@ -39,10 +40,18 @@ def install() -> bool:
 
     cached._cached_per_class = True
     factory._get_field_docstrings = cached
+    # The fill builds a throwaway parser: its defaults read the process's variables (``LOCAL_RANK``, ``WORLD_SIZE``,
+    # ...), which here are the server's. Read from a copy of the environment, they leave nothing behind and the
+    # server's record of what its imports read stays clean (else it refuses every job whose ranks get their variables
+    # before they start: torchrun's workers, tests/megatron/test_crash_resume.py). Only the source cache stays.
+    environ = os.environ
+    os.environ = environ.copy()  # (a copy taken without reading each variable)
     try:
         arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     except Exception:  # noqa: BLE001 (the cache then fills in the first job's ranks, as without this module)
         pass
+    finally:
+        os.environ = environ
     return True
 
 

@@ -78,6 +78,17 @@ def torchrun_cmd(script, nproc: int, *args: str) -> list[str]:
     return forkrun.command(nproc, script, *args, preload=JOB_PRELOAD)
 
 
+def python_cmd(*args) -> list[str]:
+    """``python ARGS`` (a script or ``-m MODULE``, then its arguments) for a test that runs a command-line tool
+    (the doctor's CLI): forked from this session's fork server where there is one (``forkrun.py --exec``: the
+    arguments, environment, streams, exit code and signals of a fresh interpreter, without importing torch again;
+    a job the server would not give a fresh process's imports runs by itself), else a fresh interpreter. Not for a
+    test of what a fresh interpreter imports: the server's process has torch and Megatron imported already."""
+    if os.environ.get(forkrun.SERVER_VARIABLE):
+        return forkrun.command(forkrun.EXEC, *args, preload="")
+    return [sys.executable, *map(str, args)]
+
+
 def torchrun_env(env: dict | None = None) -> dict:
     """The job's environment: this repository on PYTHONPATH, one thread per process, the rendezvous address
     (``forkrun.py`` reads MASTER_ADDR / MASTER_PORT from it; torchrun sets its own), ``env`` over them."""

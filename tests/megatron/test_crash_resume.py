@@ -15,7 +15,8 @@ iterations, a ``torch_dist`` checkpoint every SAVE_EVERY:
 3. CP = 2 resumed from that tracker (``--load`` without ``--ckpt-step``; the suite's launcher): its per-iteration
    losses must continue the uninterrupted CP = 4 curve within the model-level bound ``i rel_fwd max(|loss|, 1)`` at
    iteration i (tests/helpers/numerics.py, as test_resume_cp.py: CP = 2 and 4 differ by reordering only).
-4. CP = 4 with the ranks started directly (one process per rank, as under Slurm; no torchrun teardown),
+4. CP = 4 with the ranks started directly (one process per rank, as under Slurm; no torchrun teardown; each forked
+   from the suite's fork server through ``forkrun.py --exec`` where there is one, as the workers in 2),
    the same kill, ring time-out DIRECT_TIMEOUT_S: every surviving rank must raise a named error
    (``RingPeerError`` naming the killed global rank: the first collective after the kill is the ring's
    cross-rank check, then the ring itself) and exit non-zero within DIRECT_TIMEOUT_S plus
@@ -33,7 +34,8 @@ import sys
 import time
 
 import pytest
-from tests.helpers.launch import torchrun_cmd
+from megatron_ring_lab import forkrun
+from tests.helpers.launch import JOB_PRELOAD, torchrun_cmd
 from tests.helpers.numerics import model_loss_tol
 from tests.megatron.pretrain_cli import CPU_FLAGS, MODEL_SIZES, PRETRAIN_MARKS, free_port, gpt_args
 
@@ -64,15 +66,16 @@ def _args(cp: int, ckpt, timeout_s: float, *extra: str) -> list[str]:
     return [*MODEL, *CPU_FLAGS, "--context-parallel-size", str(cp), "--cp-timeout-seconds", str(timeout_s), *extra]
 
 
-def _strays(marker: str) -> list[str]:
-    """Processes of a finished job still alive (found by ``marker``, a path only that job's environment
-    holds), SIGKILLed as a scheduler ends a job: e.g. the multiprocessing manager megatron-core's checkpoint
-    writer spawns, orphaned when its rank is SIGKILLed."""
+def _strays(marker: str, workdir) -> list[str]:
+    """Processes of a finished job still alive, SIGKILLed as a scheduler ends a job: e.g. the multiprocessing
+    manager of megatron-core's checkpoint writer, orphaned when its rank is SIGKILLed. Found by ``marker``, a path only
+    that job's environment holds, or by their working directory ``workdir``, the job's own: a process forked from the
+    suite's fork server shows the server's environment in /proc, not the job's."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() not in f.read():
+                if marker.encode() not in f.read() and os.readlink(f"/proc/{pid}/cwd") != str(workdir):
                     continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 found.append(f"{pid}: " + f.read().replace(b"\0", b" ").decode()[:100])
@@ -82,26 +85,45 @@ def _strays(marker: str) -> list[str]:
     return found
 
 
+def _workdir(tmp_path, name: str):
+    """The job's working directory, its own (how :func:`_strays` tells its processes)."""
+    path = tmp_path / f"{name}.cwd"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _worker() -> list[str]:
+    """What a launcher starts per rank: the worker, forked from the suite's fork server where there is one
+    (``forkrun.py --exec``: the agent's signals reach it and its death by a signal is the process's; its imports
+    done once, and Megatron's checkpoint writer's Manager forked from it, tests/helpers/ckpt_queue.py), else a
+    fresh interpreter."""
+    if os.environ.get(forkrun.SERVER_VARIABLE):
+        return [forkrun.__file__, forkrun.EXEC, JOB_PRELOAD, WORKER]
+    return [WORKER]
+
+
 def _torchrun(tmp_path, name: str, cp: int, ckpt, *extra: str, kill: bool = False):
     """One torchrun job (output in files: a stray holding a pipe could block the wait): (exit code, end time,
-    stderr, strays). Only the killed job tests torchrun itself (its teardown); the others run under
-    ``torchrun_cmd`` (the suite's fork launcher without CUDA: the ranks share one import of torch and Megatron)."""
+    stderr, strays). Only the killed job tests torchrun itself (its agent, rendezvous and teardown; the workers as
+    :func:`_worker` starts them); the others run under ``torchrun_cmd`` (the suite's fork launcher without CUDA: the
+    ranks share one import of torch and Megatron)."""
     args = _args(cp, ckpt, CP_TIMEOUT_S, *extra)
     env = _env(tmp_path, name, kill)
     if kill:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), WORKER, *args]
+               "127.0.0.1", "--master-port", str(free_port()), *_worker(), *args]
     else:
         cmd = torchrun_cmd(WORKER, cp, *args)
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    workdir = _workdir(tmp_path, name)
     with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
-        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=workdir)
         try:
             code = p.wait(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             code = None
         ended = time.time()
-        strays = _strays(str(tmp_path / f"{name}.loss"))
+        strays = _strays(str(tmp_path / f"{name}.loss"), workdir)
     assert code is not None, f"{name}: still running after {LAUNCH_TIMEOUT_S:.0f} s (a hang); strays {strays}"
     return code, ended, (tmp_path / f"{name}.err").read_text(), strays
 
@@ -116,13 +138,14 @@ def _losses(tmp_path, name: str) -> list[float]:
 def _direct(tmp_path, name: str, cp: int, ckpt, *extra: str) -> tuple[list[tuple[int, float, str]], list[str]]:
     """One process per rank (no torchrun): per rank (exit code, exit time, stderr), and the strays."""
     port, env = free_port(), _env(tmp_path, name, kill=True)
+    workdir = _workdir(tmp_path, name)
     procs = []
     for r in range(cp):
         e = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(cp), LOCAL_WORLD_SIZE=str(cp),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         with open(tmp_path / f"{name}.rank{r}.err", "w") as err:
-            p = subprocess.Popen([sys.executable, WORKER, *_args(cp, ckpt, DIRECT_TIMEOUT_S, *extra)], env=e,
-                                 stdout=subprocess.DEVNULL, stderr=err)
+            p = subprocess.Popen([sys.executable, *_worker(), *_args(cp, ckpt, DIRECT_TIMEOUT_S, *extra)], env=e,
+                                 stdout=subprocess.DEVNULL, stderr=err, cwd=workdir)
         procs.append(p)
     ended: dict[int, float] = {}
     deadline = time.time() + LAUNCH_TIMEOUT_S
@@ -132,7 +155,7 @@ def _direct(tmp_path, name: str, cp: int, ckpt, *extra: str) -> tuple[list[tuple
                 ended[r] = time.time()
         time.sleep(0.1)
     hung = [r for r in range(cp) if r not in ended]
-    strays = _strays(str(tmp_path / f"{name}.loss"))
+    strays = _strays(str(tmp_path / f"{name}.loss"), workdir)
     out = [(p.returncode, ended.get(r, math.inf), (tmp_path / f"{name}.rank{r}.err").read_text())
            for r, p in enumerate(procs)]
     assert not hung, f"ranks {hung} still running {LAUNCH_TIMEOUT_S:.0f} s after the start: a hang"

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from megatron_ring_lab.doctor import shrink, static
 from megatron_ring_lab.doctor.shrink import Args
+from tests.helpers.launch import python_cmd
 
 BIG = ("--num-layers 48 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
        "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "
@@ -59,8 +59,8 @@ def test_static_finds_what_cannot_run_or_differs():
 @pytest.mark.slow  # four `python -m megatron_ring_lab.doctor` processes
 def test_cli_refuses_bad_input_with_exit_2(tmp_path):
     def run(*argv):
-        return subprocess.run([sys.executable, "-m", "megatron_ring_lab.doctor", *argv], capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(python_cmd("-m", "megatron_ring_lab.doctor", *argv), capture_output=True, text=True,
+                              timeout=120)
     assert run("--cp", "1", "--", __file__).returncode == 2
     assert run("--cp", "x", "--", __file__).returncode == 2
     p = run("--", str(tmp_path / "missing.py"))
