@@ -8,7 +8,9 @@ server's forked workers unable to use it.
 Jobs the tests start with torchrun's environment (tests/helpers/launch.py ``torchrun``) likewise fork their ranks
 from one process that imported torch + Megatron + the glue once (lab/megatron_ring_lab/forkrun.py; torchrun itself
 with CUDA), and that process is itself forked from one server per pytest process (below), which imported them once
-for the whole session.
+for the whole session. The doctor's CLI runs (tests/helpers/launch.py ``python_cmd``) and the workers of the torchrun
+jobs that test torchrun itself (tests/megatron/test_crash_resume.py) come from that server too, one process each
+(``forkrun.py --exec``).
 """
 import os
 import pathlib
