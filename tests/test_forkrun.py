@@ -38,8 +38,9 @@ import probe_module
 def record(line):
     with open(os.path.join(os.environ["OUT"], "record"), "a") as f:
         f.write(line + "\\n")
-record(f"rank {os.environ.get('RANK')} world {os.environ.get('WORLD_SIZE')} run {os.environ.get('TORCHELASTIC_RUN_ID')} "
-       f"argv {sys.argv[1:]} cwd {os.getcwd()} probe {probe_module.SEEN} netns {os.stat('/proc/self/ns/net').st_ino}")
+record(f"rank {os.environ.get('RANK')} world {os.environ.get('WORLD_SIZE')} "
+       f"run {os.environ.get('TORCHELASTIC_RUN_ID')} argv {sys.argv[1:]} cwd {os.getcwd()} probe {probe_module.SEEN} "
+       f"netns {os.stat('/proc/self/ns/net').st_ino}")
 mode = os.environ.get("MODE", "")
 if mode == "term":  # as tests/multinode/mn_driver.py: a SIGTERM is recorded, then a hard exit
     signal.signal(signal.SIGTERM, lambda *a: (record("sigterm"), os._exit(128 + signal.SIGTERM)))
@@ -159,8 +160,8 @@ def _exec(tmp_path, env, prefix=(), **changes):
     the client under (``ip netns exec NS``)."""
     (tmp_path / "record").unlink(missing_ok=True)
     e = {**env, "OUT": str(tmp_path), "RANK": "5", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "run-7", **changes}
-    return subprocess.Popen([*prefix, *forkrun.command(forkrun.EXEC, tmp_path / "exec_job.py", "a", preload="probe_module")],
-                            env={k: v for k, v in e.items() if v is not None}, cwd=tmp_path / "work",
+    cmd = forkrun.command(forkrun.EXEC, tmp_path / "exec_job.py", "a", preload="probe_module")
+    return subprocess.Popen([*prefix, *cmd], env={k: v for k, v in e.items() if v is not None}, cwd=tmp_path / "work",
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

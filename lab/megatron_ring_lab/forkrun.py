@@ -185,18 +185,18 @@ def _signal(pid: int, sig: int) -> None:
 
 
 # --- the server: one process imports PRELOAD once per test session; each job forks from it -----------------
-# A job's process (the client: ``python forkrun.py NPROC PRELOAD SCRIPT ...`` with FORKRUN_SERVER set) sends its
-# argv, environment, working directory, sys.path and its stdin/stdout/stderr (SCM_RIGHTS) to the server, which forks
-# a supervisor; the supervisor forks the job's leader with the client's environment, directory, path and file
-# descriptors, and the leader forks the ranks (``_job``; ``--exec``: the leader is the job). The client exits with the job's exit code; a client that
-# dies (its caller's time-out, a kill) takes the job with it: its supervisor sees the connection close and kills the
-# job's process group. The server refuses, and the client imports PRELOAD itself as before, where a fresh process
-# could have imported something else: another Python, a variable that differs and that the imports read (seen at
-# the Python level while the server imported; an import that walks the whole environment is taken to look for
-# none of the job's own variables) or that C code reads when a process starts (_AT_START: ATEN_CPU_CAPABILITY,
-# OMP_NUM_THREADS, ...), or a module the server holds that the job's sys.path would find elsewhere. A client in
-# another network namespace (``ip netns exec``) gets its job in that namespace: the job's supervisor enters it
-# (``setns``, which needs CAP_SYS_ADMIN), or the server refuses.
+# A job's process (the client: ``python forkrun.py NPROC PRELOAD SCRIPT ...`` with FORKRUN_SERVER set) sends its argv,
+# environment, working directory, sys.path and its stdin/stdout/stderr (SCM_RIGHTS) to the server, which forks a
+# supervisor; the supervisor forks the job's leader with the client's environment, directory, path and file
+# descriptors, and the leader forks the ranks (``_job``; ``--exec``: the leader is the job). The client exits with the
+# job's exit code; a client that dies (its caller's time-out, a kill) takes the job with it: its supervisor sees the
+# connection close and kills the job's process group. The server refuses, and the client imports PRELOAD itself as
+# before, where a fresh process could have imported something else: another Python, a variable that differs and that
+# the imports read (seen at the Python level while the server imported; an import that walks the whole environment is
+# taken to look for none of the job's own variables) or that C code reads when a process starts (_AT_START:
+# ATEN_CPU_CAPABILITY, OMP_NUM_THREADS, ...), or a module the server holds that the job's sys.path would find
+# elsewhere. A client in another network namespace (``ip netns exec``) gets its job in that namespace: the job's
+# supervisor enters it (``setns``, which needs CAP_SYS_ADMIN), or the server refuses.
 SERVER_VARIABLE = "FORKRUN_SERVER"  # the server's socket; unset, or no server there: the job imports PRELOAD itself
 #: variables that programs read when a process starts, in C (the loader, glibc, OpenMP, MKL, ATen, CUDA, NCCL, the
 #: interpreter itself): a job whose value differs from the server's is refused (PYTHONPATH: its sys.path is checked)
@@ -390,7 +390,7 @@ def serve(path: str, preload: str = PRELOAD) -> int:
         why = refusal(request) or _enter_netns(netns)  # this supervisor's own namespace: the server stays in its own
         if netns is not None:
             os.close(netns)
-        mode, job_preload, script, args = request["argv"][0], request["argv"][1], request["argv"][2], request["argv"][3:]
+        mode, job_preload, script, *args = request["argv"]
         nproc = 1 if mode == EXEC else int(mode)
         print(f"[forkrun server] {'refused: ' + why if why else 'runs'}: "
               f"{'exec' if mode == EXEC else nproc} x {' '.join([script, *args])[:160]}", file=sys.stderr, flush=True)

@@ -8,9 +8,9 @@ CP = 2 job of the suite (cProfile, this 2-core machine): about 0.4 s of the rank
 function of the class's source, which does not change during a test session; what the tests check does not
 depend on where it is computed.
 
-Imported by the fork servers the suite's jobs start from (tests/helpers/launch.py ``JOB_PRELOAD``, as
-``ckpt_queue``), this module wraps that method in a cache per class and fills it once by building Megatron's whole
-parser there (from a copy of the environment: below), so every forked rank inherits it. Each call gets its own copy of the mapping. Without
+Imported by the fork servers the suite's jobs start from (tests/helpers/launch.py ``JOB_PRELOAD``, as ``ckpt_queue``),
+this module wraps that method in a cache per class and fills it once by building Megatron's whole parser there (from a
+copy of the environment: below), so every forked rank inherits it. Each call gets its own copy of the mapping. Without
 megatron.training (the 0.16.1 wheel) this does nothing.
 """
 from __future__ import annotations

@@ -8,7 +8,8 @@ import subprocess
 import pytest
 
 from megatron_ring.megatron.compat import has_megatron_training
-from tests.helpers.launch import free_port, python_cmd  # noqa: F401  (free_port: the launcher's helpers live in tests/helpers/launch.py)
+# free_port: the launcher's helpers live in tests/helpers/launch.py (imported from here by the test files)
+from tests.helpers.launch import free_port, python_cmd  # noqa: F401
 
 #: the marks of a test that runs Megatron-LM's pretrain() (slow; needs megatron.training)
 PRETRAIN_MARKS = [pytest.mark.slow,
@@ -54,8 +55,8 @@ def run_doctor(tmp_path, cache, script: str, script_args, *doctor_args: str, env
     record (empty if none was written), stdout + the tail of stderr)."""
     out = tmp_path / "doctor.json"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = python_cmd("-m", "megatron_ring_lab.doctor", "--cp", "2", "--iters", "2", "--json", str(out),
-                     "--cache", str(cache), "--workdir", str(tmp_path / "runs"), *doctor_args, "--", script, *script_args)
+    cmd = python_cmd("-m", "megatron_ring_lab.doctor", "--cp", "2", "--iters", "2", "--json", str(out), "--cache",
+                     str(cache), "--workdir", str(tmp_path / "runs"), *doctor_args, "--", script, *script_args)
     timeout = timeout if timeout is not None else float(os.environ.get("MEGATRON_RING_TEST_TIMEOUT", "600"))
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     data = json.loads(out.read_text()) if out.exists() else {}
