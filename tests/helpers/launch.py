@@ -84,9 +84,16 @@ def python_cmd(*args) -> list[str]:
     arguments, environment, streams, exit code and signals of a fresh interpreter, without importing torch again;
     a job the server would not give a fresh process's imports runs by itself), else a fresh interpreter. Not for a
     test of what a fresh interpreter imports: the server's process has torch and Megatron imported already."""
+    return [sys.executable, *served(*args)]
+
+
+def served(*job, preload: str = "") -> list[str]:
+    """What follows the interpreter in :func:`python_cmd`, and what a launcher that adds the interpreter itself
+    (torchrun's agent) runs per worker: ``forkrun.py --exec PRELOAD JOB`` where this session has a fork server
+    (``preload``: imported first where the server refuses the job), else ``JOB``."""
     if os.environ.get(forkrun.SERVER_VARIABLE):
-        return forkrun.command(forkrun.EXEC, *args, preload="")
-    return [sys.executable, *map(str, args)]
+        return forkrun.command(forkrun.EXEC, *job, preload=preload)[1:]
+    return list(map(str, job))
 
 
 def torchrun_env(env: dict | None = None) -> dict:

@@ -34,8 +34,7 @@ import sys
 import time
 
 import pytest
-from megatron_ring_lab import forkrun
-from tests.helpers.launch import JOB_PRELOAD, torchrun_cmd
+from tests.helpers.launch import JOB_PRELOAD, served, torchrun_cmd
 from tests.helpers.numerics import model_loss_tol
 from tests.megatron.pretrain_cli import CPU_FLAGS, MODEL_SIZES, PRETRAIN_MARKS, free_port, gpt_args
 
@@ -97,9 +96,7 @@ def _worker() -> list[str]:
     (``forkrun.py --exec``: the agent's signals reach it and its death by a signal is the process's; its imports
     done once, and Megatron's checkpoint writer's Manager forked from it, tests/helpers/ckpt_queue.py), else a
     fresh interpreter."""
-    if os.environ.get(forkrun.SERVER_VARIABLE):
-        return [forkrun.__file__, forkrun.EXEC, JOB_PRELOAD, WORKER]
-    return [WORKER]
+    return served(WORKER, preload=JOB_PRELOAD)
 
 
 def _torchrun(tmp_path, name: str, cp: int, ckpt, *extra: str, kill: bool = False):

@@ -112,22 +112,19 @@ def stop_fork_servers(procs: list) -> None:
     FORK_SERVERS.clear()
 
 
-def _forked(served: dict[str, int]) -> int:
-    """Workers the fork servers ran since ``served`` (log lines per server) was taken."""
-    n = 0
-    for ns, (_, log_path) in FORK_SERVERS.items():
-        with open(log_path) as f:
-            lines = [line for line in f if line.startswith("[forkrun server] ")]
-        n += sum(line.startswith("[forkrun server] runs") for line in lines[served.get(ns, 0):])
-    return n
-
-
-def _served_lines() -> dict[str, int]:
+def _decisions() -> dict[str, list[str]]:
+    """Per host namespace, its fork server's decision lines so far (one per job: ``runs`` or ``refused``)."""
     out = {}
     for ns, (_, log_path) in FORK_SERVERS.items():
         with open(log_path) as f:
-            out[ns] = sum(line.startswith("[forkrun server] ") for line in f)
+            out[ns] = [line for line in f if line.startswith("[forkrun server] r")]
     return out
+
+
+def _forked(before: dict[str, list[str]]) -> int:
+    """Workers the fork servers ran since ``before`` (:func:`_decisions`) was taken."""
+    return sum(line.startswith("[forkrun server] runs")
+               for ns, lines in _decisions().items() for line in lines[len(before.get(ns, ())):])
 
 
 def run_job(hosts: list[Host], out: str, train_args: list[str], *, nproc: int = 2, env: dict | None = None,
@@ -144,10 +141,11 @@ def run_job(hosts: list[Host], out: str, train_args: list[str], *, nproc: int = 
         os.unlink(os.path.join(out, fn))
     master, port = hosts[0], next(_ports)
     procs, logs = [], []
-    served = _served_lines()
+    before = _decisions()
     t_start = time.time()
     for i, h in enumerate(hosts):
-        worker = [forkrun.__file__, forkrun.EXEC, forkrun.PRELOAD, DRIVER] if h.ns in FORK_SERVERS else [DRIVER]
+        # the interpreter is torchrun's to add: forkrun's command without it
+        worker = (forkrun.command(forkrun.EXEC, DRIVER)[1:] if h.ns in FORK_SERVERS else [DRIVER])
         cmd = h.exec_prefix() + [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--node-rank", str(i),
             "--nproc-per-node", str(nproc), "--master-addr", master.addr, "--master-port", str(port),
@@ -208,7 +206,7 @@ def run_job(hosts: list[Host], out: str, train_args: list[str], *, nproc: int = 
         with open(path) as f:
             summary = json.load(f)
     return Job(nodes=nodes, ranks=ranks, summary=summary, t_start=t_start, t_fault=t_fault, out=out,
-               forked=_forked(served))
+               forked=_forked(before))
 
 
 def _kill_tree(p: subprocess.Popen, host: Host) -> None:
